@@ -1,0 +1,50 @@
+"""The mpsched exception hierarchy; every class here is public through ``mpsched``.
+
+Messages say what happened, the likely causes and what to do next.
+"""
+
+from __future__ import annotations
+
+
+class MpschedError(Exception):
+    """Base class of every error that mpsched raises on its own behalf."""
+
+
+class SchedulerClosed(MpschedError, RuntimeError):
+    """``Scheduler.schedule()`` was called after ``Scheduler.close()``."""
+
+
+class PoolClosedError(MpschedError, RuntimeError):
+    """Work was submitted to a pool that is shutting down or has shut down."""
+
+
+class BrokenPoolError(MpschedError, RuntimeError):
+    """The pool cannot be used any more because of an internal failure (see ``__cause__``)."""
+
+
+class WorkerCrashedError(MpschedError):
+    """The worker process running this task died while the task was running.
+
+    Attributes:
+        exitcode: the worker's exit code; negative for a signal (``-9`` is SIGKILL).
+    """
+
+    def __init__(self, message: str, exitcode: int | None = None) -> None:
+        super().__init__(message)
+        self.exitcode = exitcode
+
+
+class TaskCancelled(MpschedError):
+    """Raised inside a task to acknowledge a cancel request; its future ends cancelled."""
+
+
+class InvalidTransition(MpschedError, RuntimeError):
+    """A task state change that the state machine forbids (e.g. finishing a stale version)."""
+
+
+class ProtocolError(MpschedError):
+    """Internal: a malformed or unexpected message between processes (mpsched bug)."""
+
+
+class InternalError(MpschedError):
+    """An mpsched bug; the pool's invariants may no longer hold."""
