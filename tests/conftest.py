@@ -1,0 +1,95 @@
+"""Shared fixtures: leak checks after every test, and a deadlock guard.
+
+After each test, the autouse ``no_leaks`` fixture checks that the test left no live child process,
+no new ``/dev/shm`` entry and (for tests that start processes) no new open file descriptor. A
+child still alive after a grace period is killed (so CI never stalls) and the test fails.
+
+Hangs: pytest-timeout (``timeout`` in pyproject.toml) dumps every thread's traceback and fails
+the test; ``faulthandler_timeout`` dumps tracebacks earlier, and the teardown of ``no_leaks``
+then kills whatever children remain.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+CHILD_EXIT_GRACE = 5.0  # seconds a finished test's children get to exit before they are killed
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:  # pragma: no cover - not Linux
+        return set()
+
+
+def _open_fds() -> set[int]:
+    try:
+        return {int(fd) for fd in os.listdir("/proc/self/fd")}
+    except FileNotFoundError:  # pragma: no cover - not Linux
+        return set()
+
+
+def _reap(children: list[psutil.Process]) -> list[str]:
+    """Wait for ``children`` to exit; kill those that do not. Returns their descriptions."""
+    _, alive = psutil.wait_procs(children, timeout=CHILD_EXIT_GRACE)
+    described = []
+    for proc in alive:
+        try:
+            described.append(f"pid {proc.pid} {proc.cmdline()[:4]}")
+            proc.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(alive, timeout=CHILD_EXIT_GRACE)
+    return described
+
+
+def _our_children(before: set[int]) -> list[psutil.Process]:
+    """Children of this process that the test started (multiprocessing's own helper processes,
+    the forkserver and the resource tracker, live for the whole session and are not counted)."""
+    out = []
+    for proc in psutil.Process().children(recursive=True):
+        if proc.pid in before:
+            continue
+        try:
+            cmd = " ".join(proc.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "forkserver" in cmd or "resource_tracker" in cmd:
+            continue
+        out.append(proc)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    before_children = {p.pid for p in psutil.Process().children(recursive=True)}
+    before_shm = _shm_entries()
+    check_fds = request.node.get_closest_marker("no_fd_check") is None
+    before_fds = _open_fds()
+    yield
+    leaked = _reap(_our_children(before_children))
+    assert not leaked, f"test left live child processes (killed now): {leaked}"
+    new_shm = {
+        name for name in _shm_entries() - before_shm if name.startswith(("mpsched", "sem.mpsched"))
+    }
+    assert not new_shm, f"test left shared-memory entries in /dev/shm: {sorted(new_shm)}"
+    if check_fds:
+        new_fds = _open_fds() - before_fds
+        # An fd may be open briefly for listing; check what remains twice.
+        new_fds &= _open_fds()
+        assert not new_fds, f"test left open file descriptors: {_describe_fds(new_fds)}"
+
+
+def _describe_fds(fds: set[int]) -> list[str]:
+    out = []
+    for fd in sorted(fds):
+        try:
+            out.append(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:
+            out.append(str(fd))
+    return out

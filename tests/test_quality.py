@@ -1,0 +1,54 @@
+"""The codebase's own checks: the public API surface, the layering rule, mypy --strict and ruff."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import mpsched
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "mpsched"
+
+# Leaf modules may import only these from mpsched (see the layering rule in mpsched/__init__.py).
+LEAVES = {"_task", "_clock", "_heap", "_shm", "_shm_deque", "_payloads", "_protocol", "_wakeup"}
+LEAF_MAY_IMPORT = {"mpsched._errors", "mpsched._task"}
+
+
+def test_all_is_a_tuple_of_public_reexports() -> None:
+    assert isinstance(mpsched.__all__, tuple)
+    assert list(mpsched.__all__) == sorted(mpsched.__all__)
+    for name in mpsched.__all__:
+        assert not name.startswith("_")
+        assert hasattr(mpsched, name), name
+
+
+def test_leaf_modules_import_no_other_mpsched_module() -> None:
+    for path in PACKAGE.glob("_*.py"):
+        if path.stem not in LEAVES:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            if module and module.startswith("mpsched"):
+                assert module in LEAF_MAY_IMPORT, f"{path.name} imports {module}"
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.timeout(600)
+def test_mypy_strict_is_clean() -> None:
+    result = _run([sys.executable, "-m", "mypy", "--strict", "mpsched"])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_ruff_is_clean() -> None:
+    result = _run([sys.executable, "-m", "ruff", "check", "mpsched", "tests", "benchmarks"])
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,419 @@
+"""Unit tests for mpsched.Scheduler: one test per rule of the spec, all on a FakeClock."""
+
+from __future__ import annotations
+
+import fractions
+import math
+import threading
+
+import pytest
+
+import mpsched
+from mpsched import (
+    Due,
+    InvalidTransition,
+    Scheduler,
+    SchedulerClosed,
+    TaskCancelled,
+    TaskState,
+    Wait,
+)
+from mpsched._heap import PRUNE_FACTOR, PRUNE_SLACK
+from mpsched.testing import FakeClock
+
+
+def noop() -> None:
+    pass
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(100.0)
+
+
+@pytest.fixture
+def sched(clock: FakeClock) -> Scheduler:
+    return Scheduler(clock=clock)
+
+
+def drain(s: Scheduler) -> list[object]:
+    """Hand out every due task, finishing each, and return their ids in order."""
+    out = []
+    while isinstance(d := s.next(), Due):
+        out.append(d.task_id)
+        s.finish(d)
+    return out
+
+
+# ---------------------------------------------------------------- ordering
+def test_empty_scheduler_returns_none(sched: Scheduler) -> None:
+    assert sched.next() is None
+    assert len(sched) == 0
+
+
+def test_order_is_run_at_then_higher_priority_then_submission(sched: Scheduler) -> None:
+    sched.schedule("late", 99.0, 100, noop)
+    sched.schedule("low", 98.0, 1, noop)
+    sched.schedule("high", 98.0, 5, noop)
+    sched.schedule("low2", 98.0, 1, noop)
+    sched.schedule("neg", 98.0, -3, noop)
+    assert drain(sched) == ["high", "low", "low2", "neg", "late"]
+
+
+def test_equal_keys_keep_submission_order_without_comparing_ids(sched: Scheduler) -> None:
+    # Ids of mutually incomparable types: the heap must never compare them.
+    ids = [1, "a", (2,), frozenset({3}), None, 2.5]
+    for task_id in ids:
+        sched.schedule(task_id, 50.0, 0, noop)
+    assert drain(sched) == ids
+
+
+def test_functions_are_never_compared(sched: Scheduler) -> None:
+    class Uncomparable:
+        def __call__(self) -> None: ...
+
+        def __lt__(self, other: object) -> bool:
+            raise AssertionError("compared a function")
+
+    sched.schedule(1, 1.0, 0, Uncomparable())
+    sched.schedule(2, 1.0, 0, Uncomparable())
+    assert drain(sched) == [1, 2]
+
+
+def test_due_carries_the_scheduled_fields(sched: Scheduler) -> None:
+    v = sched.schedule("t", 42.5, 7, noop)
+    d = sched.next()
+    assert d == Due("t", v, 42.5, 7, noop)
+    assert (d.task_id, d.version, d.run_at, d.priority, d.fn) == ("t", 1, 42.5, 7, noop)
+
+
+def test_wait_reports_time_until_earliest_due(sched: Scheduler, clock: FakeClock) -> None:
+    sched.schedule("a", 103.0, 0, noop)
+    sched.schedule("b", 101.5, 0, noop)
+    assert sched.next() == Wait(1.5)
+    clock.advance(1.5)
+    d = sched.next()
+    assert isinstance(d, Due)
+    assert d.task_id == "b"
+    assert sched.next() == Wait(1.5)
+
+
+def test_task_is_never_handed_out_before_run_at(sched: Scheduler, clock: FakeClock) -> None:
+    sched.schedule("a", 100.25, 0, noop)
+    clock.advance(0.25 - 1e-9)
+    assert isinstance(sched.next(), Wait)
+    clock.advance(1e-9)
+    assert isinstance(sched.next(), Due)
+
+
+def test_past_run_at_is_due_at_once(sched: Scheduler) -> None:
+    sched.schedule("old", -1e9, 0, noop)
+    assert isinstance(sched.next(), Due)
+
+
+def test_default_clock_is_monotonic() -> None:
+    s = Scheduler()
+    s.schedule("now", 0.0, 0, noop)  # far in the past of time.monotonic()
+    assert isinstance(s.next(), Due)
+
+
+# ---------------------------------------------------------------- states
+def test_state_machine_happy_path(sched: Scheduler) -> None:
+    assert sched.state("t") is None
+    sched.schedule("t", 0.0, 0, noop)
+    assert sched.state("t") is TaskState.PENDING
+    d = sched.next()
+    assert isinstance(d, Due)
+    assert sched.state("t") is TaskState.RUNNING
+    assert sched.finish(d) is TaskState.COMPLETED
+    assert sched.state("t") is TaskState.COMPLETED
+
+
+def test_finish_with_error_fails(sched: Scheduler) -> None:
+    sched.schedule("t", 0.0, 0, noop)
+    d = sched.next()
+    assert isinstance(d, Due)
+    sched.finish(d, error=ValueError("boom"))
+    assert sched.state("t") is TaskState.FAILED
+
+
+def test_task_cancelled_without_request_is_a_failure(sched: Scheduler) -> None:
+    sched.schedule("t", 0.0, 0, noop)
+    d = sched.next()
+    assert isinstance(d, Due)
+    assert sched.finish(d, error=TaskCancelled()) is TaskState.FAILED
+
+
+def test_running_task_acknowledging_cancel_ends_cancelled(sched: Scheduler) -> None:
+    sched.schedule("t", 0.0, 0, noop)
+    d = sched.next()
+    assert isinstance(d, Due)
+    assert not sched.cancel_requested("t")
+    assert sched.cancel("t") is True
+    assert sched.cancel_requested("t")
+    assert sched.state("t") is TaskState.RUNNING
+    assert sched.finish(d, error=TaskCancelled()) is TaskState.CANCELLED
+    assert sched.state("t") is TaskState.CANCELLED
+
+
+def test_running_task_that_ignores_cancel_completes(sched: Scheduler) -> None:
+    sched.schedule("t", 0.0, 0, noop)
+    d = sched.next()
+    assert isinstance(d, Due)
+    sched.cancel("t")
+    assert sched.finish(d) is TaskState.COMPLETED
+
+
+def test_finishing_twice_is_an_error(sched: Scheduler) -> None:
+    sched.schedule("t", 0.0, 0, noop)
+    d = sched.next()
+    assert isinstance(d, Due)
+    sched.finish(d)
+    with pytest.raises(InvalidTransition, match="not running"):
+        sched.finish(d)
+    assert sched.state("t") is TaskState.COMPLETED
+
+
+def test_finishing_a_never_handed_out_task_is_an_error(sched: Scheduler) -> None:
+    v = sched.schedule("t", 0.0, 0, noop)
+    with pytest.raises(InvalidTransition):
+        sched.finish(Due("t", v, 0.0, 0, noop))
+    with pytest.raises(InvalidTransition):
+        sched.finish(Due("unknown", 1, 0.0, 0, noop))
+    assert sched.state("t") is TaskState.PENDING
+
+
+def test_finishing_a_stale_version_is_an_error(sched: Scheduler) -> None:
+    sched.schedule("t", 0.0, 0, noop)
+    d = sched.next()
+    assert isinstance(d, Due)
+    sched.schedule("t", 0.0, 0, noop)
+    with pytest.raises(InvalidTransition):
+        sched.finish(d._replace(version=2))
+    sched.finish(d)
+
+
+def test_states_never_go_back(sched: Scheduler) -> None:
+    sched.schedule("t", 0.0, 0, noop)
+    sched.cancel("t")
+    assert sched.state("t") is TaskState.CANCELLED
+    assert sched.next() is None  # a cancelled version cannot become RUNNING
+    assert sched.cancel("t") is False
+    assert sched.state("t") is TaskState.CANCELLED
+
+
+# ---------------------------------------------------------------- versions
+def test_versions_increase_per_task_id(sched: Scheduler) -> None:
+    assert [sched.schedule("a", 0.0, 0, noop) for _ in range(3)] == [1, 2, 3]
+    assert sched.schedule("b", 0.0, 0, noop) == 1
+
+
+def test_reschedule_supersedes_pending_version(sched: Scheduler, clock: FakeClock) -> None:
+    sched.schedule("t", 100.0, 0, noop)
+    v2 = sched.schedule("t", 105.0, 0, print)
+    assert len(sched) == 1
+    assert sched.next() == Wait(5.0)  # the old, earlier entry is stale and skipped
+    clock.advance(5)
+    d = sched.next()
+    assert d == Due("t", v2, 105.0, 0, print)
+    assert sched.next() is None
+
+
+def test_reschedule_earlier_moves_task_forward(sched: Scheduler) -> None:
+    sched.schedule("x", 100.0, 0, noop)
+    sched.schedule("t", 200.0, 0, noop)
+    sched.schedule("t", 50.0, 0, noop)
+    assert drain(sched) == ["t", "x"]
+
+
+def test_new_version_waits_for_running_one(sched: Scheduler) -> None:
+    sched.schedule("t", 0.0, 0, noop)
+    d1 = sched.next()
+    assert isinstance(d1, Due)
+    v2 = sched.schedule("t", 0.0, 0, noop)
+    assert sched.state("t") is TaskState.PENDING
+    assert len(sched) == 1
+    assert sched.next() == Wait(math.inf)  # only a finish() can make it eligible
+    sched.finish(d1)
+    d2 = sched.next()
+    assert isinstance(d2, Due)
+    assert d2.version == v2
+    assert sched.state("t") is TaskState.RUNNING
+
+
+def test_waiting_version_does_not_block_other_ids(sched: Scheduler) -> None:
+    sched.schedule("t", 0.0, 0, noop)
+    d1 = sched.next()
+    assert isinstance(d1, Due)
+    sched.schedule("t", 0.0, 9, noop)
+    sched.schedule("u", 1.0, 0, noop)
+    d = sched.next()
+    assert isinstance(d, Due)
+    assert d.task_id == "u"
+
+
+def test_cancel_of_waiting_version_and_running_one(sched: Scheduler) -> None:
+    sched.schedule("t", 0.0, 0, noop)
+    d1 = sched.next()
+    assert isinstance(d1, Due)
+    sched.schedule("t", 0.0, 0, noop)
+    assert sched.cancel("t") is True
+    assert sched.cancel_requested("t")
+    assert len(sched) == 0
+    assert sched.state("t") is TaskState.CANCELLED
+    sched.finish(d1, error=TaskCancelled())
+    assert sched.next() is None
+    assert sched.state("t") is TaskState.CANCELLED
+
+
+# ---------------------------------------------------------------- cancel
+def test_cancel_pending_is_a_hard_guarantee(sched: Scheduler) -> None:
+    sched.schedule("a", 0.0, 0, noop)
+    sched.schedule("b", 0.0, 0, noop)
+    assert sched.cancel("a") is True
+    assert len(sched) == 1
+    assert drain(sched) == ["b"]
+    assert sched.state("a") is TaskState.CANCELLED
+
+
+def test_cancel_unknown_or_finished_returns_false(sched: Scheduler) -> None:
+    assert sched.cancel("nope") is False
+    sched.schedule("t", 0.0, 0, noop)
+    drain(sched)
+    assert sched.cancel("t") is False
+
+
+def test_reschedule_after_cancel_and_after_finish(sched: Scheduler) -> None:
+    sched.schedule("t", 0.0, 0, noop)
+    sched.cancel("t")
+    assert sched.schedule("t", 0.0, 0, noop) == 2
+    assert drain(sched) == ["t"]
+    assert sched.schedule("t", 0.0, 0, noop) == 3
+    assert drain(sched) == ["t"]
+
+
+# ---------------------------------------------------------------- memory bound
+def test_heap_stays_bounded_under_reschedule_churn(sched: Scheduler) -> None:
+    for i in range(10):
+        sched.schedule(i, float(i), 0, noop)
+    for round_ in range(5000):
+        sched.schedule(round_ % 10, float(round_), 0, noop)
+        assert sched._heap.heap_size <= PRUNE_FACTOR * len(sched) + PRUNE_SLACK + 1
+    assert len(sched) == 10
+
+
+def test_heap_stays_bounded_under_cancel_churn(sched: Scheduler) -> None:
+    for i in range(3000):
+        sched.schedule(i, 0.0, 0, noop)
+        sched.cancel(i)
+        assert sched._heap.heap_size <= PRUNE_FACTOR * len(sched) + PRUNE_SLACK + 1
+    assert sched.next() is None
+
+
+def test_prune_keeps_order(sched: Scheduler) -> None:
+    for i in range(500):
+        sched.schedule(i, (500 - i) / 10, i % 7, noop)
+    for i in range(0, 500, 2):
+        sched.cancel(i)  # triggers several rebuilds
+    expected = sorted(range(1, 500, 2), key=lambda i: ((500 - i) / 10, -(i % 7), i))
+    assert drain(sched) == expected
+
+
+def test_discard_forgets_finished_ids_only(sched: Scheduler) -> None:
+    sched.schedule("t", 0.0, 0, noop)
+    assert sched.discard("t") is False  # pending
+    d = sched.next()
+    assert isinstance(d, Due)
+    assert sched.discard("t") is False  # running
+    sched.finish(d)
+    assert sched.discard("t") is True
+    assert sched.state("t") is None
+    assert sched.schedule("t", 0.0, 0, noop) == 1
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("run_at", [math.nan, math.inf, -math.inf])
+def test_non_finite_run_at_is_a_value_error(sched: Scheduler, run_at: float) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        sched.schedule("t", run_at, 0, noop)
+    assert sched.state("t") is None
+
+
+@pytest.mark.parametrize("run_at", ["1", None, True, 1j, [1.0]])
+def test_non_real_run_at_is_a_type_error(sched: Scheduler, run_at: object) -> None:
+    with pytest.raises(TypeError, match="run_at"):
+        sched.schedule("t", run_at, 0, noop)  # type: ignore[arg-type]
+
+
+def test_real_run_at_types_are_accepted(sched: Scheduler) -> None:
+    sched.schedule("int", 1, 0, noop)
+    sched.schedule("fraction", fractions.Fraction(1, 2), 0, noop)
+    d = sched.next()
+    assert isinstance(d, Due)
+    assert d.task_id == "fraction"
+    assert type(d.run_at) is float
+
+
+@pytest.mark.parametrize("priority", [1.0, "1", None, True])
+def test_non_int_priority_is_a_type_error(sched: Scheduler, priority: object) -> None:
+    with pytest.raises(TypeError, match="priority"):
+        sched.schedule("t", 0.0, priority, noop)  # type: ignore[arg-type]
+
+
+def test_unhashable_task_id_is_a_type_error(sched: Scheduler) -> None:
+    with pytest.raises(TypeError, match="hashable"):
+        sched.schedule(["list"], 0.0, 0, noop)
+
+
+def test_non_callable_fn_is_a_type_error(sched: Scheduler) -> None:
+    with pytest.raises(TypeError, match="callable"):
+        sched.schedule("t", 0.0, 0, 42)  # type: ignore[arg-type]
+    assert len(sched) == 0
+
+
+def test_bad_clock_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="clock"):
+        Scheduler(clock=5)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- close
+def test_close_refuses_new_work_but_drains(sched: Scheduler) -> None:
+    sched.schedule("a", 0.0, 0, noop)
+    sched.close()
+    sched.close()  # idempotent
+    assert sched.closed
+    with pytest.raises(SchedulerClosed):
+        sched.schedule("b", 0.0, 0, noop)
+    assert isinstance(sched.next(), Due)
+    with pytest.raises(RuntimeError):  # SchedulerClosed is a RuntimeError too
+        sched.schedule("c", 0.0, 0, noop)
+
+
+# ---------------------------------------------------------------- threads
+@pytest.mark.timeout(30)
+def test_concurrent_next_hands_each_task_out_once() -> None:
+    s = Scheduler(clock=FakeClock())
+    n = 20000
+    for i in range(n):
+        s.schedule(i, 0.0, 0, noop)
+    barrier = threading.Barrier(4)
+    taken: list[list[object]] = [[] for _ in range(4)]
+
+    def worker(k: int) -> None:
+        barrier.wait()
+        while isinstance(d := s.next(), Due):
+            taken[k].append(d.task_id)
+            s.finish(d)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    everything = [x for part in taken for x in part]
+    assert sorted(everything) == list(range(n))  # type: ignore[type-var]
+
+
+def test_public_exports() -> None:
+    assert mpsched.Scheduler is Scheduler
+    assert issubclass(SchedulerClosed, mpsched.MpschedError)

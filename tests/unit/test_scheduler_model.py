@@ -1,0 +1,182 @@
+"""Model test: random schedule / reschedule / cancel / advance / next / finish sequences drive
+mpsched.Scheduler and a plain sorted-list reference side by side; every answer must agree."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from mpsched import Due, Scheduler, TaskCancelled, TaskState, Wait
+from mpsched._heap import PRUNE_FACTOR, PRUNE_SLACK
+from mpsched.testing import FakeClock
+
+IDS = st.integers(0, 7)
+TIMES = st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 10.0])
+PRIORITIES = st.integers(-2, 2)
+
+
+def f() -> None:
+    pass
+
+
+@dataclass
+class Pending:
+    task_id: int
+    version: int
+    run_at: float
+    priority: int
+    seq: int
+
+
+@dataclass
+class Model:
+    """The obvious, slow scheduler: a list scanned in full on every call."""
+
+    now: float = 0.0
+    seq: int = 0
+    pending: dict[int, Pending] = field(default_factory=dict)  # one live version per id
+    running: dict[int, tuple[int, bool]] = field(default_factory=dict)  # id -> (version, cancel?)
+    versions: dict[int, int] = field(default_factory=dict)
+    states: dict[int, TaskState] = field(default_factory=dict)
+
+    def schedule(self, task_id: int, run_at: float, priority: int) -> int:
+        version = self.versions.get(task_id, 0) + 1
+        self.versions[task_id] = version
+        self.pending[task_id] = Pending(task_id, version, run_at, priority, self.seq)
+        self.seq += 1
+        self.states[task_id] = TaskState.PENDING
+        return version
+
+    def cancel(self, task_id: int) -> bool:
+        found = False
+        if task_id in self.pending:
+            del self.pending[task_id]
+            self.states[task_id] = TaskState.CANCELLED
+            found = True
+        if task_id in self.running:
+            self.running[task_id] = (self.running[task_id][0], True)
+            found = True
+        return found
+
+    def next(self) -> tuple[int, int] | float | None:
+        eligible = [p for p in self.pending.values() if p.task_id not in self.running]
+        due = [p for p in eligible if p.run_at <= self.now]
+        if due:
+            p = min(due, key=lambda p: (p.run_at, -p.priority, p.seq))
+            del self.pending[p.task_id]
+            self.running[p.task_id] = (p.version, False)
+            self.states[p.task_id] = TaskState.RUNNING
+            return (p.task_id, p.version)
+        if eligible:
+            return min(p.run_at for p in eligible) - self.now
+        return math.inf if self.pending else None
+
+    def finish(self, task_id: int, version: int, error: BaseException | None) -> TaskState:
+        assert self.running[task_id][0] == version
+        cancel_requested = self.running.pop(task_id)[1]
+        if error is None:
+            outcome = TaskState.COMPLETED
+        elif isinstance(error, TaskCancelled) and cancel_requested:
+            outcome = TaskState.CANCELLED
+        else:
+            outcome = TaskState.FAILED
+        if self.versions[task_id] == version:
+            self.states[task_id] = outcome
+        return outcome
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock(0.0)
+        self.sched = Scheduler(clock=self.clock)
+        self.model = Model()
+        self.handed_out: list[Due] = []
+
+    @rule(task_id=IDS, run_at=TIMES, priority=PRIORITIES)
+    def schedule(self, task_id: int, run_at: float, priority: int) -> None:
+        assert self.sched.schedule(task_id, run_at, priority, f) == self.model.schedule(
+            task_id, run_at, priority
+        )
+
+    @rule(task_id=IDS)
+    def cancel(self, task_id: int) -> None:
+        assert self.sched.cancel(task_id) == self.model.cancel(task_id)
+
+    @rule(dt=st.sampled_from([0.0, 0.25, 0.5, 1.0, 5.0]))
+    def advance(self, dt: float) -> None:
+        self.clock.advance(dt)
+        self.model.now += dt
+
+    @rule()
+    def next(self) -> None:
+        got = self.sched.next()
+        want = self.model.next()
+        if want is None:
+            assert got is None
+        elif isinstance(want, tuple):
+            assert isinstance(got, Due), (got, want)
+            assert (got.task_id, got.version) == want
+            self.handed_out.append(got)
+        else:
+            assert isinstance(got, Wait), (got, want)
+            assert got.seconds == want
+
+    @precondition(lambda self: self.handed_out)
+    @rule(data=st.data(), error=st.sampled_from([None, "cancel", "fail"]))
+    def finish(self, data: st.DataObject, error: str | None) -> None:
+        due = self.handed_out.pop(data.draw(st.integers(0, len(self.handed_out) - 1)))
+        exc = {None: None, "cancel": TaskCancelled(), "fail": ValueError()}[error]
+        assert self.sched.finish(due, exc) == self.model.finish(due.task_id, due.version, exc)
+
+    @invariant()
+    def agrees(self) -> None:
+        assert len(self.sched) == len(self.model.pending)
+        for task_id in range(8):
+            assert self.sched.state(task_id) == self.model.states.get(task_id)
+            assert (
+                self.sched.cancel_requested(task_id)
+                == self.model.running.get(task_id, (0, False))[1]
+            )
+
+    @invariant()
+    def heap_is_bounded(self) -> None:
+        heap = self.sched._heap
+        assert heap.heap_size <= PRUNE_FACTOR * len(heap) + PRUNE_SLACK
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=60, deadline=None
+)
+TestScheduler = SchedulerMachine.TestCase
+
+
+class SmallPruneMachine(SchedulerMachine):
+    """The same model with pruning after every few stale entries, so rebuilds happen often."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import mpsched._heap as heap_module
+
+        self._saved = heap_module.PRUNE_SLACK
+        heap_module.PRUNE_SLACK = 1
+
+    def teardown(self) -> None:
+        import mpsched._heap as heap_module
+
+        heap_module.PRUNE_SLACK = self._saved
+
+    @invariant()
+    def heap_is_bounded(self) -> None:
+        heap = self.sched._heap
+        assert heap.heap_size <= PRUNE_FACTOR * len(heap) + 1
+
+
+SmallPruneMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=60, deadline=None
+)
+TestSchedulerFrequentPrune = SmallPruneMachine.TestCase
