@@ -92,20 +92,25 @@ class _Record:
         "version",
     )
 
-    def __init__(self, task_id: Hashable) -> None:
+    def __init__(self, task_id: Hashable, run_at: float, priority: int, fn: Any, seq: int) -> None:
+        """A record whose first version (1) is pending in the heap with sequence ``seq``."""
         self.task_id = task_id
-        self.version = 0  # latest version number handed out by schedule()
+        self.version = 1  # latest version number handed out by schedule()
         self.state = PENDING  # state of the latest version
-        self.seq = NOT_IN_HEAP
+        self.seq = seq
         self.deferred = False
-        self.run_at = 0.0
-        self.priority = 0
-        self.fn: Any = None
+        self.run_at = run_at
+        self.priority = priority
+        self.fn = fn
         self.running = 0
         self.cancel_requested = False
 
 
 HeapEntry = tuple[float, int, int, _Record]
+
+# Due's constructor runs Python code (NamedTuple.__new__); tuple.__new__ builds the same object
+# without it, saving ~0.2 us per next().
+_new_due = tuple.__new__
 
 
 class VersionedHeap:
@@ -169,9 +174,13 @@ class VersionedHeap:
     ) -> int:
         """Make a new version of ``task_id`` pending; supersede any pending one. Returns it."""
         rec = self._records.get(task_id)
-        if rec is None:
-            rec = self._records[task_id] = _Record(task_id)
-        elif rec.state is PENDING and rec.version:
+        if rec is None:  # fast path: a new id (no pending, no running version)
+            seq = next(self._seq)
+            rec = self._records[task_id] = _Record(task_id, run_at, priority, fn, seq)
+            heapq.heappush(self._heap, (run_at, -priority, seq, rec))
+            self._in_heap += 1
+            return 1
+        if rec.state is PENDING:
             self._drop_pending(rec)
         rec.version += 1
         rec.state = PENDING
@@ -196,7 +205,7 @@ class VersionedHeap:
         if rec is None:
             return False
         found = False
-        if rec.state is PENDING and rec.version:
+        if rec.state is PENDING:
             self._drop_pending(rec)
             rec.state = CANCELLED
             found = True
@@ -229,8 +238,10 @@ class VersionedHeap:
             rec.cancel_requested = False
             fn = rec.fn
             rec.fn = None
-            self._maybe_prune()  # the live count fell: the bound may need a rebuild too
-            return Due(rec.task_id, rec.version, rec.run_at, rec.priority, fn)
+            # the live count fell: the bound may need a rebuild too (inlined: hot path)
+            if len(heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
+                self._prune()
+            return _new_due(Due, (rec.task_id, rec.version, rec.run_at, rec.priority, fn))
         return Wait(math.inf) if self._deferred else None
 
     def finish(self, due: Due, error: BaseException | None = None) -> TaskState:
@@ -291,6 +302,9 @@ class VersionedHeap:
 
     def _maybe_prune(self) -> None:
         if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
-            self._heap = [e for e in self._heap if e[3].seq == e[2]]
-            heapq.heapify(self._heap)
-            assert len(self._heap) == self._in_heap, "prune kept a stale entry or lost a live one"
+            self._prune()
+
+    def _prune(self) -> None:
+        self._heap = [e for e in self._heap if e[3].seq == e[2]]
+        heapq.heapify(self._heap)
+        assert len(self._heap) == self._in_heap, "prune kept a stale entry or lost a live one"

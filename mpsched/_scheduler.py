@@ -28,6 +28,8 @@ from mpsched._errors import SchedulerClosed
 from mpsched._heap import VersionedHeap
 from mpsched._task import Due, TaskState, Wait
 
+_INF = math.inf
+
 
 def check_run_at(run_at: object) -> float:
     """``run_at`` as a finite float, or TypeError / ValueError naming the problem."""
@@ -95,8 +97,10 @@ class Scheduler:
                 non-callable ``fn``.
             ValueError: ``run_at`` is NaN or infinite.
         """
-        run_at = check_run_at(run_at)
-        priority = check_priority(priority)
+        if type(run_at) is not float or not -_INF < run_at < _INF:  # fast path: finite float
+            run_at = check_run_at(run_at)
+        if type(priority) is not int:
+            priority = check_priority(priority)
         check_task_id(task_id)
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
