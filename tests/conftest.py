@@ -11,6 +11,8 @@ then kills whatever children remain.
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 from collections.abc import Iterator
 
@@ -65,6 +67,14 @@ def _our_children(before: set[int]) -> list[psutil.Process]:
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_helpers() -> None:
+    """Start multiprocessing's session-long helpers (the forkserver and the resource tracker)
+    before the first test, so that their pipes are not counted as a test's leaked fds."""
+    multiprocessing.forkserver.ensure_running()
+    multiprocessing.resource_tracker.ensure_running()
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     before_children = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -74,9 +84,8 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     leaked = _reap(_our_children(before_children))
     assert not leaked, f"test left live child processes (killed now): {leaked}"
-    new_shm = {
-        name for name in _shm_entries() - before_shm if name.startswith(("mpsched", "sem.mpsched"))
-    }
+    ours = (f"mpsched-{os.getpid()}-", f"sem.mpsched-{os.getpid()}-")  # other runs may share
+    new_shm = {name for name in _shm_entries() - before_shm if name.startswith(ours)}
     assert not new_shm, f"test left shared-memory entries in /dev/shm: {sorted(new_shm)}"
     if check_fds:
         new_fds = _open_fds() - before_fds

@@ -1,0 +1,520 @@
+"""The coordinator: one thread in the pool's process that feeds the workers and reaps results.
+
+Owns: the queue of submitted tasks not yet handed out, the records of dispatched tasks (by slab
+block), the stash of payloads too big for a block, the worker handles (pid, socket, pidfd), and
+the drain handshake. Called from: user threads through ``Pool`` (``submit_records``, ``cancel``,
+``begin_shutdown``; each takes ``self.lock`` briefly and wakes the loop), and its own thread
+(``run``). Everything else below runs in the coordinator thread only.
+
+The loop has one blocking point, an ``epoll`` over: the wakeup pipe (user calls), the zygote's
+control socket (spawns and exits), and every worker's socket (result pokes, stashes, fetches,
+drained, fatal; EOF when a worker dies). Each wake is classified and handled in a small named
+method; then results are collected from every done ring and the inboxes are refilled.
+
+Dispatch window: at most ``window`` handles wait in a worker's inbox, and at most
+``max_inflight`` dispatched tasks are unfinished in all; the rest wait here, in order. A small
+window keeps cancels cheap and order close to exact; a large one keeps workers fed between
+coordinator wake-ups. The done rings are sized for ``max_inflight``, so they cannot overflow.
+
+Cancel (``cancel``): a task still queued here is dropped; a task in an inbox is cancelled with
+``cancel_injected`` under the slot lock, where it races the claim and exactly one wins; a claimed
+task cannot be cancelled.
+
+Not handled here (yet): timed and prioritized tasks (the scheduler core drives them later),
+recovery from a dead worker beyond failing its running tasks and replacing it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import pickle
+import select
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+from typing import Any
+
+from mpsched._errors import BrokenPoolError, ProtocolError, WorkerCrashedError
+from mpsched._future import Future
+from mpsched._layout import SegmentViews
+from mpsched._payloads import BlockField
+from mpsched._protocol import ResultStatus, Tag, decode, encode, load_exception
+from mpsched._shm import SharedFd
+
+_NBYTES = int(BlockField.NBYTES)
+_UID = int(BlockField.UID)
+_RESULT_STATUS = int(BlockField.RESULT_STATUS)
+_RESULT_NBYTES = int(BlockField.RESULT_NBYTES)
+_OK = int(ResultStatus.OK)
+_CANCELLED = int(ResultStatus.CANCELLED)
+_DRAIN = encode(Tag.DRAIN)
+
+DRAIN_TIMEOUT = 10.0  # seconds a worker gets to answer DRAIN before it is killed
+
+
+class TaskRecord:
+    """One top-level task, from submit to its future's resolution (coordinator process)."""
+
+    __slots__ = ("cancelled", "future", "handle", "payload", "slot", "uid")
+
+    def __init__(self, uid: int, future: Future, payload: bytes) -> None:
+        self.uid = uid
+        self.future = future
+        self.payload = payload  # dropped once written to shared memory
+        self.handle = -1  # slab block once dispatched
+        self.slot = -1  # the inbox it was injected into
+        self.cancelled = False
+
+
+@dataclass
+class WorkerHandle:
+    slot: int
+    pid: int
+    conn: Connection
+    pidfd: int
+    drained: bool = False
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def signal_description(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "unknown exit"
+    if exitcode < 0:
+        import signal
+
+        try:
+            return f"{signal.Signals(-exitcode).name}({exitcode})"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+class Coordinator:
+    def __init__(
+        self,
+        views: SegmentViews,
+        wake_fds: list[SharedFd],
+        zygote_conn: Connection,
+        wakeup_fd: int,
+        clear_wakeup: Any,
+        n_workers: int,
+        window: int,
+        max_inflight: int,
+    ) -> None:
+        self.views = views
+        self.slots = views.slots
+        self.slab = views.slab
+        self.header = views.header
+        self.wake_fds = [f.fd for f in wake_fds]
+        self.zygote = zygote_conn
+        self.clear_wakeup = clear_wakeup
+        self.n_workers = n_workers
+        self.window = window
+        self.max_inflight = max_inflight
+        # Guards pending, records' location fields and the draining flag against user threads.
+        self.lock = threading.Lock()
+        self.pending: collections.deque[TaskRecord] = collections.deque()
+        self.by_handle: dict[int, TaskRecord] = {}  # dispatched, unfinished
+        self.stash: dict[int, bytes] = {}
+        self.parked_fetches: dict[int, list[Connection]] = {}
+        self.workers: list[WorkerHandle | None] = [None] * n_workers
+        self.by_fd: dict[int, WorkerHandle] = {}
+        self.exit_codes: dict[int, int] = {}  # pid -> exit code, from the zygote
+        self.draining = False
+        self.cancel_pending_on_drain = False
+        self.broken: BaseException | None = None
+        self.next_slot = 0
+        self.stash_counter = 0
+        self.crashes = 0
+        self.respawns = 0
+        self.completed = 0
+        self.final_stats: dict[int, dict[str, int]] = {}
+        self.epoll = select.epoll()
+        self.wakeup_fd = wakeup_fd
+        self.epoll.register(wakeup_fd, select.EPOLLIN)
+        self.epoll.register(zygote_conn.fileno(), select.EPOLLIN)
+        self.finished = threading.Event()
+
+    # ------------------------------------------------------------------ start-up
+    def spawn_all(self) -> None:
+        """Before the thread starts: ask the zygote for every worker and wait for each."""
+        for slot in range(self.n_workers):
+            self.zygote.send_bytes(encode(Tag.SPAWN, slot))
+        while any(w is None for w in self.workers):
+            self.on_zygote_message(block=True)
+
+    # ------------------------------------------------------------------ user-thread API
+    def submit_records(self, records: list[TaskRecord]) -> None:
+        """Any thread: queue records (caller checked the pool is open). Wake-up by the caller."""
+        self.pending.extend(records)
+
+    def cancel(self, record: TaskRecord) -> bool:
+        """Any thread: withdraw a task no worker has claimed. True if it will never run."""
+        with self.lock:
+            if record.handle < 0:
+                if record.cancelled or record.future.done():
+                    return record.cancelled
+                record.cancelled = True  # dispatch skips it
+                record.payload = b""
+                return True
+            if not self.slots[record.slot].cancel_injected(record.handle):
+                return False  # a worker claimed it first
+            self.by_handle.pop(record.handle, None)
+            self.slab.free(record.handle)
+            record.handle = -1
+            record.cancelled = True
+            return True
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        try:
+            self.loop()
+        except BaseException as exc:
+            self.break_pool(exc)
+        finally:
+            self.finished.set()
+
+    def loop(self) -> None:
+        poll = self.epoll.poll
+        while True:
+            for fd, _ in poll():
+                if fd == self.wakeup_fd:
+                    self.clear_wakeup()
+                elif fd == self.zygote.fileno():
+                    self.on_zygote_message(block=False)
+                else:
+                    worker = self.by_fd.get(fd)
+                    if worker is not None:
+                        self.on_worker_readable(worker)
+            self.collect()
+            if self.pending:
+                self.dispatch()
+            if self.draining and self.all_done():
+                self.drain_workers()
+                return
+
+    def all_done(self) -> bool:
+        if self.cancel_pending_on_drain:
+            self.cancel_everything_unclaimed()
+        return not self.pending and not self.by_handle and self.header.live_children() == 0
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self) -> None:
+        slab = self.slab
+        n = self.n_workers
+        with self.lock:
+            for i in range(n):
+                k = (self.next_slot + i) % n
+                if self.workers[k] is None or not self.pending:
+                    continue
+                slot = self.slots[k]
+                room = min(
+                    self.window - slot.inbox_depth(),
+                    self.max_inflight - len(self.by_handle),
+                )
+                if room <= 0:
+                    continue
+                batch = self.take_pending(room)
+                if not batch:
+                    break
+                handles = slab.alloc_many(len(batch))
+                if len(handles) < len(batch):  # slab full: the rest waits for results
+                    self.pending.extendleft(reversed(batch[len(handles) :]))
+                    batch = batch[: len(handles)]
+                for rec, handle in zip(batch, handles, strict=True):
+                    payload = rec.payload
+                    if not slab.write(handle, payload, uid=rec.uid):
+                        slab.write(handle, b"", uid=rec.uid)
+                        slab.set_word(handle, _NBYTES, -self.stash_put(payload))
+                    rec.payload = b""
+                    rec.handle = handle
+                    rec.slot = k
+                    self.by_handle[handle] = rec
+                if handles:
+                    injected, was_sleeping = slot.inject_wake(handles)
+                    if injected != len(handles):
+                        raise BrokenPoolError("inbox overflow: the dispatch window is broken")
+                    if was_sleeping:
+                        os.eventfd_write(self.wake_fds[k], 1)
+                    elif self.header.sleepers():
+                        self.wake_one_sleeper()
+            self.next_slot = (self.next_slot + 1) % n
+
+    def take_pending(self, n: int) -> list[TaskRecord]:
+        out: list[TaskRecord] = []
+        pending = self.pending
+        while pending and len(out) < n:
+            rec = pending.popleft()
+            if not rec.cancelled:
+                out.append(rec)
+        return out
+
+    def wake_one_sleeper(self) -> None:
+        for k, slot in enumerate(self.slots):
+            if slot.is_sleeping() and slot.clear_sleeping():
+                os.eventfd_write(self.wake_fds[k], 1)
+                return
+
+    def stash_put(self, data: bytes) -> int:
+        self.stash_counter += 1
+        key = (os.getpid() << 31) | self.stash_counter
+        self.stash[key] = data
+        return key
+
+    # ------------------------------------------------------------------ results
+    def collect(self) -> None:
+        slab = self.slab
+        for k, slot in enumerate(self.slots):
+            if not slot.done_depth():
+                continue
+            handles = slot.take_done()
+            outcomes = []
+            for handle in handles:
+                rec = self.by_handle.pop(handle)
+                status = slab.get_word(handle, _RESULT_STATUS)
+                if slab.get_word(handle, _RESULT_NBYTES) >= 0:
+                    data = slab.read_result(handle)[1]
+                else:
+                    data = self.stash_take(-slab.get_word(handle, _RESULT_NBYTES), k)
+                outcomes.append((rec, status, data))
+            slab.free_many(handles)
+            self.completed += len(handles)
+            for rec, status, data in outcomes:
+                resolve(rec, status, data)
+
+    def stash_take(self, key: int, slot: int) -> bytes:
+        """Stashed result bytes; the STASH message was sent before the done-ring push, so it
+        is complete in the worker's socket if it has not been read yet."""
+        while key not in self.stash:
+            worker = self.workers[slot]
+            if worker is None:
+                raise ProtocolError(f"stashed result {key} lost with worker {slot}")
+            self.on_worker_message(worker, worker.conn.recv_bytes())
+        return self.stash.pop(key)
+
+    # ------------------------------------------------------------------ messages
+    def on_worker_readable(self, worker: WorkerHandle) -> None:
+        conn = worker.conn
+        try:
+            while conn.poll():
+                self.on_worker_message(worker, conn.recv_bytes())
+        except (EOFError, OSError):
+            self.on_worker_gone(worker)
+
+    def on_worker_message(self, worker: WorkerHandle, frame: bytes) -> None:
+        tag, fields = decode(frame)
+        if tag is Tag.RESULTS:
+            return  # the done rings are collected after every wake
+        if tag is Tag.STASH:
+            key, data = fields
+            self.stash[key] = data
+            for conn in self.parked_fetches.pop(key, []):
+                self.answer_fetch(conn, key)
+        elif tag is Tag.FETCH:
+            key = fields[0]
+            if key in self.stash:
+                self.answer_fetch(worker.conn, key)
+            else:
+                self.parked_fetches.setdefault(key, []).append(worker.conn)
+        elif tag is Tag.DRAINED:
+            worker.drained = True
+            self.final_stats[worker.slot] = fields[1]
+        elif tag is Tag.FATAL:
+            raise BrokenPoolError(f"worker {fields[0]} hit an internal error:\n{fields[1]}")
+        else:
+            raise ProtocolError(f"unexpected {tag.name} from worker {worker.slot}")
+
+    def answer_fetch(self, conn: Connection, key: int) -> None:
+        conn.send_bytes(encode(Tag.PAYLOAD, key, self.stash.pop(key)))
+
+    def on_zygote_message(self, block: bool) -> None:
+        if not block and not self.zygote.poll():
+            return
+        try:
+            tag, fields = decode(self.zygote.recv_bytes())
+        except (EOFError, OSError) as exc:
+            raise BrokenPoolError("the pool's zygote process died") from exc
+        if tag is Tag.SPAWNED:
+            slot, pid = fields
+            fd = recv_handle(self.zygote)
+            conn = Connection(fd)
+            try:
+                pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                pidfd = -1
+            worker = WorkerHandle(slot, pid, conn, pidfd)
+            self.workers[slot] = worker
+            self.by_fd[conn.fileno()] = worker
+            self.epoll.register(conn.fileno(), select.EPOLLIN)
+        elif tag is Tag.EXITED:
+            _, pid, code = fields
+            self.exit_codes[pid] = code
+        elif tag is Tag.READY:
+            pass
+        else:
+            raise ProtocolError(f"unexpected {tag.name} from the zygote")
+
+    # ------------------------------------------------------------------ worker death
+    def on_worker_gone(self, worker: WorkerHandle) -> None:
+        """The worker's socket hit EOF: it exited (after DRAINED) or died."""
+        self.forget_worker(worker)
+        if worker.drained:
+            return
+        self.crashes += 1
+        code = self.wait_exit_code(worker.pid)
+        self.recover_slot(worker, code)
+        if not self.draining or not self.all_done():
+            self.respawns += 1
+            self.zygote.send_bytes(encode(Tag.SPAWN, worker.slot))
+
+    def forget_worker(self, worker: WorkerHandle) -> None:
+        fd = worker.conn.fileno()
+        self.by_fd.pop(fd, None)
+        with contextlib.suppress(OSError, ValueError):
+            self.epoll.unregister(fd)
+        worker.conn.close()
+        if worker.pidfd >= 0:
+            os.close(worker.pidfd)
+            worker.pidfd = -1
+        if self.workers[worker.slot] is worker:
+            self.workers[worker.slot] = None
+
+    def wait_exit_code(self, pid: int, timeout: float = 2.0) -> int | None:
+        deadline = time.monotonic() + timeout
+        while pid not in self.exit_codes and time.monotonic() < deadline:
+            if self.zygote.poll(max(0.0, deadline - time.monotonic())):
+                self.on_zygote_message(block=True)
+        return self.exit_codes.pop(pid, None)
+
+    def recover_slot(self, worker: WorkerHandle, code: int | None) -> None:
+        """Fail what the dead worker was running; its queues stay in shared memory."""
+        slot = self.slots[worker.slot]
+        slot.break_dead_holder(worker.pid, slot)
+        for other in self.slots:
+            if other is not slot:
+                other.break_dead_holder(worker.pid, slot)
+        self.slab.break_dead_holder(worker.pid)
+        self.header.break_dead_holder(worker.pid)
+        self.collect()
+        for handle in slot.take_running():
+            rec = self.by_handle.pop(handle, None)
+            if rec is None:  # a child: its parent waits on the block
+                self.fail_child(handle, worker, code)
+                continue
+            self.slab.free(handle)
+            error = WorkerCrashedError(crash_message(worker, code), code)
+            with contextlib.suppress(Exception):
+                rec.future.set_exception(error)
+            rec.future._detach()
+
+    def fail_child(self, handle: int, worker: WorkerHandle, code: int | None) -> None:
+        from mpsched._protocol import dump_exception
+        from mpsched._worker import CHILD_ABANDONED, CHILD_DONE
+
+        error = WorkerCrashedError(crash_message(worker, code), code)
+        slab = self.slab
+        if not slab.write_result(handle, int(ResultStatus.ERROR), dump_exception(error)):
+            raise ProtocolError("a crash report does not fit in a block")
+        parent = slab.get_word(handle, int(BlockField.PARENT))
+        previous = self.slots[parent].exchange_block_state(slab, handle, CHILD_DONE)
+        self.header.add_live_children(-1)
+        if previous == CHILD_ABANDONED:
+            slab.set_word(handle, int(BlockField.STATE), 0)
+            slab.free(handle)
+        elif self.slots[parent].clear_sleeping():
+            os.eventfd_write(self.wake_fds[parent], 1)
+
+    # ------------------------------------------------------------------ shutdown
+    def begin_shutdown(self, cancel_futures: bool) -> None:
+        with self.lock:
+            self.draining = True
+            if cancel_futures:
+                self.cancel_pending_on_drain = True
+
+    def cancel_everything_unclaimed(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, collections.deque()
+            injected = [rec for rec in self.by_handle.values() if rec.slot >= 0]
+        for rec in pending:
+            if not rec.cancelled:
+                rec.cancelled = True
+                rec.future.cancel()
+        for rec in injected:
+            rec.future.cancel()
+
+    def drain_workers(self) -> None:
+        """The handshake: DRAIN to every worker, read until DRAINED or EOF, then STOP."""
+        live = [w for w in self.workers if w is not None]
+        for worker in live:
+            with contextlib.suppress(OSError):
+                worker.conn.send_bytes(_DRAIN)
+        deadline = time.monotonic() + DRAIN_TIMEOUT
+        while any(self.workers[w.slot] is w for w in live):
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                break
+            for fd, _ in self.epoll.poll(timeout):
+                if fd == self.zygote.fileno():
+                    with contextlib.suppress(BrokenPoolError):
+                        self.on_zygote_message(block=False)
+                elif (readable := self.by_fd.get(fd)) is not None:
+                    self.on_worker_readable(readable)
+        for worker in live:
+            if self.workers[worker.slot] is worker:  # did not answer in time
+                self.forget_worker(worker)
+        with contextlib.suppress(OSError):
+            self.zygote.send_bytes(encode(Tag.STOP))
+
+    def break_pool(self, exc: BaseException) -> None:
+        """An internal error: fail every unfinished future with BrokenPoolError."""
+        self.broken = exc
+        error = BrokenPoolError(f"the pool broke: {exc!r}")
+        error.__cause__ = exc
+        with self.lock:
+            self.draining = True
+            records = list(self.pending) + list(self.by_handle.values())
+            self.pending.clear()
+            self.by_handle.clear()
+        for rec in records:
+            with contextlib.suppress(Exception):
+                if not rec.future.done():
+                    rec.future.set_exception(error)
+        for worker in list(self.workers):
+            if worker is not None:
+                self.forget_worker(worker)
+        with contextlib.suppress(OSError):
+            self.zygote.send_bytes(encode(Tag.STOP))
+
+    def close(self) -> None:
+        self.epoll.close()
+
+
+def crash_message(worker: WorkerHandle, code: int | None) -> str:
+    return (
+        f"the worker process (pid {worker.pid}, slot {worker.slot}) running this task died "
+        f"with {signal_description(code)}. Likely causes: it ran out of memory and was killed "
+        "(check dmesg for the OOM killer), a crash in native code (a C extension), or "
+        "os._exit() / a signal sent to it. The pool replaced the worker and goes on."
+    )
+
+
+def resolve(rec: TaskRecord, status: int, data: bytes) -> None:
+    """Settle a task's future from its result bytes (coordinator thread, no lock held)."""
+    future = rec.future
+    future._detach()
+    if future.done():  # cancelled meanwhile: a race the claim decided; nothing to report
+        return
+    try:
+        if status == _OK:
+            future.set_result(pickle.loads(data))
+        elif status == _CANCELLED and future.cancel():
+            return
+        else:
+            future.set_exception(load_exception(data))
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            future.set_exception(RuntimeError(f"the task's result could not be unpickled: {exc!r}"))

@@ -1,0 +1,361 @@
+"""The whole pool segment: where each region sits, its global header, and attaching views.
+
+What this module owns: ``SegmentLayout`` (offsets computed from the pool's sizes), the global
+header at offset 0, the set of locks a pool needs (``SegmentLocks``) and ``attach()``, which
+builds every view object (one ``SlotQueues`` per worker slot, the ``Slab``, the
+``FunctionTable``, the ``GlobalHeader``) over an ``AnonSegment`` and registers each with the
+segment so that ``AnonSegment.close()`` releases them first. It composes the leaves
+``_shm``, ``_shm_deque`` and ``_payloads`` and is used by the coordinator, zygote and workers.
+
+Who calls what:
+    coordinator: ``SegmentLayout(...)``, ``AnonSegment.create(layout.total_bytes)``,
+        ``create_locks(n_slots)``, ``attach(..., init=True)`` BEFORE starting the zygote;
+        ``locks.unlink_names()`` once the zygote has attached.
+    zygote / workers: ``attach(segment, layout, locks)`` (checks magic, version and sizes).
+
+Segment:
+
+    # offset                     size                  region
+    #   0                          256                 global header (below)
+    #   SLOTS = 4096               n_slots * slot_bytes  slot k at SLOTS + k * slot_bytes
+    #   slab_offset  (page-aligned)  Slab.region_bytes  payload blocks + free stack
+    #   ftab_offset  (page-aligned)  FunctionTable...   pickled functions
+    # Regions start on page boundaries so each one's untouched pages stay unallocated (the memfd
+    # is sparse: 32768 blocks of 1 KiB cost 32 MiB of address space, not of memory).
+
+Global header (int64 words):
+
+    # offset size field            writer              meaning
+    #   0     8   magic            creator, const      LAYOUT_MAGIC
+    #   8     8   version          creator, const      LAYOUT_VERSION; bumped on any change
+    #  16     8   total_bytes      creator, const      real segment size (a mapping rounds up)
+    #  24     8   n_slots          creator, const
+    #  32     8   deque_capacity   creator, const
+    #  40     8   inbox_capacity   creator, const
+    #  48     8   block_count      creator, const
+    #  56     8   block_bytes      creator, const
+    #  64     8   ftab_data_bytes  creator, const
+    #  72     8   ftab_max_fids    creator, const
+    #  80     8   done_capacity    creator, const
+    #  88    40   (spare)
+    # 128     8   sleepers         global-lock holder  workers that announced sleep
+    # 136     8   holder_pid       global-lock holder  pid holding the global lock, 0 = none
+    # 144     8   live_children    global-lock holder  child tasks pushed and not yet finished
+    # 152    40   (spare)
+    # 192     8   run_state        coordinator         engine-defined pool state, read by workers
+    # 200     8   injected_total   coordinator         handles injected (statistics)
+    # 208    48   counter0..5      engine-defined      reserved for engine counters
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+
+from mpsched._errors import InternalError
+from mpsched._payloads import BLOCK_BYTES, FTAB_DATA_BYTES, FTAB_MAX_FIDS, FunctionTable, Slab
+from mpsched._shm import AnonSegment, SemLockHandle, create_lock
+from mpsched._shm_deque import SlotQueues, slot_bytes
+
+__all__ = (
+    "LAYOUT_VERSION",
+    "GlobalField",
+    "GlobalHeader",
+    "SegmentLayout",
+    "SegmentLocks",
+    "SegmentViews",
+    "attach",
+    "create_locks",
+)
+
+LAYOUT_MAGIC = 0x6D70_7363_6864_6731  # "mpschdg1"
+LAYOUT_VERSION = 1  # bump whenever any layout table in _layout, _shm_deque or _payloads changes
+HEADER_BYTES = 256
+PAGE = 4096  # bytes; region alignment (see "Regions start on page boundaries")
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+class GlobalField(enum.IntEnum):
+    """Word index of each global header field (see the table)."""
+
+    MAGIC = 0
+    VERSION = 1
+    TOTAL_BYTES = 2
+    N_SLOTS = 3
+    DEQUE_CAPACITY = 4
+    INBOX_CAPACITY = 5
+    BLOCK_COUNT = 6
+    BLOCK_BYTES = 7
+    FTAB_DATA_BYTES = 8
+    FTAB_MAX_FIDS = 9
+    DONE_CAPACITY = 10
+    SLEEPERS = 16
+    HOLDER_PID = 17
+    LIVE_CHILDREN = 18
+    RUN_STATE = 24
+    INJECTED_TOTAL = 25
+    COUNTER0 = 26
+
+
+_SLEEPERS = int(GlobalField.SLEEPERS)  # plain ints: IntEnum lookups on every use cost more
+_HOLDER_PID = int(GlobalField.HOLDER_PID)
+_LIVE_CHILDREN = int(GlobalField.LIVE_CHILDREN)
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentLayout:
+    """Sizes of a pool's shared structures and the offsets they imply (all in bytes)."""
+
+    n_slots: int
+    deque_capacity: int = 1024  # children per worker before push() fails and runs inline
+    inbox_capacity: int = 256  # coordinator hand-outs queued per worker
+    done_capacity: int = 1024  # finished top-level tasks per worker; >= the tasks in flight
+    block_count: int = 32768  # payload blocks: 32 MiB virtual at 1 KiB, sparse
+    block_bytes: int = BLOCK_BYTES
+    ftab_data_bytes: int = FTAB_DATA_BYTES
+    ftab_max_fids: int = FTAB_MAX_FIDS
+
+    def __post_init__(self) -> None:
+        if self.n_slots <= 0:
+            raise ValueError(f"n_slots must be positive, got {self.n_slots}")
+
+    @property
+    def slot_bytes(self) -> int:
+        return slot_bytes(self.deque_capacity, self.inbox_capacity, self.done_capacity)
+
+    @property
+    def slots_offset(self) -> int:
+        return PAGE
+
+    def slot_offset(self, k: int) -> int:
+        if not 0 <= k < self.n_slots:
+            raise IndexError(f"slot {k} not in 0..{self.n_slots - 1}")
+        return self.slots_offset + k * self.slot_bytes
+
+    @property
+    def slab_offset(self) -> int:
+        return _round_up(self.slots_offset + self.n_slots * self.slot_bytes, PAGE)
+
+    @property
+    def slab_bytes(self) -> int:
+        return Slab.region_bytes(self.block_count, self.block_bytes)
+
+    @property
+    def ftab_offset(self) -> int:
+        return _round_up(self.slab_offset + self.slab_bytes, PAGE)
+
+    @property
+    def ftab_bytes(self) -> int:
+        return FunctionTable.region_bytes(self.ftab_data_bytes, self.ftab_max_fids)
+
+    @property
+    def total_bytes(self) -> int:
+        return _round_up(self.ftab_offset + self.ftab_bytes, PAGE)
+
+    def header_words(self) -> dict[GlobalField, int]:
+        """The constant header words this layout implies."""
+        return {
+            GlobalField.MAGIC: LAYOUT_MAGIC,
+            GlobalField.VERSION: LAYOUT_VERSION,
+            GlobalField.TOTAL_BYTES: self.total_bytes,
+            GlobalField.N_SLOTS: self.n_slots,
+            GlobalField.DEQUE_CAPACITY: self.deque_capacity,
+            GlobalField.INBOX_CAPACITY: self.inbox_capacity,
+            GlobalField.BLOCK_COUNT: self.block_count,
+            GlobalField.BLOCK_BYTES: self.block_bytes,
+            GlobalField.FTAB_DATA_BYTES: self.ftab_data_bytes,
+            GlobalField.FTAB_MAX_FIDS: self.ftab_max_fids,
+            GlobalField.DONE_CAPACITY: self.done_capacity,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentLocks:
+    """Every lock a pool's segment needs; each guards one thing only (gh-125451).
+
+    Lock order: a slot lock may be taken while holding nothing; the slab lock and the global
+    lock are leaves (never held while taking another lock). Only ``steal`` holds two slots'
+    words at once, and it takes just the victim's lock (its own words need none).
+    """
+
+    slots: tuple[SemLockHandle, ...]  # one per worker slot: that slot's deque + inbox
+    slab: SemLockHandle  # the slab's free stack
+    global_: SemLockHandle  # the global header's counters (sleepers, live_children)
+
+    def all(self) -> tuple[SemLockHandle, ...]:
+        return (*self.slots, self.slab, self.global_)
+
+    def unlink_names(self) -> None:
+        """Coordinator, once the zygote has opened them: remove every name (idempotent)."""
+        for lock in self.all():
+            lock.unlink()
+
+
+def create_locks(n_slots: int) -> SegmentLocks:
+    """Coordinator only: create the named locks of a pool (unlink them after start-up)."""
+    return SegmentLocks(
+        slots=tuple(create_lock() for _ in range(n_slots)),
+        slab=create_lock(),
+        global_=create_lock(),
+    )
+
+
+_pid = os.getpid()
+
+
+def _refresh_pid() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_refresh_pid)
+
+
+class GlobalHeader:
+    """The global header words (see the table for each word's writer)."""
+
+    def __init__(self, buf: memoryview, lock: SemLockHandle) -> None:
+        region = buf[:HEADER_BYTES]
+        self._w = region.cast("q")
+        region.release()
+        self._acquire = lock.acquire
+        self._release = lock.release
+
+    def get(self, field: GlobalField) -> int:
+        """A header word (racy for the variable ones: hint only)."""
+        return self._w[field]
+
+    def set(self, field: GlobalField, value: int) -> None:
+        """Set a word that has a single writer (run_state, injected_total, counters)."""
+        if field < GlobalField.RUN_STATE:
+            raise InternalError(f"{field.name} is constant or lock-guarded; use add_*()")
+        self._w[field] = value
+
+    def add_sleepers(self, delta: int) -> int:
+        """Add ``delta`` to ``sleepers`` under the global lock; return the new value."""
+        return self._add(_SLEEPERS, delta)
+
+    def sleepers(self) -> int:
+        """Hint only: racy, clamped at 0."""
+        n = self._w[_SLEEPERS]
+        return n if n > 0 else 0  # not max(): a builtin call costs ~100 ns here
+
+    def add_live_children(self, delta: int) -> int:
+        """Add ``delta`` to ``live_children`` under the global lock; return the new value."""
+        return self._add(_LIVE_CHILDREN, delta)
+
+    def live_children(self) -> int:
+        """Hint only: racy, clamped at 0."""
+        n = self._w[_LIVE_CHILDREN]
+        return n if n > 0 else 0
+
+    def break_dead_holder(self, dead_pid: int) -> bool:
+        """The single breaker (coordinator) only: release the global lock if ``dead_pid`` died
+        holding it; each counter is consistent by its one-store commit."""
+        w = self._w
+        if dead_pid <= 0 or w[_HOLDER_PID] != dead_pid:
+            return False
+        w[_HOLDER_PID] = 0
+        self._release()
+        return True
+
+    def _add(self, field: int, delta: int) -> int:
+        w = self._w
+        self._acquire()
+        try:
+            w[_HOLDER_PID] = _pid
+            value = w[field] + delta
+            w[field] = value  # commit
+        finally:
+            w[_HOLDER_PID] = 0
+            self._release()
+        return value
+
+    def release(self) -> None:
+        self._w.release()
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentViews:
+    """Every view object over one pool segment, for the process that attached."""
+
+    header: GlobalHeader
+    slots: tuple[SlotQueues, ...]
+    slab: Slab
+    functions: FunctionTable
+
+    def release(self) -> None:
+        """Release all views (``AnonSegment.close`` does this for tracked ones)."""
+        for slot in self.slots:
+            slot.release()
+        self.slab.release()
+        self.functions.release()
+        self.header.release()
+
+
+def attach(
+    segment: AnonSegment,
+    layout: SegmentLayout,
+    locks: SegmentLocks,
+    *,
+    init: bool = False,
+    debug: bool = False,
+) -> SegmentViews:
+    """Build every view over ``segment``; each is registered with ``segment.track``.
+
+    Args:
+        init: format every region and the header (the coordinator, once, before any child
+            attaches); otherwise check the header against ``layout``.
+        debug: pass ``debug=True`` to every ``SlotQueues`` (owner-pid checks).
+
+    Raises:
+        InternalError: the segment is too small or its header does not match ``layout``.
+    """
+    if segment.size < layout.total_bytes:
+        raise InternalError(f"segment of {segment.size} B < layout's {layout.total_bytes} B")
+    if len(locks.slots) != layout.n_slots:
+        raise InternalError(f"{len(locks.slots)} slot locks for {layout.n_slots} slots")
+    buf = segment.buf
+    header = GlobalHeader(buf, locks.global_)
+    segment.track(header)
+    expected = layout.header_words()
+    if init:
+        for field, value in expected.items():
+            header._w[field] = value
+    else:
+        found = {field: header.get(field) for field in expected}
+        if found != expected:
+            raise InternalError(f"segment header {found} does not match layout {expected}")
+    slots = []
+    for k, lock in enumerate(locks.slots):
+        at = layout.slot_offset(k)
+        sq = SlotQueues(
+            buf[at : at + layout.slot_bytes],
+            lock,
+            layout.deque_capacity,
+            layout.inbox_capacity,
+            done_capacity=layout.done_capacity,
+            init=init,
+            debug=debug,
+        )
+        segment.track(sq)
+        slots.append(sq)
+    at = layout.slab_offset
+    slab = Slab(
+        buf[at : at + layout.slab_bytes],
+        locks.slab,
+        layout.block_count,
+        layout.block_bytes,
+        init=init,
+    )
+    segment.track(slab)
+    at = layout.ftab_offset
+    functions = FunctionTable(
+        buf[at : at + layout.ftab_bytes], layout.ftab_data_bytes, layout.ftab_max_fids, init=init
+    )
+    segment.track(functions)
+    return SegmentViews(header, tuple(slots), slab, functions)

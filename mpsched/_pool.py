@@ -1,0 +1,407 @@
+"""Pool: the public process pool; a thin façade over the coordinator, zygote and workers.
+
+Owns the pool's lifecycle (start-up, the coordinator thread, shutdown) and the user-facing calls.
+Called from any user thread; every call that changes state goes through the coordinator's lock
+or queue and wakes the coordinator loop.
+
+Start-up, in order (the reasons are in docs/design.md):
+  1. sweep semaphore names left by a process that died inside the start-up window;
+  2. create the memfd segment (no name), the locks (named for now), one wake eventfd per slot;
+  3. start the zygote through the start method; it opens the locks and maps the segment;
+  4. on READY, unlink every lock name: from here on nothing of the pool has a name;
+  5. the zygote forks the workers; the coordinator thread starts.
+
+Lifecycle: RUNNING -> DRAINING (shutdown called: no new work; the coordinator drains) ->
+CLOSED (workers and zygote gone, resources released). ``shutdown`` is idempotent and may be
+called from several threads; only the first starts the drain, every caller with ``wait=True``
+waits for its end.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import itertools
+import multiprocessing
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from mpsched._coordinator import Coordinator, TaskRecord
+from mpsched._errors import BrokenPoolError, PoolClosedError
+from mpsched._future import Future
+from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
+from mpsched._protocol import Tag, decode
+from mpsched._serialize import INLINE, FunctionCache, encode_call
+from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
+from mpsched._wakeup import Wakeup
+from mpsched._worker import WorkerOptions
+from mpsched._zygote import ZygoteConfig, zygote_main
+
+DISPATCH_WINDOW = 128  # tasks per worker inbox; larger = fewer wake-ups, longer cancel window
+INFLIGHT_PER_WORKER = 4 * DISPATCH_WINDOW  # dispatched-unfinished tasks, per worker
+BLOCKS_PER_WORKER = 2048  # slab blocks per worker: in-flight tasks plus their children
+DEQUE_CAPACITY = 1024  # children queued per worker before they run inline
+STARTUP_TIMEOUT = 60.0  # seconds for the zygote to come up (spawn imports the main module)
+MAP_TARGET_CHUNK_SECONDS = 0.002  # map: aim for chunks of about this much work
+MAP_MAX_CHUNK = 4096  # items per chunk, at most
+MAP_PREFETCH_PER_WORKER = 4  # chunks in flight per worker (bounded read-ahead of lazy input)
+
+_live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
+# Fork start method: the control ends of live pools, which a new zygote must not keep open (the
+# zygote of a pool learns of its coordinator's death by EOF there). Kept exact: numbers are
+# removed when closed, so a reused number is never closed by mistake.
+_coordinator_fds: set[int] = set()
+
+
+@dataclass(frozen=True)
+class WorkerStatistics:
+    slot: int
+    pid: int
+    executed: int
+    stolen: int
+    inbox_depth: int
+    deque_depth: int
+
+
+@dataclass(frozen=True)
+class PoolStatistics:
+    """A snapshot of the pool's counters (racy reads of shared counters: hints)."""
+
+    workers: int
+    submitted: int
+    completed: int
+    pending: int
+    steals: int
+    crashes: int
+    respawns: int
+    per_worker: tuple[WorkerStatistics, ...]
+
+
+def _default_start_method() -> str:
+    return "forkserver" if sys.platform.startswith("linux") else "spawn"
+
+
+class Pool:
+    """A pool of worker processes with work stealing and nested tasks.
+
+    Args:
+        workers: number of worker processes (default ``os.cpu_count()``).
+        start_method: ``"forkserver"`` (default on Linux), ``"spawn"`` or ``"fork"``: how the
+            pool's zygote process starts; workers are forked from the zygote.
+    """
+
+    _coordinator: Coordinator
+    _thread: threading.Thread
+    _views: SegmentViews
+    _segment: AnonSegment
+    _functions: FunctionCache
+
+    def __init__(self, workers: int | None = None, *, start_method: str | None = None) -> None:
+        if workers is None:
+            workers = os.cpu_count() or 1
+        if isinstance(workers, bool) or not isinstance(workers, int):
+            raise TypeError(f"workers must be an int, not {type(workers).__name__}")
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, not {workers}")
+        method = _default_start_method() if start_method is None else start_method
+        if method not in multiprocessing.get_all_start_methods():
+            raise ValueError(
+                f"start_method must be one of {multiprocessing.get_all_start_methods()}, "
+                f"not {method!r}"
+            )
+        self._workers = workers
+        self._start_method = method
+        self._uids = itertools.count(1)
+        self._submit_lock = threading.Lock()
+        self._shutdown_lock = threading.Lock()
+        self._closed = False
+        self._submitted = 0
+        self._started = False
+        self._start()
+
+    # ------------------------------------------------------------------ start-up
+    def _start(self) -> None:
+        sweep_stale_names()
+        n = self._workers
+        layout = SegmentLayout(
+            n_slots=n,
+            deque_capacity=DEQUE_CAPACITY,
+            inbox_capacity=_pow2(DISPATCH_WINDOW),
+            done_capacity=_pow2(INFLIGHT_PER_WORKER * n),
+            block_count=BLOCKS_PER_WORKER * n,
+        )
+        self._segment = AnonSegment.create(layout.total_bytes)
+        self._wake_fds: list[SharedFd] = []
+        self._zygote: Any = None
+        self._zygote_conn: Connection | None = None
+        self._wakeup = Wakeup()
+        locks = create_locks(n)
+        try:
+            self._views = attach(self._segment, layout, locks, init=True)
+            self._wake_fds = [SharedFd(create_eventfd()) for _ in range(n)]
+            self._functions = FunctionCache(self._views.functions.add)
+            zygote_conn = self._start_zygote(layout, locks)
+        except BaseException:
+            locks.unlink_names()
+            self._abort_start()
+            raise
+        locks.unlink_names()  # from here on, nothing of the pool has a name
+        try:
+            self._coordinator = Coordinator(
+                self._views,
+                self._wake_fds,
+                zygote_conn,
+                self._wakeup.fileno(),
+                self._wakeup.clear,
+                n,
+                DISPATCH_WINDOW,
+                INFLIGHT_PER_WORKER * n,
+            )
+            self._coordinator.spawn_all()
+        except BaseException:
+            self._abort_start()
+            raise
+        self._thread = threading.Thread(
+            target=self._coordinator.run, name="mpsched-coordinator", daemon=True
+        )
+        self._thread.start()
+        self._started = True
+        _live_pools.add(self)
+
+    def _start_zygote(self, layout: SegmentLayout, locks: SegmentLocks) -> Connection:
+        ctx: Any = multiprocessing.get_context(self._start_method)
+        parent_conn: Connection
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        self._zygote_conn = parent_conn
+        _coordinator_fds.add(parent_conn.fileno())
+        cfg = ZygoteConfig(
+            conn=child_conn,
+            segment=self._segment,
+            layout=layout,
+            locks=locks,
+            wake_fds=self._wake_fds,
+            coordinator_pid=os.getpid(),
+            worker_options=WorkerOptions(),
+            close_fds=sorted(_coordinator_fds) if self._start_method == "fork" else [],
+        )
+        self._zygote = ctx.Process(
+            target=zygote_main, args=(cfg,), name="mpsched-zygote", daemon=True
+        )
+        try:
+            self._zygote.start()
+        finally:
+            child_conn.close()
+        if not parent_conn.poll(STARTUP_TIMEOUT):
+            raise BrokenPoolError("the pool's zygote did not start in time")
+        try:
+            tag, _ = decode(parent_conn.recv_bytes())
+        except EOFError:
+            raise BrokenPoolError(
+                "the pool's zygote process failed to start; see its traceback above"
+            ) from None
+        if tag is not Tag.READY:
+            raise BrokenPoolError(f"the zygote sent {tag.name} instead of READY")
+        return parent_conn
+
+    def _abort_start(self) -> None:
+        """Start-up failed: undo what was made, so nothing leaks (processes, fds, memory)."""
+        coordinator = getattr(self, "_coordinator", None)
+        if coordinator is not None:
+            for worker in coordinator.workers:
+                if worker is not None:
+                    coordinator.forget_worker(worker)
+            coordinator.close()
+        if self._zygote_conn is not None:
+            _coordinator_fds.discard(self._zygote_conn.fileno())
+            self._zygote_conn.close()  # EOF: the zygote kills its workers and exits
+        if self._zygote is not None and self._zygote.pid is not None:
+            self._zygote.join(5.0)
+            if self._zygote.is_alive():
+                self._zygote.kill()
+                self._zygote.join()
+            self._zygote.close()
+        self._wakeup.close()
+        for fd in self._wake_fds:
+            fd.close()
+        self._segment.close()
+
+    # ------------------------------------------------------------------ submitting
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        """Run ``fn(*args, **kwargs)`` in a worker; returns its future.
+
+        The call is pickled here, so an unpicklable function or argument raises at once.
+
+        Raises:
+            PoolClosedError: the pool is shutting down or shut down.
+            TaskPicklingError: the function or an argument cannot be pickled.
+        """
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        with self._submit_lock:
+            if self._closed:
+                raise PoolClosedError("cannot submit to a pool that is shutting down")
+            fid = self._functions.fid(fn)
+            payload = encode_call(fid, None if fid != INLINE else fn, args, kwargs)
+            future = Future()
+            rec = TaskRecord(next(self._uids), future, payload)
+            future._cancel_hook = functools.partial(self._coordinator.cancel, rec)
+            self._coordinator.pending.append(rec)
+            self._submitted += 1
+        self._wakeup.wakeup()
+        return future
+
+    def map(
+        self,
+        fn: Callable[..., Any],
+        *iterables: Iterable[Any],
+        chunksize: int | None = None,
+        timeout: float | None = None,
+    ) -> Iterator[Any]:
+        """Like ``map(fn, *iterables)``, run in the pool; results in input order.
+
+        The input is read lazily, at most a few chunks per worker ahead of the results.
+        ``chunksize=None`` adapts: chunks grow until each holds about 2 ms of work.
+
+        Raises:
+            PoolClosedError: the pool is shutting down or shut down.
+            TimeoutError: from the iterator, if a result is not ready ``timeout`` seconds
+                after this call.
+        """
+        if chunksize is not None and (not isinstance(chunksize, int) or chunksize < 1):
+            raise ValueError(f"chunksize must be a positive int or None, not {chunksize!r}")
+        if self._closed:
+            raise PoolClosedError("cannot map on a pool that is shutting down")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._map(fn, zip(*iterables, strict=False), chunksize, deadline)
+
+    def _map(
+        self,
+        fn: Callable[..., Any],
+        items: Iterator[tuple[Any, ...]],
+        chunksize: int | None,
+        deadline: float | None,
+    ) -> Iterator[Any]:
+        from mpsched._chunks import run_chunk
+
+        in_flight: list[Future] = []
+        size = chunksize or 1
+        per_item = None
+        limit = MAP_PREFETCH_PER_WORKER * self._workers
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(in_flight) < limit:
+                    chunk = list(itertools.islice(items, size))
+                    if not chunk:
+                        exhausted = True
+                        break
+                    in_flight.append(self.submit(run_chunk, fn, chunk))
+                if not in_flight:
+                    return
+                future = in_flight.pop(0)
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                results, seconds = future.result(remaining)
+                if chunksize is None and results:
+                    sample = seconds / len(results)
+                    per_item = sample if per_item is None else 0.5 * per_item + 0.5 * sample
+                    size = _next_chunksize(per_item, size)
+                yield from results
+        finally:
+            for future in in_flight:
+                future.cancel()
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Refuse new work, let what was submitted finish (or cancel what no worker has
+        claimed, with ``cancel_futures``), then stop the workers. A second call is a no-op,
+        except that ``wait=True`` waits for the end."""
+        with self._submit_lock:
+            self._closed = True
+        if self._started:
+            self._coordinator.begin_shutdown(cancel_futures)
+            self._wakeup.wakeup()
+            if wait:
+                self.await_termination()
+
+    def await_termination(self, timeout: float | None = None) -> bool:
+        """Wait until all work is done and the workers are gone; False on timeout."""
+        if not self._started:
+            return True
+        if not self._coordinator.finished.wait(timeout):
+            return False
+        with self._shutdown_lock:
+            self._release()
+        return True
+
+    def _release(self) -> None:
+        """After the coordinator thread ended: reap the zygote and free every resource."""
+        if not self._started:
+            return
+        self._started = False
+        self._thread.join()
+        self._abort_start()
+        _live_pools.discard(self)
+
+    def statistics(self) -> PoolStatistics:
+        coord = self._coordinator
+        per_worker = []
+        for k, slot in enumerate(self._views.slots):
+            counters = coord.final_stats.get(k) or slot.counters()
+            worker = coord.workers[k]
+            inbox, deque_ = slot.depths()
+            per_worker.append(
+                WorkerStatistics(
+                    slot=k,
+                    pid=worker.pid if worker is not None else 0,
+                    executed=counters["executed"],
+                    stolen=counters["stolen"],
+                    inbox_depth=inbox,
+                    deque_depth=deque_,
+                )
+            )
+        return PoolStatistics(
+            workers=self._workers,
+            submitted=self._submitted,
+            completed=coord.completed,
+            pending=len(coord.pending),
+            steals=sum(w.stolen for w in per_worker),
+            crashes=coord.crashes,
+            respawns=coord.respawns,
+            per_worker=tuple(per_worker),
+        )
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown(wait=True)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "running"
+        return f"<mpsched.Pool {state} workers={self._workers} start_method={self._start_method}>"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _next_chunksize(per_item: float, size: int) -> int:
+    target = int(MAP_TARGET_CHUNK_SECONDS / per_item) if per_item > 0 else MAP_MAX_CHUNK
+    # Grow at most 4x per chunk so one mis-measured fast chunk cannot make a huge slow one.
+    return max(1, min(target, 4 * size, MAP_MAX_CHUNK))
+
+
+@atexit.register
+def _shutdown_all_pools() -> None:
+    """Interpreter exit: finish and stop every pool the user did not shut down."""
+    for pool in list(_live_pools):
+        with contextlib.suppress(Exception):
+            pool.shutdown(wait=True)

@@ -1,0 +1,113 @@
+"""Messages over the pool's pipes: tags, framing, encode/decode. No policy.
+
+Two kinds of channel carry them, both ``multiprocessing.connection.Connection`` over a Unix socket
+pair (so file descriptors can travel beside them with ``send_handle``):
+
+* coordinator <-> zygote: one per pool, for the lifetime of the pool;
+* coordinator <-> worker: one per worker *incarnation* (a replacement gets a fresh one, so a worker
+  that died mid-write can never leave a torn frame in front of its successor's messages).
+
+Every frame is ``send_bytes(pickle.dumps((tag, *fields)))``. Task payloads travel in shared memory
+(``_payloads``), never here, except payloads and results too big for a slab block (STASH).
+
+| tag      | direction      | when sent                          | receiver must                   |
+|----------|----------------|------------------------------------|---------------------------------|
+| READY    | zygote -> coord| zygote opened locks and segment    | unlink the semaphore names      |
+| SPAWN    | coord -> zygote| a worker slot needs a process      | fork a worker, answer SPAWNED   |
+| SPAWNED  | zygote -> coord| after fork; the socket fd follows  | ``recv_handle`` the worker end  |
+| EXITED   | zygote -> coord| a worker was reaped                | record the exit code            |
+| STOP     | coord -> zygote| shutdown: no more spawns           | reap its children, exit         |
+| RESULTS  | worker -> coord| done ring filled, worker idle, aged| drain the worker's done ring    |
+| STASH    | worker -> coord| bytes too big for a slab block     | keep them under their key       |
+| FETCH    | worker -> coord| a claimed task's bytes are stashed | answer PAYLOAD (now or on STASH)|
+| PAYLOAD  | coord -> worker| answer to FETCH                    | (the worker is blocked on it)   |
+| DRAIN    | coord -> worker| shutdown: all work done            | answer DRAINED, exit            |
+| DRAINED  | worker -> coord| last message of a worker           | join the worker                 |
+| FATAL    | worker -> coord| an mpsched bug inside the worker   | break the pool                  |
+
+Unknown tags and short reads raise ``ProtocolError``; the coordinator turns it into a broken pool.
+A remote exception travels as ``(exception, formatted traceback)`` and is re-raised locally with
+``__cause__ = RemoteTraceback(text)`` (CPython ``_ExceptionWithTraceback``).
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+import traceback
+from typing import Any
+
+from mpsched._errors import ProtocolError
+
+PICKLE_PROTOCOL = 5  # out-of-band capable; the newest every supported Python reads
+
+
+class Tag(enum.IntEnum):
+    READY = 1
+    SPAWN = 2
+    SPAWNED = 3
+    EXITED = 4
+    STOP = 5
+    RESULTS = 10
+    STASH = 11
+    FETCH = 12
+    PAYLOAD = 13
+    DRAIN = 14
+    DRAINED = 15
+    FATAL = 16
+
+
+class ResultStatus(enum.IntEnum):
+    """How a task ended, in a RESULTS entry or a child's block."""
+
+    OK = 0  # payload is the pickled return value
+    ERROR = 1  # payload is a pickled (exception, traceback text) pair
+    CANCELLED = 2  # the task raised TaskCancelled; payload as for ERROR
+
+
+def encode(tag: Tag, *fields: Any) -> bytes:
+    return pickle.dumps((int(tag), *fields), PICKLE_PROTOCOL)
+
+
+def decode(frame: bytes) -> tuple[Tag, tuple[Any, ...]]:
+    try:
+        msg = pickle.loads(frame)
+        return Tag(msg[0]), msg[1:]
+    except Exception as exc:
+        raise ProtocolError(f"malformed frame of {len(frame)} bytes: {exc!r}") from exc
+
+
+class RemoteTraceback(Exception):
+    """The formatted traceback of an exception raised in a worker; set as its ``__cause__``."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+def dump_exception(exc: BaseException) -> bytes:
+    """Pickle ``exc`` with its traceback text; an exception that cannot be pickled is replaced
+    by a RuntimeError that says so and carries its repr."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    tb = f'\n"""\n{tb}"""'
+    try:
+        return pickle.dumps((exc, tb), PICKLE_PROTOCOL)
+    except Exception as pickling_error:
+        substitute = RuntimeError(
+            f"the task raised {exc!r}, which could not be pickled to send it back "
+            f"({pickling_error!r})"
+        )
+        return pickle.dumps((substitute, tb), PICKLE_PROTOCOL)
+
+
+def load_exception(data: bytes) -> BaseException:
+    """Rebuild an exception made by ``dump_exception`` with the remote traceback as its cause."""
+    try:
+        exc, tb = pickle.loads(data)
+    except Exception as unpickling_error:
+        return RuntimeError(f"the task's exception could not be unpickled: {unpickling_error!r}")
+    exc.__cause__ = RemoteTraceback(tb)
+    return exc  # type: ignore[no-any-return]

@@ -1,0 +1,120 @@
+"""Task payload encoding: a call ``fn(*args, **kwargs)`` to bytes and back.
+
+Called in the *submitting* process (``Pool.submit`` in the user's thread, ``mpsched.submit`` in a
+worker), so an unpicklable function or argument fails there, at the call, with a clear error
+(bpo-31699: a pickling error inside the pool machinery must never hang it). Decoded in the worker
+that claims the task.
+
+Payload = ``pickle.dumps((fid, fn, args, kwargs))``:
+
+* ``fid >= 0``: ``fn`` is None; the function lives in the pool's function table under ``fid``
+  (pickled once per pool; pickling a function by reference is half the per-task pickle cost).
+  Only functions that plain pickle serializes *by reference* (module-level names) are tabled:
+  their bytes cannot go stale. Lambdas and closures are pickled by value with cloudpickle on every
+  call, because their captured state may change between calls.
+* ``fid == -1``: ``fn`` is inline.
+
+Plain pickle is tried first (fast, and by reference); cloudpickle is the fallback for lambdas,
+local functions and objects defined in ``__main__`` that a worker cannot import.
+"""
+
+from __future__ import annotations
+
+import pickle
+import types
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from mpsched._protocol import PICKLE_PROTOCOL
+
+INLINE = -1  # fid of a payload that carries its function
+
+_dumps = pickle.dumps
+_loads = pickle.loads
+
+
+class TaskPicklingError(pickle.PicklingError, TypeError):
+    """A task's function or arguments cannot be pickled (raised at submit, in the caller)."""
+
+
+def dumps(obj: Any) -> bytes:
+    """Pickle ``obj``: plain pickle first, cloudpickle when plain pickle cannot."""
+    try:
+        return _dumps(obj, PICKLE_PROTOCOL)
+    except Exception as plain_error:
+        try:
+            return cloudpickle.dumps(obj, PICKLE_PROTOCOL)  # type: ignore[no-any-return]
+        except Exception as cloud_error:
+            raise TaskPicklingError(
+                f"cannot pickle {_describe(obj)}: {cloud_error!r} (plain pickle: "
+                f"{plain_error!r}). Pass picklable arguments, or share the data another way."
+            ) from cloud_error
+
+
+def _describe(obj: Any) -> str:
+    text = repr(obj)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def encode_call(
+    fid: int, fn: Callable[..., Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bytes:
+    try:
+        return _dumps((fid, fn, args, kwargs), PICKLE_PROTOCOL)
+    except Exception:
+        pass
+    try:
+        return cloudpickle.dumps((fid, fn, args, kwargs), PICKLE_PROTOCOL)  # type: ignore[no-any-return]
+    except Exception as exc:
+        what = "arguments" if fn is None else f"function {fn!r} or its arguments"
+        raise TaskPicklingError(
+            f"cannot pickle the task's {what}: {exc!r}. Tasks run in other processes, so "
+            "their function and arguments must be picklable (lambdas and local functions are "
+            "fine; open files, locks, sockets and generators are not)."
+        ) from exc
+
+
+def decode_call(data: bytes | memoryview) -> tuple[int, Any, tuple[Any, ...], dict[str, Any]]:
+    return _loads(data)  # type: ignore[no-any-return]
+
+
+def function_bytes(fn: Callable[..., Any]) -> bytes | None:
+    """``fn`` pickled by reference, or None if plain pickle cannot (so it must go inline)."""
+    try:
+        return _dumps(fn, PICKLE_PROTOCOL)
+    except Exception:
+        return None
+
+
+# Plain pickle serializes these by reference only, so their bytes never go stale. Bound methods,
+# partials and callable objects are pickled with their (mutable) state and so go inline.
+_TABLED_TYPES = (types.FunctionType, types.BuiltinFunctionType)
+
+
+class FunctionCache:
+    """Submitting side of the function table: ``fn -> fid`` for functions already tabled.
+
+    ``table_add(bytes) -> fid`` writes to the shared table (-1 when full). One per submitting
+    process; not thread-safe by itself (callers hold their submit lock).
+    """
+
+    def __init__(self, table_add: Callable[[bytes], int]) -> None:
+        self._table_add = table_add
+        # Keyed by the function object itself (strong reference: keeps its id from being reused).
+        self._fids: dict[Any, int] = {}
+        self._full = False
+
+    def fid(self, fn: Callable[..., Any]) -> int:
+        fid = self._fids.get(fn) if type(fn) in _TABLED_TYPES else INLINE
+        if fid is not None:
+            return fid
+        if self._full:
+            return INLINE
+        data = function_bytes(fn)
+        fid = INLINE if data is None else self._table_add(data)
+        if data is not None and fid == INLINE:
+            self._full = True
+        self._fids[fn] = fid
+        return fid

@@ -1,0 +1,498 @@
+"""The worker process: find work, run it, report it, sleep without losing a wake-up, drain.
+
+Runs in each worker process (forked by the zygote, ``_zygote``); ``worker_main`` is its entry.
+Also owns the task-side API that runs inside workers: ``submit`` (``mpsched.submit``) and
+``ChildFuture`` (join-helping).
+
+find_work, in order (rayon's ``find_work``; "finish what we started before we take on something
+new"): the own deque's back (LIFO: the children our tasks just spawned), then the own inbox's
+front (FIFO: the coordinator's order), then a steal from the front of a peer's deque or inbox,
+starting at a random peer and retrying only while some peer answered RETRY (crossbeam).
+
+Claims are exactly-once by the rings (``_shm_deque``: removal under the slot lock is the claim),
+and each claim is recorded in this worker's run stack in the same lock hold.
+
+Task kinds, by the block's ``parent`` word:
+  * top-level (parent -1, from the coordinator): after running, the result goes into the task's
+    own block and the handle into this worker's done ring, popping the run stack in the same lock
+    round (``SlotQueues.complete``): at every instant the handle is in exactly one of a ring, a
+    run stack or a done ring, so a crash can lose nothing silently. The coordinator is poked
+    (RESULTS) per batch, when idle, or when the oldest unannounced result is old.
+  * child (parent = the spawning worker's slot): the result goes into the child's block, whose
+    ``state`` becomes DONE under the *parent's* slot lock; the parent's future reads it from
+    there. A child that nobody waits for (its future was dropped) is ABANDONED, and whoever sees
+    the second of DONE / ABANDONED frees the block.
+
+Sleep protocol ("announce, recheck, then block"; the lost-wake-up argument is in design.md):
+    1. sleepers += 1 (global lock);  2. announce_sleep() on the own slot (sets ``sleeping`` under
+    the own lock if both own rings are empty);  3. recheck every peer with ``probe()`` (under each
+    peer's lock) and, when joining, the awaited child's state (under the own lock);  4. block in
+    ``poll`` on the own wake eventfd and the coordinator socket. Wakers push first, then read
+    ``sleepers`` and clear a sleeper's flag under its lock before writing its eventfd.
+
+Exceptions from user code are caught and reported as the task's error (including SystemExit and
+KeyboardInterrupt raised by a task); exceptions from mpsched's own code end the worker with a
+FATAL message and a non-zero exit code (rayon ``AbortIfPanic``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import random
+import select
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from mpsched._errors import InternalError, TaskCancelled
+from mpsched._layout import SegmentViews
+from mpsched._payloads import BlockField
+from mpsched._protocol import ResultStatus, Tag, decode, dump_exception, encode, load_exception
+from mpsched._serialize import INLINE, decode_call, dumps, encode_call
+from mpsched._shm import SharedFd
+from mpsched._shm_deque import MAX_NESTING, StealResult
+
+# Child block states (BlockField.STATE), written under the parent's slot lock.
+CHILD_QUEUED = 1  # pushed; not finished
+CHILD_DONE = 2  # result written; the parent will read and free it
+CHILD_ABANDONED = 3  # the parent dropped its future; the executor frees the block
+
+STEAL_RETRY_ROUNDS = 64  # full rounds over the peers while some answered RETRY, then sleep
+_SUCCESS = StealResult.SUCCESS
+_RETRY = StealResult.RETRY
+_OK = int(ResultStatus.OK)
+_ERROR = int(ResultStatus.ERROR)
+_CANCELLED = int(ResultStatus.CANCELLED)
+_STATE = int(BlockField.STATE)
+_UID = int(BlockField.UID)
+_NBYTES = int(BlockField.NBYTES)
+_PARENT = int(BlockField.PARENT)
+_RESULT_STATUS = int(BlockField.RESULT_STATUS)
+_RESULT_NBYTES = int(BlockField.RESULT_NBYTES)
+_POKE = encode(Tag.RESULTS)
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Worker tunables, fixed per pool."""
+
+    result_batch: int = 32  # results; poke the coordinator after this many unannounced ones
+    result_delay: float = 0.002  # seconds; or when the oldest unannounced result is this old
+
+
+# The Worker of this process, set by worker_main; None outside workers.
+_current: Worker | None = None
+
+
+def submit(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> ChildFuture:
+    """Inside a task: run ``fn(*args, **kwargs)`` as a child task on this worker's own deque.
+
+    The child may be stolen by an idle worker. ``result()`` on the returned future runs other
+    tasks while it waits (join-helping), so recursive fork-join finishes even with one worker.
+
+    Raises:
+        RuntimeError: called outside a task running in an mpsched pool (use ``Pool.submit``).
+        TaskPicklingError: the function or an argument cannot be pickled.
+    """
+    worker = _current
+    if worker is None:
+        raise RuntimeError(
+            "mpsched.submit() only works inside a task running in an mpsched pool; "
+            "outside one, use pool.submit()"
+        )
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+    return worker.spawn(fn, args, kwargs)
+
+
+class ChildFuture:
+    """The future of a child task (``mpsched.submit``); lives in the spawning worker only.
+
+    ``result()`` and ``exception()`` help: while the child is not done, this worker runs other
+    tasks (its own deque first, where the child most likely still is). Not thread-safe, and not
+    picklable: it refers to a block of this pool's shared memory.
+    """
+
+    __slots__ = ("__weakref__", "_error", "_handle", "_settled", "_value", "_worker")
+
+    def __init__(self, worker: Worker, handle: int) -> None:
+        self._worker = worker
+        self._handle = handle  # -1 once settled
+        self._settled = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    def settled(cls, worker: Worker, value: Any, error: BaseException | None) -> ChildFuture:
+        fut = cls(worker, -1)
+        fut._settled = True
+        fut._value, fut._error = value, error
+        return fut
+
+    def done(self) -> bool:
+        if not self._settled and self._worker.child_state(self._handle) == CHILD_DONE:
+            self._settle()
+        return self._settled
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The child's return value; re-raises its exception. Runs other tasks while waiting."""
+        self._wait(timeout)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return self._error
+
+    def _wait(self, timeout: float | None) -> None:
+        if not self._settled:
+            self._worker.join(self, timeout)
+            self._settle()
+
+    def _settle(self) -> None:
+        status, value = self._worker.collect_child(self._handle)
+        self._handle = -1
+        self._settled = True
+        if status == _OK:
+            self._value = value
+        else:
+            self._error = value
+
+    def __del__(self) -> None:
+        # No lock here: __del__ may run inside any critical section of this process (a GC
+        # pass). The worker processes abandoned children at its next safe point.
+        if not self._settled and self._handle >= 0 and _current is self._worker:
+            self._worker.abandoned.append(self._handle)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a ChildFuture cannot leave the worker that spawned the child")
+
+
+class Worker:
+    """The state of one worker process. Methods run in that process's main thread only."""
+
+    def __init__(
+        self,
+        slot: int,
+        views: SegmentViews,
+        wake_fds: list[SharedFd],
+        conn: Connection,
+        options: WorkerOptions,
+    ) -> None:
+        self.slot = slot
+        self.views = views
+        self.me = views.slots[slot]
+        self.peers = [q for k, q in enumerate(views.slots) if k != slot]
+        self.slots = views.slots
+        self.slab = views.slab
+        self.header = views.header
+        self.wake_fds = [f.fd for f in wake_fds]
+        self.my_wake_fd = self.wake_fds[slot]
+        self.conn = conn
+        self.options = options
+        self.fn_cache: dict[int, Callable[..., Any]] = {}
+        self.fid_of: dict[Callable[..., Any], int] = {}  # reverse of fn_cache, for children
+        self.abandoned: list[int] = []  # children whose futures were dropped (see __del__)
+        self.depth = 0  # tasks running in this process (join-helping nests them)
+        self.unannounced = 0  # results in the done ring since the last poke
+        self.first_unannounced = 0.0
+        self.draining = False
+        self.pid = os.getpid()
+        self.stash_counter = 0
+        self.rng = random.Random(self.pid)
+        self.poller = select.poll()
+        self.poller.register(self.my_wake_fd, select.POLLIN)
+        self.poller.register(conn.fileno(), select.POLLIN)
+
+    # ------------------------------------------------------------------ main loop
+    def main_loop(self) -> None:
+        while not self.draining:
+            handle = self.find_work()
+            if handle >= 0:
+                self.run(handle)
+                if self.abandoned:
+                    self.release_abandoned()
+            else:
+                self.idle(None)
+
+    def find_work(self) -> int:
+        handle = self.me.pop_or_take(True)
+        return handle if handle >= 0 else self.steal()
+
+    def steal(self) -> int:
+        peers = self.peers
+        n = len(peers)
+        if not n:
+            return -1
+        me = self.me
+        for _ in range(STEAL_RETRY_ROUNDS):
+            retry = False
+            start = self.rng.randrange(n)
+            for k in range(n):
+                result, handle = peers[(start + k) % n].steal(me)
+                if result is _SUCCESS:
+                    return handle
+                if result is _RETRY:
+                    retry = True
+            if not retry:
+                return -1
+        return -1
+
+    # ------------------------------------------------------------------ running
+    def run(self, handle: int) -> None:
+        """Run the claimed task ``handle`` (already on the run stack) and report it."""
+        slab = self.slab
+        parent = slab.get_word(handle, _PARENT)
+        nbytes = slab.get_word(handle, _NBYTES)
+        data = slab.read(handle) if nbytes >= 0 else self.fetch(-nbytes)
+        self.depth += 1
+        try:
+            fid, fn, args, kwargs = decode_call(data)
+            del data
+            if fid != INLINE:
+                fn = self.load_function(fid)
+            value = fn(*args, **kwargs)
+            del fn, args, kwargs
+            status, out = _OK, dumps(value)
+            del value
+        except TaskCancelled as exc:
+            status, out = _CANCELLED, dump_exception(exc)
+        except BaseException as exc:  # user code: any exception is the task's outcome
+            status, out = _ERROR, dump_exception(exc)
+        finally:
+            self.depth -= 1
+        if not slab.write_result(handle, status, out):
+            slab.set_word(handle, _RESULT_STATUS, status)
+            slab.set_word(handle, _RESULT_NBYTES, -self.stash(out))
+        del out
+        if parent < 0:
+            self.me.complete(handle)
+            self.unannounced += 1
+            if self.unannounced == 1:
+                self.first_unannounced = time.monotonic()
+            if self.unannounced >= self.options.result_batch or (
+                time.monotonic() - self.first_unannounced > self.options.result_delay
+            ):
+                self.poke()
+        else:
+            self.finish_child(handle, parent)
+
+    def load_function(self, fid: int) -> Callable[..., Any]:
+        fn = self.fn_cache.get(fid)
+        if fn is None:
+            fn = pickle.loads(self.views.functions.get(fid))
+            self.fn_cache[fid] = fn
+            with contextlib.suppress(TypeError):  # unhashable: children pickle it inline
+                self.fid_of[fn] = fid
+        return fn
+
+    def poke(self) -> None:
+        """Tell the coordinator that results wait in this worker's done ring."""
+        if self.unannounced:
+            self.unannounced = 0
+            self.conn.send_bytes(_POKE)
+
+    # ------------------------------------------------------------------ children
+    def spawn(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> ChildFuture:
+        fid = self.fid_of.get(fn, INLINE) if type(fn).__hash__ is not None else INLINE
+        payload = encode_call(fid, None if fid != INLINE else fn, args, kwargs)
+        slab = self.slab
+        handle = slab.alloc()
+        if handle < 0:  # slab full: run the child here and now (rayon runs inline too)
+            return self.run_inline(payload)
+        uid = self.next_uid()
+        if not slab.write(handle, payload, uid=uid, parent=self.slot, state=CHILD_QUEUED):
+            slab.write(handle, b"", uid=uid, parent=self.slot, state=CHILD_QUEUED)
+            slab.set_word(handle, _NBYTES, -self.stash(payload))
+        self.header.add_live_children(1)
+        if not self.me.push(handle):  # deque full
+            self.header.add_live_children(-1)
+            slab.free(handle)
+            return self.run_inline(payload)
+        if self.header.sleepers():
+            self.wake_one_sleeper()
+        return ChildFuture(self, handle)
+
+    def run_inline(self, payload: bytes) -> ChildFuture:
+        fid, fn, args, kwargs = decode_call(payload)
+        if fid != INLINE:
+            fn = self.load_function(fid)
+        try:
+            return ChildFuture.settled(self, fn(*args, **kwargs), None)
+        except BaseException as exc:
+            return ChildFuture.settled(self, None, exc)
+
+    def finish_child(self, handle: int, parent: int) -> None:
+        """Executor of a child: publish DONE under the parent's slot lock and wake the parent.
+
+        The run-stack pop happens in the same lock hold (``finished_by``): the parent frees
+        the block only after confirming DONE under that lock, so a handle is never both on a
+        run stack and free (the uniqueness crash repair relies on).
+        """
+        previous = self.slots[parent].exchange_block_state(
+            self.slab, handle, CHILD_DONE, finished_by=self.me
+        )
+        self.header.add_live_children(-1)
+        if previous == CHILD_ABANDONED:
+            self.free_child(handle)
+        elif self.slots[parent].clear_sleeping():
+            os.eventfd_write(self.wake_fds[parent], 1)
+
+    def child_state(self, handle: int) -> int:
+        """Racy read (a hint): whether a child looks done; confirmed under the lock by join."""
+        return self.slab.get_word(handle, _STATE)
+
+    def collect_child(self, handle: int) -> tuple[int, Any]:
+        """Parent: read a DONE child's outcome and free its block."""
+        slab = self.slab
+        if self.me.block_state(slab, handle) != CHILD_DONE:  # under the lock: see finish_child
+            raise InternalError(f"collecting child block {handle} that is not done")
+        status = slab.get_word(handle, _RESULT_STATUS)
+        nbytes = slab.get_word(handle, _RESULT_NBYTES)
+        data = slab.read_result(handle)[1] if nbytes >= 0 else self.fetch(-nbytes)
+        self.free_child(handle)
+        if status == _OK:
+            return status, pickle.loads(data)
+        return status, load_exception(data)
+
+    def free_child(self, handle: int) -> None:
+        self.slab.set_word(handle, _STATE, 0)
+        self.slab.free(handle)
+
+    def release_abandoned(self) -> None:
+        """At a safe point (no lock held): children nobody waits for go to their executor."""
+        while self.abandoned:
+            handle = self.abandoned.pop()
+            if self.me.exchange_block_state(self.slab, handle, CHILD_ABANDONED) == CHILD_DONE:
+                self.free_child(handle)
+
+    def join(self, future: ChildFuture, timeout: float | None) -> None:
+        """Help until ``future``'s child is done: run other tasks, or sleep until woken."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        handle = future._handle
+        while self.child_state(handle) != CHILD_DONE:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("the child task did not finish in time")
+            found = self.find_work() if self.depth < MAX_NESTING - 1 else -1
+            if found >= 0:
+                self.run(found)
+            else:
+                self.idle(handle, deadline)
+
+    def next_uid(self) -> int:
+        self.stash_counter += 1
+        return (self.pid << 31) | self.stash_counter
+
+    # ------------------------------------------------------------------ big payloads
+    def stash(self, data: bytes) -> int:
+        """Hand bytes too big for a block to the coordinator; returns their key (> 0)."""
+        key = self.next_uid()
+        self.conn.send_bytes(encode(Tag.STASH, key, data))
+        return key
+
+    def fetch(self, key: int) -> bytes:
+        """Get stashed bytes from the coordinator (blocks until it answers)."""
+        self.conn.send_bytes(encode(Tag.FETCH, key))
+        while True:
+            tag, fields = decode(self.conn.recv_bytes())
+            if tag is Tag.PAYLOAD and fields[0] == key:
+                return fields[1]  # type: ignore[no-any-return]
+            self.on_message(tag, fields)
+
+    # ------------------------------------------------------------------ idle and wake-ups
+    def idle(self, awaited: int | None, deadline: float | None = None) -> None:
+        """Nothing to run: poke results, then announce, recheck and block until woken.
+
+        ``awaited`` is the block of a child being joined (its DONE also ends the sleep).
+        """
+        self.poke()
+        header = self.header
+        me = self.me
+        header.add_sleepers(1)
+        try:
+            if not me.announce_sleep():
+                return
+            if (awaited is not None and me.block_state(self.slab, awaited) == CHILD_DONE) or any(
+                peer.probe() for peer in self.peers
+            ):
+                if not me.clear_sleeping():
+                    self.consume_wake()  # a waker got there first and wrote our eventfd
+                return
+            timeout_ms = -1
+            if deadline is not None:
+                timeout_ms = max(0, int((deadline - time.monotonic()) * 1e3))
+            for fd, _ in self.poller.poll(timeout_ms):
+                if fd == self.my_wake_fd:
+                    self.consume_wake()
+                else:
+                    self.read_messages()
+            me.clear_sleeping()
+        finally:
+            header.add_sleepers(-1)
+
+    def consume_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.my_wake_fd)
+
+    def wake_one_sleeper(self) -> None:
+        """After publishing work: wake one sleeping peer (which will steal it)."""
+        for k, slot in enumerate(self.slots):
+            if k != self.slot and slot.is_sleeping() and slot.clear_sleeping():
+                os.eventfd_write(self.wake_fds[k], 1)
+                return
+
+    def read_messages(self) -> None:
+        while self.conn.poll():
+            try:
+                frame = self.conn.recv_bytes()
+            except EOFError:  # the coordinator is gone
+                os._exit(0)
+            self.on_message(*decode(frame))
+
+    def on_message(self, tag: Tag, fields: tuple[Any, ...]) -> None:
+        if tag is Tag.DRAIN:
+            self.draining = True
+        else:
+            raise InternalError(f"worker {self.slot} got unexpected {tag.name}")
+
+    def statistics(self) -> dict[str, int]:
+        return self.me.counters()
+
+
+def worker_main(
+    slot: int,
+    views: SegmentViews,
+    wake_fds: list[SharedFd],
+    conn: Connection,
+    options: WorkerOptions,
+) -> int:
+    """Entry point of a worker process (called in the child of the zygote's fork)."""
+    global _current
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the coordinator
+    worker = Worker(slot, views, wake_fds, conn, options)
+    _current = worker
+    worker.me.bind_owner()
+    try:
+        worker.main_loop()
+        worker.poke()
+        conn.send_bytes(encode(Tag.DRAINED, slot, worker.statistics()))
+        return 0
+    except BaseException:
+        text = traceback.format_exc()
+        try:
+            conn.send_bytes(encode(Tag.FATAL, slot, text))
+        except OSError:
+            sys.stderr.write(text)
+        return 70  # EX_SOFTWARE: an mpsched bug
+    finally:
+        _current = None

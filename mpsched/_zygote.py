@@ -1,0 +1,177 @@
+"""The zygote: one clean, single-threaded process that forks the pool's workers.
+
+Why it exists (FEASIBILITY.md, "Start methods"): the coordinator lives in the user's process,
+which may have threads, and forking a threaded process can deadlock the child. The pool starts
+the zygote once through the chosen start method (forkserver by default); the zygote opens the
+named semaphores (after which the coordinator unlinks every name, so nothing named survives
+start-up) and maps the memfd segment, then ``os.fork()``s each worker and each replacement.
+Workers inherit the locks, the segment and the wake eventfds through that fork.
+
+Called from: ``_pool`` starts ``zygote_main`` as the target of ``ctx.Process``. Runs in the zygote
+process only; ``_spawn`` runs the worker (``_worker.worker_main``) in the forked child.
+
+Protocol with the coordinator (one duplex Connection; see ``_protocol``):
+    zygote -> READY                     after attaching
+    coord  -> SPAWN(slot)               zygote forks, answers SPAWNED(slot, pid) and then sends
+                                        the coordinator's end of the worker's socket pair as an
+                                        fd (``send_handle``)
+    zygote -> EXITED(slot, pid, code)   a worker exited (reaped here; its pidfd fired)
+    coord  -> STOP                      spawn no more; exit once every worker has been reaped
+
+Death: if the coordinator dies, the control Connection reaches EOF; the zygote SIGKILLs every
+worker, reaps them and exits. If the zygote dies, each worker gets SIGKILL from the kernel
+(``PR_SET_PDEATHSIG``, set in the worker right after fork; the zygote is single-threaded, so the
+"parent thread" it refers to is the zygote itself). So a SIGKILL of the coordinator leaves no
+process behind, and the memfd and the unlinked semaphores vanish with their last holder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import select
+import signal
+import socket
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import send_handle
+from typing import Any
+
+from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach
+from mpsched._protocol import Tag, decode, encode
+from mpsched._shm import AnonSegment, SharedFd
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@dataclass
+class ZygoteConfig:
+    """Everything the zygote needs; pickled once when it is spawned (fds travel by DupFd)."""
+
+    conn: Connection
+    segment: AnonSegment
+    layout: SegmentLayout
+    locks: SegmentLocks
+    wake_fds: list[SharedFd]
+    coordinator_pid: int
+    worker_options: Any  # _worker.WorkerOptions (kept opaque here)
+    close_fds: list[int]  # fork start method: coordinator-side fds inherited by accident
+
+
+def zygote_main(cfg: ZygoteConfig) -> None:
+    """Target of the zygote's ``Process``. Never returns normally: exits with ``os._exit``."""
+    code = 0
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the coordinator
+        for fd in cfg.close_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        views = attach(cfg.segment, cfg.layout, cfg.locks)
+        _Zygote(cfg, views).serve()
+    except BaseException:
+        traceback.print_exc(file=sys.stderr)
+        code = 1
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class _Zygote:
+    def __init__(self, cfg: ZygoteConfig, views: SegmentViews) -> None:
+        self.cfg = cfg
+        self.views = views
+        self.conn = cfg.conn
+        self.poller = select.poll()
+        self.poller.register(self.conn.fileno(), select.POLLIN)
+        self.children: dict[int, tuple[int, int]] = {}  # pidfd -> (slot, pid)
+        self.stopping = False
+
+    def serve(self) -> None:
+        self.conn.send_bytes(encode(Tag.READY))
+        while not (self.stopping and not self.children):
+            for fd, _ in self.poller.poll():
+                if fd == self.conn.fileno():
+                    self._on_command()
+                else:
+                    self._on_child_exit(fd)
+
+    def _on_command(self) -> None:
+        try:
+            frame = self.conn.recv_bytes()
+        except (EOFError, OSError):  # the coordinator is gone: take every worker with us
+            self._kill_all()
+            os._exit(0)
+        tag, fields = decode(frame)
+        if tag is Tag.SPAWN:
+            if not self.stopping:
+                self._spawn(fields[0])
+        elif tag is Tag.STOP:
+            self.stopping = True
+
+    def _spawn(self, slot: int) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        zygote_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the worker
+            ours.close()
+            self._become_worker(slot, theirs, zygote_pid)
+        theirs.close()
+        self.conn.send_bytes(encode(Tag.SPAWNED, slot, pid))
+        send_handle(self.conn, ours.fileno(), self.cfg.coordinator_pid)
+        ours.close()
+        pidfd = os.pidfd_open(pid)
+        self.children[pidfd] = (slot, pid)
+        self.poller.register(pidfd, select.POLLIN)
+
+    def _become_worker(self, slot: int, sock: socket.socket, zygote_pid: int) -> None:
+        code = 1
+        try:
+            _die_with_parent()
+            if os.getppid() != zygote_pid:  # the zygote died between fork and prctl
+                os._exit(1)
+            for pidfd in self.children:
+                os.close(pidfd)
+            self.conn.close()
+            from mpsched._worker import worker_main  # deferred: the zygote itself never runs one
+
+            code = worker_main(
+                slot,
+                self.views,
+                self.cfg.wake_fds,
+                Connection(sock.detach()),
+                self.cfg.worker_options,
+            )
+        except BaseException:
+            traceback.print_exc(file=sys.stderr)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def _on_child_exit(self, pidfd: int) -> None:
+        slot, pid = self.children.pop(pidfd)
+        self.poller.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        with contextlib.suppress(OSError):
+            self.conn.send_bytes(encode(Tag.EXITED, slot, pid, os.waitstatus_to_exitcode(status)))
+
+    def _kill_all(self) -> None:
+        for _, pid in self.children.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pidfd, (_, pid) in list(self.children.items()):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            os.close(pidfd)
+        self.children.clear()
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent (the zygote) dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")

@@ -1,0 +1,143 @@
+"""Task functions for the integration tests; module-level so workers can import them."""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import time
+from typing import Any
+
+import mpsched
+
+_log_fds: dict[str, int] = {}
+
+
+def ident(x: Any) -> Any:
+    return x
+
+
+def add(a: int, b: int = 0) -> int:
+    return a + b
+
+
+def pid_of(_: Any = None) -> int:
+    return os.getpid()
+
+
+def boom(message: str) -> None:
+    raise ValueError(message)
+
+
+def record(path: str, task_id: int) -> int:
+    """Append ``task_id`` to the log at ``path`` (one atomic O_APPEND write: a side effect that
+    shows how many times each task ran)."""
+    fd = _log_fds.get(path)
+    if fd is None:
+        fd = _log_fds[path] = os.open(path, os.O_WRONLY | os.O_APPEND)
+    os.write(fd, struct.pack("q", task_id))
+    return task_id
+
+
+def read_log(path: str) -> list[int]:
+    with open(path, "rb") as f:
+        data = f.read()
+    return [v for (v,) in struct.iter_unpack("q", data)]
+
+
+def record_with_children(path: str, task_id: int, children: int) -> int:
+    """Record ``task_id`` and spawn ``children`` children that record ids below zero."""
+    futures = [mpsched.submit(record, path, -(task_id * 100 + k) - 1) for k in range(children)]
+    record(path, task_id)
+    return sum(f.result() for f in futures)
+
+
+def fib(n: int) -> int:
+    if n < 2:
+        return n
+    a = mpsched.submit(fib, n - 1)
+    b = fib(n - 2)
+    return a.result() + b
+
+
+def rsum(lo: int, hi: int, leaf: int) -> int:
+    if hi - lo <= leaf:
+        return sum(range(lo, hi))
+    mid = (lo + hi) // 2
+    left = mpsched.submit(rsum, lo, mid, leaf)
+    right = mpsched.submit(rsum, mid, hi, leaf)
+    return left.result() + right.result()
+
+
+def spin(seconds: float) -> float:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+    return seconds
+
+
+def gate(path: str) -> bool:
+    """Block until the test opens the FIFO at ``path`` for writing and writes a byte (a
+    cross-process event: no sleeping, no polling)."""
+    with open(path, "rb") as fifo:
+        return fifo.read(1) == b"x"
+
+
+def gated_ident(path: str, x: Any) -> Any:
+    gate(path)
+    return x
+
+
+def started_then_gated(started: str, path: str, x: Any) -> Any:
+    """Tell the test this task runs (FIFO ``started``), then wait at the gate ``path``."""
+    with open(started, "wb") as fifo:
+        fifo.write(b"s")
+    return gated_ident(path, x)
+
+
+def wait_started(started: str) -> None:
+    """Test side: block until a ``started_then_gated`` task is running."""
+    with open(started, "rb") as fifo:
+        assert fifo.read(1) == b"s"
+
+
+def open_gate(path: str) -> None:
+    """Test side: release one ``gate(path)`` (blocks until a task is waiting at it)."""
+    with open(path, "wb") as fifo:
+        fifo.write(b"x")
+
+
+def echo_size(data: bytes) -> int:
+    return len(data)
+
+
+def make_bytes(n: int) -> bytes:
+    return b"x" * n
+
+
+def nested_big(n: int) -> int:
+    child = mpsched.submit(make_bytes, n)
+    return len(child.result())
+
+
+def submit_outside() -> None:
+    assert mpsched.submit(ident, 1).result() == 1
+
+
+def unpicklable_result() -> Any:
+    import threading
+
+    return threading.Lock()
+
+
+def exit_task(code: int) -> None:
+    sys.exit(code)
+
+
+def raise_keyboard_interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+def fire_and_forget(path: str, task_id: int) -> int:
+    mpsched.submit(record, path, task_id)
+    return task_id

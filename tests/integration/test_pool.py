@@ -1,0 +1,257 @@
+"""Integration tests of mpsched.Pool: submit, map, errors, nested tasks, shutdown."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import CancelledError, wait
+
+import pytest
+
+import mpsched
+from mpsched import Pool, PoolClosedError
+
+from . import tasks
+
+START_METHODS = ["forkserver", "spawn", "fork"]
+
+
+@pytest.fixture(params=START_METHODS)
+def start_method(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def pool2() -> Pool:
+    with Pool(2) as pool:
+        yield pool
+
+
+# ---------------------------------------------------------------- basics, every start method
+@pytest.mark.timeout(60)
+def test_submit_map_and_nested_under_each_start_method(start_method: str) -> None:
+    with Pool(2, start_method=start_method) as pool:
+        assert pool.submit(tasks.add, 2, b=3).result() == 5
+        assert list(pool.map(tasks.add, range(100), range(100))) == [2 * i for i in range(100)]
+        assert pool.submit(tasks.fib, 12).result() == 144
+        assert pool.submit(lambda x: x * 2, 21).result() == 42
+        pids = {pool.submit(tasks.pid_of).result() for _ in range(20)}
+        assert os.getpid() not in pids
+
+
+@pytest.mark.timeout(60)
+def test_local_functions_and_lambdas_work(pool2: Pool) -> None:
+    def local(x: int) -> int:
+        return x + 1
+
+    offset = 10
+    assert pool2.submit(local, 1).result() == 2
+    assert pool2.submit(lambda: offset + 1).result() == 11
+
+
+@pytest.mark.timeout(60)
+def test_task_exception_carries_remote_traceback_and_pool_goes_on(pool2: Pool) -> None:
+    future = pool2.submit(tasks.boom, "bad input")
+    with pytest.raises(ValueError, match="bad input") as info:
+        future.result()
+    assert "in boom" in str(info.value.__cause__)
+    assert pool2.submit(tasks.add, 1, 1).result() == 2
+
+
+@pytest.mark.timeout(60)
+def test_system_exit_and_keyboard_interrupt_in_a_task_are_errors(pool2: Pool) -> None:
+    with pytest.raises(SystemExit):
+        pool2.submit(tasks.exit_task, 3).result()
+    with pytest.raises(KeyboardInterrupt):
+        pool2.submit(tasks.raise_keyboard_interrupt).result()
+    assert pool2.submit(tasks.add, 2, 2).result() == 4
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_argument_fails_at_submit(pool2: Pool) -> None:
+    with pytest.raises(TypeError, match="pickle"):
+        pool2.submit(tasks.ident, threading.Lock())
+    assert pool2.submit(tasks.ident, 7).result() == 7
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_result_fails_that_future_only(pool2: Pool) -> None:
+    with pytest.raises(Exception, match="pickle"):
+        pool2.submit(tasks.unpicklable_result).result()
+    assert pool2.submit(tasks.ident, 8).result() == 8
+
+
+@pytest.mark.timeout(60)
+def test_non_callable_is_a_type_error(pool2: Pool) -> None:
+    with pytest.raises(TypeError, match="callable"):
+        pool2.submit(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_big_arguments_and_results_cross_the_stash(pool2: Pool) -> None:
+    big = os.urandom(300_000)
+    assert pool2.submit(tasks.echo_size, big).result() == len(big)
+    assert pool2.submit(tasks.make_bytes, 500_000).result() == b"x" * 500_000
+    assert pool2.submit(tasks.nested_big, 200_000).result() == 200_000
+
+
+@pytest.mark.timeout(60)
+def test_submit_outside_a_worker_is_an_error(pool2: Pool) -> None:
+    with pytest.raises(RuntimeError, match="inside a task"):
+        mpsched.submit(tasks.ident, 1)
+    assert pool2.submit(tasks.submit_outside).result() is None  # inside a task it works
+
+
+# ---------------------------------------------------------------- map
+@pytest.mark.timeout(60)
+def test_map_keeps_order_with_any_chunksize(pool2: Pool) -> None:
+    data = list(range(5000))
+    assert list(pool2.map(tasks.ident, data)) == data
+    assert list(pool2.map(tasks.ident, data, chunksize=7)) == data
+    assert list(pool2.map(tasks.add, data, data, chunksize=1000)) == [2 * x for x in data]
+    assert list(pool2.map(tasks.ident, [])) == []
+
+
+@pytest.mark.timeout(60)
+def test_map_reads_its_input_lazily(pool2: Pool) -> None:
+    pulled = 0
+
+    def numbers():  # infinite
+        nonlocal pulled
+        while True:
+            pulled += 1
+            yield pulled
+
+    results = pool2.map(tasks.ident, numbers(), chunksize=10)
+    assert [next(results) for _ in range(5)] == [1, 2, 3, 4, 5]
+    assert pulled < 1000  # bounded read-ahead
+    results.close()
+
+
+@pytest.mark.timeout(60)
+def test_map_raises_the_task_error_in_order(pool2: Pool) -> None:
+    results = pool2.map(tasks.boom, ["first", "second"], chunksize=1)
+    with pytest.raises(ValueError, match="first"):
+        next(results)
+
+
+@pytest.mark.timeout(60)
+def test_map_bad_chunksize(pool2: Pool) -> None:
+    with pytest.raises(ValueError, match="chunksize"):
+        pool2.map(tasks.ident, [1], chunksize=0)
+
+
+# ---------------------------------------------------------------- nested tasks
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_fork_join_finishes_with_one_or_two_workers(workers: int) -> None:
+    with Pool(workers) as pool:
+        assert pool.submit(tasks.fib, 16).result() == 987
+        assert pool.submit(tasks.rsum, 0, 100_000, 1000).result() == sum(range(100_000))
+
+
+@pytest.mark.timeout(60)
+def test_fire_and_forget_children_finish_before_shutdown(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "log")
+    open(path, "wb").close()
+    with Pool(2) as pool:
+        futures = [pool.submit(tasks.fire_and_forget, path, i) for i in range(200)]
+        assert sorted(f.result() for f in futures) == list(range(200))
+    assert sorted(tasks.read_log(path)) == list(range(200))
+
+
+# ---------------------------------------------------------------- shutdown
+@pytest.mark.timeout(60)
+def test_submit_after_shutdown_is_refused(pool2: Pool) -> None:
+    pool2.shutdown()
+    pool2.shutdown()  # a no-op
+    with pytest.raises(PoolClosedError):
+        pool2.submit(tasks.ident, 1)
+    with pytest.raises(RuntimeError):
+        pool2.submit(tasks.ident, 1)
+    assert pool2.await_termination(0)
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_from_two_threads(pool2: Pool) -> None:
+    futures = [pool2.submit(tasks.spin, 0.001) for _ in range(200)]
+    barrier = threading.Barrier(2)
+
+    def stop() -> None:
+        barrier.wait()
+        pool2.shutdown(wait=True)
+
+    threads = [threading.Thread(target=stop) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(f.result() == 0.001 for f in futures)
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_while_tasks_spawn_children(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "log")
+    open(path, "wb").close()
+    pool = Pool(2)
+    futures = [pool.submit(tasks.record_with_children, path, i, 5) for i in range(1, 301)]
+    pool.shutdown(wait=True)
+    assert all(f.done() for f in futures)
+    log = tasks.read_log(path)
+    assert len(log) == len(set(log)) == 300 * 6
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_cancel_futures_cancels_unclaimed_work(tmp_path: object) -> None:
+    fifo = os.path.join(str(tmp_path), "gate")
+    started = os.path.join(str(tmp_path), "started")
+    os.mkfifo(fifo)
+    os.mkfifo(started)
+    pool = Pool(1)
+    blocker = pool.submit(tasks.started_then_gated, started, fifo, "blocker")
+    queued = [pool.submit(tasks.ident, i) for i in range(1000)]
+    tasks.wait_started(started)  # the blocker runs: everything else is unclaimed
+    stopper = threading.Thread(target=pool.shutdown, kwargs={"cancel_futures": True})
+    stopper.start()
+    tasks.open_gate(fifo)
+    stopper.join()
+    assert blocker.result() == "blocker"
+    _done, not_done = wait(queued, timeout=10)
+    assert not not_done
+    cancelled = [f for f in queued if f.cancelled()]
+    ran = [f for f in queued if not f.cancelled()]
+    assert len(cancelled) + len(ran) == 1000
+    assert len(cancelled) >= 1000 - 128  # at most the inbox's content can have been claimed
+    for f in cancelled:
+        with pytest.raises(CancelledError):
+            f.result()
+
+
+@pytest.mark.timeout(60)
+def test_future_cancel_before_a_worker_claims_it(tmp_path: object) -> None:
+    fifo = os.path.join(str(tmp_path), "gate")
+    os.mkfifo(fifo)
+    path = os.path.join(str(tmp_path), "log")
+    open(path, "wb").close()
+    with Pool(1) as pool:
+        blocker = pool.submit(tasks.gated_ident, fifo, "blocker")
+        queued = [pool.submit(tasks.record, path, i) for i in range(300)]
+        cancelled = [f.cancel() for f in queued]
+        tasks.open_gate(fifo)
+        assert blocker.result() == "blocker"
+    ran = set(tasks.read_log(path))
+    for i, (f, ok) in enumerate(zip(queued, cancelled, strict=True)):
+        assert ok == f.cancelled()
+        assert (i in ran) != ok  # exactly one of: cancelled, or ran
+
+
+@pytest.mark.timeout(60)
+def test_statistics(pool2: Pool) -> None:
+    for f in [pool2.submit(tasks.ident, i) for i in range(500)]:
+        f.result()
+    stats = pool2.statistics()
+    assert stats.workers == 2
+    assert stats.submitted == 500
+    assert stats.completed == 500
+    assert sum(w.executed for w in stats.per_worker) == 500
+    assert stats.steals >= 0
