@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
 
-from mpsched._errors import BrokenPoolError, ProtocolError, WorkerCrashedError
+from mpsched._errors import BrokenPoolError, InternalError, ProtocolError, WorkerCrashedError
 from mpsched._future import Future
 from mpsched._layout import SegmentViews
 from mpsched._payloads import BlockField
@@ -54,20 +54,6 @@ _CANCELLED = int(ResultStatus.CANCELLED)
 _DRAIN = encode(Tag.DRAIN)
 
 DRAIN_TIMEOUT = 10.0  # seconds a worker gets to answer DRAIN before it is killed
-
-
-class TaskRecord:
-    """One top-level task, from submit to its future's resolution (coordinator process)."""
-
-    __slots__ = ("cancelled", "future", "handle", "payload", "slot", "uid")
-
-    def __init__(self, uid: int, future: Future, payload: bytes) -> None:
-        self.uid = uid
-        self.future = future
-        self.payload = payload  # dropped once written to shared memory
-        self.handle = -1  # slab block once dispatched
-        self.slot = -1  # the inbox it was injected into
-        self.cancelled = False
 
 
 @dataclass
@@ -117,15 +103,14 @@ class Coordinator:
         self.max_inflight = max_inflight
         # Guards pending, records' location fields and the draining flag against user threads.
         self.lock = threading.Lock()
-        self.pending: collections.deque[TaskRecord] = collections.deque()
-        self.by_handle: dict[int, TaskRecord] = {}  # dispatched, unfinished
+        self.pending: collections.deque[Future] = collections.deque()
+        self.by_handle: dict[int, Future] = {}  # dispatched, unfinished
         self.stash: dict[int, bytes] = {}
         self.parked_fetches: dict[int, list[Connection]] = {}
         self.workers: list[WorkerHandle | None] = [None] * n_workers
         self.by_fd: dict[int, WorkerHandle] = {}
         self.exit_codes: dict[int, int] = {}  # pid -> exit code, from the zygote
         self.draining = False
-        self.cancel_pending_on_drain = False
         self.broken: BaseException | None = None
         self.next_slot = 0
         self.stash_counter = 0
@@ -148,25 +133,46 @@ class Coordinator:
             self.on_zygote_message(block=True)
 
     # ------------------------------------------------------------------ user-thread API
-    def submit_records(self, records: list[TaskRecord]) -> None:
-        """Any thread: queue records (caller checked the pool is open). Wake-up by the caller."""
-        self.pending.extend(records)
+    def submit(self, future: Future) -> bool:
+        """Any thread (the caller checked the pool is open): hand the task to a worker now if
+        nothing is queued ahead of it and an inbox has room (one hop less: the latency path);
+        else queue it. Returns True if the coordinator loop must be woken to dispatch it."""
+        if not self.pending and self.lock.acquire(False):
+            try:
+                if not self.pending and self.dispatch_one(future):
+                    return False
+            finally:
+                self.lock.release()
+        self.pending.append(future)
+        return True
 
-    def cancel(self, record: TaskRecord) -> bool:
+    def dispatch_one(self, future: Future) -> bool:
+        """Under ``self.lock``: inject one task into the next inbox with room; False if none."""
+        if len(self.by_handle) >= self.max_inflight:
+            return False
+        n = self.n_workers
+        for i in range(n):
+            k = (self.next_slot + i) % n
+            if self.workers[k] is not None and self.slots[k].inbox_depth() < self.window:
+                self.next_slot = (k + 1) % n
+                return self.inject(k, [future]) == 1
+        return False
+
+    def cancel(self, future: Future) -> bool:
         """Any thread: withdraw a task no worker has claimed. True if it will never run."""
         with self.lock:
-            if record.handle < 0:
-                if record.cancelled or record.future.done():
-                    return record.cancelled
-                record.cancelled = True  # dispatch skips it
-                record.payload = b""
+            if future._handle < 0:
+                if future._withdrawn or future.done():
+                    return future._withdrawn
+                future._withdrawn = True  # dispatch skips it
+                future._payload = b""
                 return True
-            if not self.slots[record.slot].cancel_injected(record.handle):
+            if not self.slots[future._slot].cancel_injected(future._handle):
                 return False  # a worker claimed it first
-            self.by_handle.pop(record.handle, None)
-            self.slab.free(record.handle)
-            record.handle = -1
-            record.cancelled = True
+            self.by_handle.pop(future._handle, None)
+            self.slab.free(future._handle)
+            future._handle = -1
+            future._withdrawn = True
             return True
 
     # ------------------------------------------------------------------ the loop
@@ -198,59 +204,62 @@ class Coordinator:
                 return
 
     def all_done(self) -> bool:
-        if self.cancel_pending_on_drain:
-            self.cancel_everything_unclaimed()
         return not self.pending and not self.by_handle and self.header.live_children() == 0
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self) -> None:
-        slab = self.slab
         n = self.n_workers
         with self.lock:
             for i in range(n):
                 k = (self.next_slot + i) % n
                 if self.workers[k] is None or not self.pending:
                     continue
-                slot = self.slots[k]
                 room = min(
-                    self.window - slot.inbox_depth(),
+                    self.window - self.slots[k].inbox_depth(),
                     self.max_inflight - len(self.by_handle),
                 )
-                if room <= 0:
-                    continue
-                batch = self.take_pending(room)
-                if not batch:
-                    break
-                handles = slab.alloc_many(len(batch))
-                if len(handles) < len(batch):  # slab full: the rest waits for results
-                    self.pending.extendleft(reversed(batch[len(handles) :]))
-                    batch = batch[: len(handles)]
-                for rec, handle in zip(batch, handles, strict=True):
-                    payload = rec.payload
-                    if not slab.write(handle, payload, uid=rec.uid):
-                        slab.write(handle, b"", uid=rec.uid)
-                        slab.set_word(handle, _NBYTES, -self.stash_put(payload))
-                    rec.payload = b""
-                    rec.handle = handle
-                    rec.slot = k
-                    self.by_handle[handle] = rec
-                if handles:
-                    injected, was_sleeping = slot.inject_wake(handles)
-                    if injected != len(handles):
-                        raise BrokenPoolError("inbox overflow: the dispatch window is broken")
-                    if was_sleeping:
-                        os.eventfd_write(self.wake_fds[k], 1)
-                    elif self.header.sleepers():
-                        self.wake_one_sleeper()
+                if room > 0:
+                    batch = self.take_pending(room)
+                    taken = self.inject(k, batch)
+                    if taken < len(batch):  # slab full: the rest waits for results
+                        self.pending.extendleft(reversed(batch[taken:]))
+                        break
             self.next_slot = (self.next_slot + 1) % n
 
-    def take_pending(self, n: int) -> list[TaskRecord]:
-        out: list[TaskRecord] = []
+    def inject(self, k: int, batch: list[Future]) -> int:
+        """Under ``self.lock``: write ``batch`` into slab blocks and inject them into inbox
+        ``k`` in one lock round, waking a sleeper. Returns how many went (the slab may be full)."""
+        if not batch:
+            return 0
+        slab = self.slab
+        handles = slab.alloc_many(len(batch)) if len(batch) > 1 else [slab.alloc()]
+        if not handles or handles[0] < 0:
+            return 0
+        for future, handle in zip(batch, handles, strict=False):
+            payload = future._payload
+            if not slab.write(handle, payload, uid=future._uid):
+                slab.write(handle, b"", uid=future._uid)
+                slab.set_word(handle, _NBYTES, -self.stash_put(payload))
+            future._payload = b""
+            future._handle = handle
+            future._slot = k
+            self.by_handle[handle] = future  # before the inject: a result may come at once
+        injected, was_sleeping = self.slots[k].inject_wake(handles)
+        if injected != len(handles):
+            raise BrokenPoolError("inbox overflow: the dispatch window is broken")
+        if was_sleeping:
+            os.eventfd_write(self.wake_fds[k], 1)
+        elif self.header.sleepers():
+            self.wake_one_sleeper()
+        return len(handles)
+
+    def take_pending(self, n: int) -> list[Future]:
+        out: list[Future] = []
         pending = self.pending
         while pending and len(out) < n:
-            rec = pending.popleft()
-            if not rec.cancelled:
-                out.append(rec)
+            future = pending.popleft()
+            if not future._withdrawn:
+                out.append(future)
         return out
 
     def wake_one_sleeper(self) -> None:
@@ -273,18 +282,27 @@ class Coordinator:
                 continue
             handles = slot.take_done()
             outcomes = []
-            for handle in handles:
-                rec = self.by_handle.pop(handle)
-                status = slab.get_word(handle, _RESULT_STATUS)
-                if slab.get_word(handle, _RESULT_NBYTES) >= 0:
-                    data = slab.read_result(handle)[1]
-                else:
-                    data = self.stash_take(-slab.get_word(handle, _RESULT_NBYTES), k)
-                outcomes.append((rec, status, data))
-            slab.free_many(handles)
-            self.completed += len(handles)
-            for rec, status, data in outcomes:
-                resolve(rec, status, data)
+            unknown = []
+            try:
+                for handle in handles:
+                    future = self.by_handle.pop(handle, None)
+                    if future is None:
+                        unknown.append(handle)
+                        continue
+                    status = slab.get_word(handle, _RESULT_STATUS)
+                    nbytes = slab.get_word(handle, _RESULT_NBYTES)
+                    if nbytes >= 0:
+                        data = slab.read_result(handle)[1]
+                    else:
+                        data = self.stash_take(-nbytes, k)
+                    outcomes.append((future, status, data))
+            finally:  # settle what was taken even if one entry is bad: nothing is lost
+                slab.free_many([h for h in handles if h not in unknown])
+                self.completed += len(outcomes)
+                for future, status, data in outcomes:
+                    resolve(future, status, data)
+            if unknown:
+                raise InternalError(f"worker {k} completed unknown task blocks {unknown}")
 
     def stash_take(self, key: int, slot: int) -> bytes:
         """Stashed result bytes; the STASH message was sent before the done-ring push, so it
@@ -401,15 +419,14 @@ class Coordinator:
         self.header.break_dead_holder(worker.pid)
         self.collect()
         for handle in slot.take_running():
-            rec = self.by_handle.pop(handle, None)
-            if rec is None:  # a child: its parent waits on the block
+            future = self.by_handle.pop(handle, None)
+            if future is None:  # a child: its parent waits on the block
                 self.fail_child(handle, worker, code)
                 continue
             self.slab.free(handle)
-            error = WorkerCrashedError(crash_message(worker, code), code)
+            future._owner = None
             with contextlib.suppress(Exception):
-                rec.future.set_exception(error)
-            rec.future._detach()
+                future.set_exception(WorkerCrashedError(crash_message(worker, code), code))
 
     def fail_child(self, handle: int, worker: WorkerHandle, code: int | None) -> None:
         from mpsched._protocol import dump_exception
@@ -430,21 +447,22 @@ class Coordinator:
 
     # ------------------------------------------------------------------ shutdown
     def begin_shutdown(self, cancel_futures: bool) -> None:
+        """Any thread: no more submissions reach here (the pool checks); drain from now on."""
         with self.lock:
             self.draining = True
-            if cancel_futures:
-                self.cancel_pending_on_drain = True
+        if cancel_futures:
+            self.cancel_everything_unclaimed()
 
     def cancel_everything_unclaimed(self) -> None:
         with self.lock:
             pending, self.pending = self.pending, collections.deque()
-            injected = [rec for rec in self.by_handle.values() if rec.slot >= 0]
-        for rec in pending:
-            if not rec.cancelled:
-                rec.cancelled = True
-                rec.future.cancel()
-        for rec in injected:
-            rec.future.cancel()
+            injected = list(self.by_handle.values())
+        for future in pending:
+            if not future._withdrawn:
+                future._withdrawn = True
+                future._mark_cancelled()
+        for future in injected:
+            future.cancel()  # wins only against a claim that has not happened
 
     def drain_workers(self) -> None:
         """The handshake: DRAIN to every worker, read until DRAINED or EOF, then STOP."""
@@ -476,13 +494,14 @@ class Coordinator:
         error.__cause__ = exc
         with self.lock:
             self.draining = True
-            records = list(self.pending) + list(self.by_handle.values())
+            futures = list(self.pending) + list(self.by_handle.values())
             self.pending.clear()
             self.by_handle.clear()
-        for rec in records:
+        for future in futures:
+            future._owner = None
             with contextlib.suppress(Exception):
-                if not rec.future.done():
-                    rec.future.set_exception(error)
+                if not future.done():
+                    future.set_exception(error)
         for worker in list(self.workers):
             if worker is not None:
                 self.forget_worker(worker)
@@ -502,17 +521,16 @@ def crash_message(worker: WorkerHandle, code: int | None) -> str:
     )
 
 
-def resolve(rec: TaskRecord, status: int, data: bytes) -> None:
+def resolve(future: Future, status: int, data: bytes) -> None:
     """Settle a task's future from its result bytes (coordinator thread, no lock held)."""
-    future = rec.future
-    future._detach()
+    future._owner = None
     if future.done():  # cancelled meanwhile: a race the claim decided; nothing to report
         return
     try:
         if status == _OK:
             future.set_result(pickle.loads(data))
-        elif status == _CANCELLED and future.cancel():
-            return
+        elif status == _CANCELLED:
+            future._mark_cancelled()
         else:
             future.set_exception(load_exception(data))
     except Exception as exc:

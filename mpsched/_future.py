@@ -1,30 +1,111 @@
-"""The futures a pool hands out: ``Future`` (coordinator side) and ``ChildFuture`` (in workers).
+"""The futures a pool hands out (coordinator side): ``Future``.
 
 ``Future`` is a ``concurrent.futures.Future``, so ``wait``, ``as_completed`` and callbacks work.
-Its ``cancel()`` asks the pool: a task that no worker has claimed is cancelled for certain (it
-will never run); once claimed, ``cancel()`` returns False, as for a running stdlib future.
-``running()`` stays False: the claim happens in a worker and is not reported (one message per
-task would halve throughput).
+It is *light*: the ``threading.Condition`` that the stdlib future creates up front (~1 us and a
+few hundred bytes) is created only when someone needs it (a waiter, a callback, a cancel).
+``set_result``/``set_exception`` on a future that nobody waits on just store the outcome.
 
-``ChildFuture`` is returned by ``mpsched.submit`` inside a task. Its state lives in the child's
-slab block in shared memory; ``result()`` does not block the worker: it runs other tasks until
-the child is done (join-helping), see ``_worker``.
+Why that is safe: every stdlib method reads the state under ``self._condition``, and reaching
+``_condition`` creates it under the module lock ``_CONDITION_LOCK``. The fast setters change the
+state under that same lock, and only while no condition exists. So either the setter runs first
+(any later reader creates the condition afterwards and sees the outcome) or a reader created the
+condition first (the setter sees it and takes the stdlib path, which notifies).
+
+Besides the outcome, a pool future carries its task's routing fields (written by the coordinator,
+coordinator process only): where the task is, so that ``cancel()`` can withdraw it. ``cancel()``
+asks the pool: a task that no worker has claimed is cancelled for certain (it will never run);
+once claimed, ``cancel()`` returns False, as for a running stdlib future. ``running()`` stays
+False: the claim happens in a worker and is not reported (one message per task would halve
+throughput).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
-from typing import Any
+import threading
+from concurrent.futures._base import (
+    CANCELLED,
+    CANCELLED_AND_NOTIFIED,
+    FINISHED,
+    PENDING,
+    RUNNING,
+    InvalidStateError,
+)
+from typing import Any, Protocol
+
+_CONDITION_LOCK = threading.Lock()  # guards the lazy creation of every future's condition
+_DONE_STATES = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
+_CANCELLED_STATES = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED))
+
+
+class _Owner(Protocol):
+    def cancel(self, future: Future) -> bool: ...
 
 
 class Future(concurrent.futures.Future[Any]):
     """The future of a task submitted to an ``mpsched.Pool``."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        # Set by the pool; called with no lock held; True if the task was withdrawn for certain.
-        self._cancel_hook: Callable[[], bool] | None = None
+    def __init__(self, owner: _Owner | None = None, uid: int = 0, payload: bytes = b"") -> None:
+        # No super().__init__(): it would create the Condition eagerly (see the module doc).
+        self._cond: threading.Condition | None = None
+        self._state = PENDING
+        self._result = None
+        self._exception = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
+        # Routing (the coordinator's): who can withdraw the task, and where it is.
+        self._owner = owner  # None once the outcome is known
+        self._uid = uid
+        self._payload = payload  # dropped once written to shared memory
+        self._handle = -1  # slab block once dispatched
+        self._slot = -1  # the inbox it was injected into
+        self._withdrawn = False  # cancelled before dispatch: dispatch skips it
+
+    @property
+    def _condition(self) -> threading.Condition:  # type: ignore[override]
+        cond = self._cond
+        if cond is None:
+            with _CONDITION_LOCK:
+                cond = self._cond
+                if cond is None:
+                    cond = self._cond = threading.Condition()
+        return cond
+
+    # Racy snapshots, as the stdlib's are at the moment they return; no condition needed.
+    def done(self) -> bool:
+        return self._state in _DONE_STATES
+
+    def cancelled(self) -> bool:
+        return self._state in _CANCELLED_STATES
+
+    def running(self) -> bool:
+        return self._state == RUNNING
+
+    def set_result(self, result: Any) -> None:
+        with _CONDITION_LOCK:
+            fast = self._cond is None
+            if fast:
+                if self._state in _DONE_STATES:
+                    raise InvalidStateError(f"{self._state}: {self!r}")
+                self._result = result
+                self._state = FINISHED
+        if fast:
+            self._invoke_callbacks()  # type: ignore[attr-defined]
+        else:
+            super().set_result(result)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        with _CONDITION_LOCK:
+            fast = self._cond is None
+            if fast:
+                if self._state in _DONE_STATES:
+                    raise InvalidStateError(f"{self._state}: {self!r}")
+                self._exception = exception
+                self._state = FINISHED
+        if fast:
+            self._invoke_callbacks()  # type: ignore[attr-defined]
+        else:
+            super().set_exception(exception)
 
     def cancel(self) -> bool:
         """Cancel the task if no worker has claimed it yet; then it never runs.
@@ -34,18 +115,17 @@ class Future(concurrent.futures.Future[Any]):
         """
         if self.done():
             return self.cancelled()
-        hook = self._cancel_hook
-        if hook is not None and not hook():
+        owner = self._owner
+        if owner is not None and not owner.cancel(self):
             return False
+        return self._mark_cancelled()
+
+    def _mark_cancelled(self) -> bool:
+        """The task will never run: cancel and notify at once (``wait()`` and ``as_completed()``
+        count only CANCELLED_AND_NOTIFIED as done; ProcessPoolExecutor forgets this after
+        ``shutdown(cancel_futures=True)``, leaving its waiters blocked)."""
+        self._owner = None
         if not super().cancel():
             return False
-        # The task will never run, so notify now: wait() and as_completed() count only
-        # CANCELLED_AND_NOTIFIED as done (ProcessPoolExecutor forgets this after
-        # shutdown(cancel_futures=True), leaving its waiters blocked).
         self.set_running_or_notify_cancel()
-        self._detach()
         return True
-
-    def _detach(self) -> None:
-        """Drop the pool reference once the outcome is known (so a done future pins nothing)."""
-        self._cancel_hook = None

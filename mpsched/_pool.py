@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import itertools
 import multiprocessing
 import os
@@ -34,7 +33,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from mpsched._coordinator import Coordinator, TaskRecord
+from mpsched._coordinator import Coordinator
 from mpsched._errors import BrokenPoolError, PoolClosedError
 from mpsched._future import Future
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
@@ -250,12 +249,11 @@ class Pool:
                 raise PoolClosedError("cannot submit to a pool that is shutting down")
             fid = self._functions.fid(fn)
             payload = encode_call(fid, None if fid != INLINE else fn, args, kwargs)
-            future = Future()
-            rec = TaskRecord(next(self._uids), future, payload)
-            future._cancel_hook = functools.partial(self._coordinator.cancel, rec)
-            self._coordinator.pending.append(rec)
+            future = Future(self._coordinator, next(self._uids), payload)
             self._submitted += 1
-        self._wakeup.wakeup()
+            wake = self._coordinator.submit(future)
+        if wake:
+            self._wakeup.wakeup()
         return future
 
     def map(

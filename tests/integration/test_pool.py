@@ -239,6 +239,9 @@ def test_future_cancel_before_a_worker_claims_it(tmp_path: object) -> None:
         cancelled = [f.cancel() for f in queued]
         tasks.open_gate(fifo)
         assert blocker.result() == "blocker"
+        assert pool.submit(tasks.ident, 5).result() == 5
+        slab = pool._views.slab
+        assert slab.free_count() == slab.capacity  # no block leaked or injected without a task
     ran = set(tasks.read_log(path))
     for i, (f, ok) in enumerate(zip(queued, cancelled, strict=True)):
         assert ok == f.cancelled()
