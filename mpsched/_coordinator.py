@@ -170,7 +170,7 @@ class Coordinator:
             if not self.slots[future._slot].cancel_injected(future._handle):
                 return False  # a worker claimed it first
             self.by_handle.pop(future._handle, None)
-            self.slab.free(future._handle)
+            self.slab.free_tasks([future._handle])
             future._handle = -1
             future._withdrawn = True
             return True
@@ -297,7 +297,7 @@ class Coordinator:
                         data = self.stash_take(-nbytes, k)
                     outcomes.append((future, status, data))
             finally:  # settle what was taken even if one entry is bad: nothing is lost
-                slab.free_many([h for h in handles if h not in unknown])
+                slab.free_tasks([h for h in handles if h not in unknown])
                 self.completed += len(outcomes)
                 for future, status, data in outcomes:
                     resolve(future, status, data)
@@ -423,7 +423,7 @@ class Coordinator:
             if future is None:  # a child: its parent waits on the block
                 self.fail_child(handle, worker, code)
                 continue
-            self.slab.free(handle)
+            self.slab.free_tasks([handle])
             future._owner = None
             with contextlib.suppress(Exception):
                 future.set_exception(WorkerCrashedError(crash_message(worker, code), code))
@@ -441,7 +441,7 @@ class Coordinator:
         self.header.add_live_children(-1)
         if previous == CHILD_ABANDONED:
             slab.set_word(handle, int(BlockField.STATE), 0)
-            slab.free(handle)
+            slab.free_tasks([handle])
         elif self.slots[parent].clear_sleeping():
             os.eventfd_write(self.wake_fds[parent], 1)
 

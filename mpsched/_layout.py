@@ -70,7 +70,7 @@ __all__ = (
 )
 
 LAYOUT_MAGIC = 0x6D70_7363_6864_6731  # "mpschdg1"
-LAYOUT_VERSION = 1  # bump whenever any layout table in _layout, _shm_deque or _payloads changes
+LAYOUT_VERSION = 2  # bump whenever any layout table in _layout, _shm_deque or _payloads changes
 HEADER_BYTES = 256
 PAGE = 4096  # bytes; region alignment (see "Regions start on page boundaries")
 

@@ -39,7 +39,8 @@ Block (B bytes, header words are int64; ``BlockField`` names them):
     #  32     8    result_status  worker that ran it         engine-defined; written after the
     #                                                        result bytes (their commit point)
     #  40     8    result_nbytes  worker that ran it         length of the result bytes
-    #  48    16    spare0, spare1 engine-defined
+    #  48     8    next_arg       writer of the task         next block of the arguments, -1 = last
+    #  56     8    next_result    worker that ran it         next block of the result, -1 = last
     #  64   B-64   data           task writer, then worker   arguments, later overwritten by the
     #                                                        result (args are dead by then)
 
@@ -70,8 +71,16 @@ Invariants and ordering:
       final store); ``break_dead_holder`` releases the lock. Blocks it had allocated and not
       yet published leak; the engine may reclaim them by scanning ``state``.
 
-Not handled here: payloads larger than a block's data area (``write`` returns False; the
-engine routes those elsewhere), what ``state`` and ``result_status`` values mean.
+Chains: bytes longer than one block's data area continue in further blocks, linked through
+``next_arg`` (arguments) or ``next_result`` (results); the first block keeps the header and the
+total length. Continuation blocks are allocated in one lock round by whoever writes the bytes and
+freed with the task (``free_tasks``), or, for arguments, as soon as they are read
+(``release_args``). A chain is at most ``MAX_CHAIN_BLOCKS`` long; beyond that, or when the slab
+is short of blocks, ``write``/``write_result`` return False and the engine routes the bytes
+elsewhere. A writer that dies between allocating continuation blocks and linking them leaks them
+(a bounded, documented loss: only on a crash mid-write).
+
+Not handled here: what ``state`` and ``result_status`` values mean.
 """
 
 from __future__ import annotations
@@ -128,8 +137,8 @@ class BlockField(enum.IntEnum):
     PARENT = 3
     RESULT_STATUS = 4
     RESULT_NBYTES = 5
-    SPARE0 = 6
-    SPARE1 = 7
+    NEXT_ARG = 6
+    NEXT_RESULT = 7
 
 
 _HEADER_WORDS = BLOCK_HEADER_BYTES // 8
@@ -139,6 +148,9 @@ _PARENT = int(BlockField.PARENT)
 _STATE = int(BlockField.STATE)
 _RESULT_STATUS = int(BlockField.RESULT_STATUS)
 _RESULT_NBYTES = int(BlockField.RESULT_NBYTES)
+_NEXT_ARG = int(BlockField.NEXT_ARG)
+_NEXT_RESULT = int(BlockField.NEXT_RESULT)
+MAX_CHAIN_BLOCKS = 256  # blocks per chain (~240 KiB): beyond, bytes go through the coordinator
 
 _pid = os.getpid()  # for holder_pid without a syscall per operation
 
@@ -337,54 +349,58 @@ class Slab:
     def write(
         self, index: int, data: bytes, *, uid: int, parent: int = -1, state: int | None = None
     ) -> bool:
-        """Write a task's argument bytes and header words; ``state`` (if given) is stored last.
+        """Write a task's argument bytes (chained if long) and header words; ``state`` (if
+        given) is stored last.
 
         Returns:
-            False if ``data`` does not fit in ``data_capacity`` (nothing is written).
+            False if ``data`` needs more than ``MAX_CHAIN_BLOCKS`` blocks or the slab is short
+            of blocks (nothing is written then).
         """
-        n = len(data)
-        if n > self.data_capacity:
-            return False
-        at = index * self.block_bytes + BLOCK_HEADER_BYTES
-        self._bytes[at : at + n] = data
         w = self._w
         base = self._blocks_word + index * self._block_words
+        w[base + _NEXT_RESULT] = -1  # first: even a refused write leaves no stale chain
+        if not self._scatter(index, data, _NEXT_ARG):
+            return False
         w[base + _UID] = uid
         w[base + _PARENT] = parent
         w[base + _RESULT_NBYTES] = 0
-        w[base + _NBYTES] = n
+        w[base + _NBYTES] = len(data)
         if state is not None:
             w[base + _STATE] = state
         return True
 
     def read(self, index: int) -> bytes:
-        """A copy of block ``index``'s argument bytes."""
-        at = index * self.block_bytes + BLOCK_HEADER_BYTES
+        """A copy of block ``index``'s argument bytes (gathered along its chain)."""
         n = self._w[self._blocks_word + index * self._block_words + _NBYTES]
-        return self._bytes[at : at + n].tobytes()
+        return self._gather(index, n, _NEXT_ARG)
+
+    def release_args(self, index: int) -> None:
+        """Free the argument chain's continuation blocks (the first block stays)."""
+        rest = self._chain(index, _NEXT_ARG)
+        if rest:
+            self._w[self._blocks_word + index * self._block_words + _NEXT_ARG] = -1
+            self.free_many(rest)
 
     def data_view(self, index: int, nbytes: int | None = None) -> memoryview:
-        """A zero-copy view of block ``index``'s data (``nbytes`` defaults to the argument
-        length), e.g. for ``pickle.loads``. Drop or release it before the segment closes."""
+        """A zero-copy view of block ``index``'s first data area (``nbytes`` defaults to the
+        argument length, capped at the block). Drop or release it before the segment closes."""
         at = index * self.block_bytes + BLOCK_HEADER_BYTES
         if nbytes is None:
             nbytes = self._w[self._blocks_word + index * self._block_words + _NBYTES]
-        return self._bytes[at : at + nbytes]
+        return self._bytes[at : at + min(nbytes, self.data_capacity)]
 
     def write_result(self, index: int, status: int, data: bytes) -> bool:
-        """Worker that ran the task: overwrite the data area with the result; ``status`` last.
+        """Worker that ran the task: write the result (chained if long); ``status`` last.
 
         Returns:
-            False if ``data`` does not fit (nothing is written).
+            False if it does not fit in ``MAX_CHAIN_BLOCKS`` or blocks are short (nothing is
+            written).
         """
-        n = len(data)
-        if n > self.data_capacity:
+        if not self._scatter(index, data, _NEXT_RESULT):
             return False
-        at = index * self.block_bytes + BLOCK_HEADER_BYTES
-        self._bytes[at : at + n] = data
         base = self._blocks_word + index * self._block_words
         w = self._w
-        w[base + _RESULT_NBYTES] = n
+        w[base + _RESULT_NBYTES] = len(data)
         w[base + _RESULT_STATUS] = status
         return True
 
@@ -392,8 +408,77 @@ class Slab:
         """(result_status, a copy of the result bytes) of block ``index``."""
         base = self._blocks_word + index * self._block_words
         w = self._w
+        return w[base + _RESULT_STATUS], self._gather(index, w[base + _RESULT_NBYTES], _NEXT_RESULT)
+
+    def free_tasks(self, indices: Sequence[int]) -> None:
+        """Free task blocks with both of their chains, in one lock round."""
+        every = list(indices)
+        for index in indices:
+            every.extend(self._chain(index, _NEXT_ARG))
+            every.extend(self._chain(index, _NEXT_RESULT))
+        self.free_many(every)
+
+    # ---- chains ----
+
+    def _chain(self, index: int, link: int) -> list[int]:
+        """Continuation blocks of ``index`` along ``link`` (excluding ``index``)."""
+        out: list[int] = []
+        w = self._w
+        first = self._blocks_word
+        words = self._block_words
+        nxt = w[first + index * words + link]
+        while nxt >= 0 and len(out) < MAX_CHAIN_BLOCKS:
+            out.append(nxt)
+            nxt = w[first + nxt * words + link]
+        return out
+
+    def _scatter(self, index: int, data: bytes, link: int) -> bool:
+        n = len(data)
+        cap = self.data_capacity
+        w = self._w
+        first = self._blocks_word
+        words = self._block_words
         at = index * self.block_bytes + BLOCK_HEADER_BYTES
-        return w[base + _RESULT_STATUS], self._bytes[at : at + w[base + _RESULT_NBYTES]].tobytes()
+        if n <= cap:  # the common case: one block
+            self._bytes[at : at + n] = data
+            w[first + index * words + link] = -1
+            return True
+        extra = -(-(n - cap) // cap)
+        blocks = self.alloc_many(extra) if extra < MAX_CHAIN_BLOCKS else []
+        if len(blocks) < extra:
+            self.free_many(blocks)
+            w[first + index * words + link] = -1  # a refused write leaves no chain to follow
+            return False
+        view = memoryview(data)
+        self._bytes[at : at + cap] = view[:cap]
+        prev = index
+        pos = cap
+        for block in blocks:
+            w[first + prev * words + link] = block
+            at = block * self.block_bytes + BLOCK_HEADER_BYTES
+            piece = view[pos : pos + cap]
+            self._bytes[at : at + len(piece)] = piece
+            pos += cap
+            prev = block
+        w[first + prev * words + link] = -1
+        view.release()
+        return True
+
+    def _gather(self, index: int, n: int, link: int) -> bytes:
+        cap = self.data_capacity
+        at = index * self.block_bytes + BLOCK_HEADER_BYTES
+        if n <= cap:
+            return self._bytes[at : at + n].tobytes()
+        out = bytearray(self._bytes[at : at + cap])
+        w = self._w
+        first = self._blocks_word
+        words = self._block_words
+        nxt = w[first + index * words + link]
+        while len(out) < n:
+            at = nxt * self.block_bytes + BLOCK_HEADER_BYTES
+            out += self._bytes[at : at + min(cap, n - len(out))]
+            nxt = w[first + nxt * words + link]
+        return bytes(out)
 
     def release(self) -> None:
         """Release this object's views of the segment (before ``AnonSegment.close``)."""

@@ -252,7 +252,11 @@ class Worker:
         slab = self.slab
         parent = slab.get_word(handle, _PARENT)
         nbytes = slab.get_word(handle, _NBYTES)
-        data = slab.read(handle) if nbytes >= 0 else self.fetch(-nbytes)
+        if nbytes >= 0:
+            data = slab.read(handle)
+            slab.release_args(handle)
+        else:
+            data = self.fetch(-nbytes)
         self.depth += 1
         try:
             fid, fn, args, kwargs = decode_call(data)
@@ -317,7 +321,7 @@ class Worker:
         self.header.add_live_children(1)
         if not self.me.push(handle):  # deque full
             self.header.add_live_children(-1)
-            slab.free(handle)
+            slab.free_tasks([handle])
             return self.run_inline(payload)
         if self.header.sleepers():
             self.wake_one_sleeper()
@@ -367,7 +371,7 @@ class Worker:
 
     def free_child(self, handle: int) -> None:
         self.slab.set_word(handle, _STATE, 0)
-        self.slab.free(handle)
+        self.slab.free_tasks([handle])
 
     def release_abandoned(self) -> None:
         """At a safe point (no lock held): children nobody waits for go to their executor."""

@@ -28,7 +28,7 @@ from mpsched._layout import (
     attach,
     create_locks,
 )
-from mpsched._payloads import BLOCK_HEADER_BYTES, BlockField, FunctionTable, Slab
+from mpsched._payloads import BLOCK_HEADER_BYTES, MAX_CHAIN_BLOCKS, BlockField, FunctionTable, Slab
 from mpsched._shm import AnonSegment, create_lock
 
 START_METHODS = ("fork", "forkserver", "spawn")
@@ -131,13 +131,14 @@ def test_block_words_data_and_results(slab: Slab) -> None:
     view = slab.data_view(i)
     assert pickle.loads(view) == (7, ("arg", 3))  # zero-copy load
     view.release()
-    slab.set_word(i, BlockField.SPARE1, -5)
-    assert slab.get_word(i, BlockField.SPARE1) == -5
+    slab.set_word(i, BlockField.NEXT_RESULT, -5)
+    assert slab.get_word(i, BlockField.NEXT_RESULT) == -5
     assert slab.write_result(i, 1, b"result")
     assert slab.read_result(i) == (1, b"result")
-    assert not slab.write_result(i, 1, b"x" * (slab.data_capacity + 1))
+    too_long = b"x" * (MAX_CHAIN_BLOCKS * slab.data_capacity + 1)
+    assert not slab.write_result(i, 1, too_long)
     assert slab.read_result(i) == (1, b"result")  # untouched by the refused write
-    assert not slab.write(i, b"x" * (slab.data_capacity + 1), uid=1)
+    assert not slab.write(i, too_long, uid=1)
     assert slab.write(i, b"y" * slab.data_capacity, uid=2)  # exactly full fits
     assert slab.read(i) == b"y" * slab.data_capacity
     assert slab.get_word(i, BlockField.PARENT) == -1
@@ -377,3 +378,29 @@ def test_segments_released() -> None:
         assert "memfd:mpsched" not in maps.read()
     assert set(os.listdir("/proc/self/fd")) <= fds_before
     assert not [n for n in os.listdir("/dev/shm") if f"mpsched-{os.getpid()}-" in n]
+
+
+def test_long_bytes_chain_across_blocks_and_free_with_the_task(slab: Slab) -> None:
+    free_before = slab.free_count()
+    i = slab.alloc()
+    args = bytes(range(256)) * 40  # ~10 KiB: 11 blocks
+    assert slab.write(i, args, uid=9)
+    assert slab.read(i) == args
+    assert slab.free_count() == free_before - 1 - (len(args) - 1) // slab.data_capacity
+    slab.release_args(i)  # the worker read them: continuation blocks go back at once
+    assert slab.free_count() == free_before - 1
+    result = b"r" * (3 * slab.data_capacity + 5)
+    assert slab.write_result(i, 0, result)
+    assert slab.read_result(i) == (0, result)
+    slab.free_tasks([i])
+    assert slab.free_count() == free_before
+    assert sorted(slab.free_indices()) == sorted(set(slab.free_indices()))  # no double free
+
+
+def test_chain_refused_when_the_slab_is_short(slab: Slab) -> None:
+    i = slab.alloc()
+    held = slab.alloc_many(slab.free_count() - 1)  # leave one free block
+    assert not slab.write(i, b"z" * (3 * slab.data_capacity), uid=1)
+    assert slab.free_count() == 1  # the partial allocation was given back
+    slab.free_many(held)
+    slab.free_tasks([i])
