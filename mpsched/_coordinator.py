@@ -125,11 +125,17 @@ class Coordinator:
         self.finished = threading.Event()
 
     # ------------------------------------------------------------------ start-up
-    def spawn_all(self) -> None:
-        """Before the thread starts: ask the zygote for every worker and wait for each."""
+    def spawn_all(self, timeout: float) -> None:
+        """Before the thread starts: ask the zygote for every worker; wait for the first only
+        (the others are registered by the loop as they come, as ProcessPoolExecutor starts its
+        workers while the first task already runs). Tasks wait in an unstarted worker's inbox
+        or are stolen; they are not lost."""
         for slot in range(self.n_workers):
             self.zygote.send_bytes(encode(Tag.SPAWN, slot))
-        while any(w is None for w in self.workers):
+        deadline = time.monotonic() + timeout
+        while all(w is None for w in self.workers):
+            if not self.zygote.poll(max(0.0, deadline - time.monotonic())):
+                raise BrokenPoolError(f"the pool's zygote did not start within {timeout} s")
             self.on_zygote_message(block=True)
 
     # ------------------------------------------------------------------ user-thread API
@@ -355,7 +361,10 @@ class Coordinator:
         try:
             tag, fields = decode(self.zygote.recv_bytes())
         except (EOFError, OSError) as exc:
-            raise BrokenPoolError("the pool's zygote process died") from exc
+            raise BrokenPoolError(
+                "the pool's zygote process died (if this happened at start-up, its traceback "
+                "is above: e.g. the main module could not be imported under spawn)"
+            ) from exc
         if tag is Tag.SPAWNED:
             slot, pid = fields
             fd = recv_handle(self.zygote)

@@ -37,7 +37,6 @@ from mpsched._coordinator import Coordinator
 from mpsched._errors import BrokenPoolError, PoolClosedError
 from mpsched._future import Future
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
-from mpsched._protocol import Tag, decode
 from mpsched._serialize import INLINE, FunctionCache, encode_call
 from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
 from mpsched._wakeup import Wakeup
@@ -147,27 +146,24 @@ class Pool:
             self._views = attach(self._segment, layout, locks, init=True)
             self._wake_fds = [SharedFd(create_eventfd()) for _ in range(n)]
             self._functions = FunctionCache(self._views.functions.add)
-            zygote_conn = self._start_zygote(layout, locks)
-        except BaseException:
-            locks.unlink_names()
-            self._abort_start()
-            raise
-        locks.unlink_names()  # from here on, nothing of the pool has a name
-        try:
             self._coordinator = Coordinator(
                 self._views,
                 self._wake_fds,
-                zygote_conn,
+                self._start_zygote(layout, locks),
                 self._wakeup.fileno(),
                 self._wakeup.clear,
                 n,
                 DISPATCH_WINDOW,
                 INFLIGHT_PER_WORKER * n,
             )
-            self._coordinator.spawn_all()
+            # The SPAWN commands are queued at once; the zygote reads them after READY, and the
+            # first SPAWNED proves READY came (it opened the locks): then no name is needed.
+            self._coordinator.spawn_all(STARTUP_TIMEOUT)
         except BaseException:
             self._abort_start()
             raise
+        finally:
+            locks.unlink_names()  # from here on, nothing of the pool has a name
         self._thread = threading.Thread(
             target=self._coordinator.run, name="mpsched-coordinator", daemon=True
         )
@@ -198,16 +194,6 @@ class Pool:
             self._zygote.start()
         finally:
             child_conn.close()
-        if not parent_conn.poll(STARTUP_TIMEOUT):
-            raise BrokenPoolError("the pool's zygote did not start in time")
-        try:
-            tag, _ = decode(parent_conn.recv_bytes())
-        except EOFError:
-            raise BrokenPoolError(
-                "the pool's zygote process failed to start; see its traceback above"
-            ) from None
-        if tag is not Tag.READY:
-            raise BrokenPoolError(f"the zygote sent {tag.name} instead of READY")
         return parent_conn
 
     def _abort_start(self) -> None:
