@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from mpsched._coordinator import Coordinator
-from mpsched._errors import BrokenPoolError, PoolClosedError
+from mpsched._errors import PoolClosedError
 from mpsched._future import Future
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
 from mpsched._serialize import INLINE, FunctionCache, encode_call
