@@ -7,7 +7,7 @@ Usage, from the repository root::
     PYTHONPATH=. python benchmarks/bench_pool.py --only throughput,latency --repeats 7 \\
         --json /tmp/bench.json
 
-Workloads (shapes as in ``/work/shared/PEERS.md``; details in ``benchmarks/README.md``):
+Workloads (shapes as in the project's peer survey; details in ``benchmarks/README.md``):
 throughput, latency, imbalanced, forkjoin, startup. Each runs mpsched and its peers interleaved
 per repeat (``_common.run_interleaved``), prints a table of medians and paired ratios, and the run
 ends with a PASS/FAIL/SKIP line per project target. Until ``mpsched.Pool`` exists, its rows say

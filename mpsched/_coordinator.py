@@ -31,9 +31,10 @@ import contextlib
 import os
 import pickle
 import select
+import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
@@ -42,7 +43,15 @@ from mpsched._errors import BrokenPoolError, InternalError, ProtocolError, Worke
 from mpsched._future import Future
 from mpsched._layout import SegmentViews
 from mpsched._payloads import BlockField
-from mpsched._protocol import ResultStatus, Tag, decode, encode, load_exception
+from mpsched._protocol import (
+    ChildState,
+    ResultStatus,
+    Tag,
+    decode,
+    dump_exception,
+    encode,
+    load_exception,
+)
 from mpsched._shm import SharedFd
 
 _NBYTES = int(BlockField.NBYTES)
@@ -51,6 +60,8 @@ _RESULT_STATUS = int(BlockField.RESULT_STATUS)
 _RESULT_NBYTES = int(BlockField.RESULT_NBYTES)
 _OK = int(ResultStatus.OK)
 _CANCELLED = int(ResultStatus.CANCELLED)
+_CHILD_DONE = int(ChildState.DONE)
+_CHILD_ABANDONED = int(ChildState.ABANDONED)
 _DRAIN = encode(Tag.DRAIN)
 
 DRAIN_TIMEOUT = 10.0  # seconds a worker gets to answer DRAIN before it is killed
@@ -63,15 +74,12 @@ class WorkerHandle:
     conn: Connection
     pidfd: int
     drained: bool = False
-    stats: dict[str, int] = field(default_factory=dict)
 
 
 def signal_description(exitcode: int | None) -> str:
     if exitcode is None:
         return "unknown exit"
     if exitcode < 0:
-        import signal
-
         try:
             return f"{signal.Signals(-exitcode).name}({exitcode})"
         except ValueError:
@@ -140,16 +148,18 @@ class Coordinator:
 
     # ------------------------------------------------------------------ user-thread API
     def submit(self, future: Future) -> bool:
-        """Any thread (the caller checked the pool is open): hand the task to a worker now if
-        nothing is queued ahead of it and an inbox has room (one hop less: the latency path);
-        else queue it. Returns True if the coordinator loop must be woken to dispatch it."""
-        if not self.pending and self.lock.acquire(False):
-            try:
-                if not self.pending and self.dispatch_one(future):
-                    return False
-            finally:
-                self.lock.release()
-        self.pending.append(future)
+        """Any thread (the caller checked the pool is open): when the pool is idle (nothing
+        queued or in flight), hand the task to a worker at once, one thread hop less on the
+        latency path; otherwise queue it for the coordinator, which dispatches in batches with
+        at most one wake-up per batch (a burst injected task by task would pay one eventfd
+        write per task to workers that keep falling asleep). Returns True if the coordinator
+        loop must be woken."""
+        with self.lock:
+            if self.broken is not None:
+                raise BrokenPoolError(f"the pool is broken: {self.broken!r}") from self.broken
+            if not self.pending and not self.by_handle and self.dispatch_one(future):
+                return False
+            self.pending.append(future)
         return True
 
     def dispatch_one(self, future: Future) -> bool:
@@ -438,17 +448,19 @@ class Coordinator:
                 future.set_exception(WorkerCrashedError(crash_message(worker, code), code))
 
     def fail_child(self, handle: int, worker: WorkerHandle, code: int | None) -> None:
-        from mpsched._protocol import dump_exception
-        from mpsched._worker import CHILD_ABANDONED, CHILD_DONE
-
-        error = WorkerCrashedError(crash_message(worker, code), code)
+        """A child was running in the dead worker: settle it with the crash, wake its parent.
+        A child that reached DONE before the death (its run-stack entry was not popped yet)
+        keeps its result."""
         slab = self.slab
+        if slab.get_word(handle, int(BlockField.STATE)) == _CHILD_DONE:
+            return
+        error = WorkerCrashedError(crash_message(worker, code), code)
         if not slab.write_result(handle, int(ResultStatus.ERROR), dump_exception(error)):
             raise ProtocolError("a crash report does not fit in a block")
         parent = slab.get_word(handle, int(BlockField.PARENT))
-        previous = self.slots[parent].exchange_block_state(slab, handle, CHILD_DONE)
+        previous = self.slots[parent].exchange_block_state(slab, handle, _CHILD_DONE)
         self.header.add_live_children(-1)
-        if previous == CHILD_ABANDONED:
+        if previous == _CHILD_ABANDONED:
             slab.set_word(handle, int(BlockField.STATE), 0)
             slab.free_tasks([handle])
         elif self.slots[parent].clear_sleeping():
@@ -498,10 +510,10 @@ class Coordinator:
 
     def break_pool(self, exc: BaseException) -> None:
         """An internal error: fail every unfinished future with BrokenPoolError."""
-        self.broken = exc
         error = BrokenPoolError(f"the pool broke: {exc!r}")
         error.__cause__ = exc
         with self.lock:
+            self.broken = exc  # under the lock: no submit can queue behind the sweep below
             self.draining = True
             futures = list(self.pending) + list(self.by_handle.values())
             self.pending.clear()

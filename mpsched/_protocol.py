@@ -65,6 +65,14 @@ class ResultStatus(enum.IntEnum):
     CANCELLED = 2  # the task raised TaskCancelled; payload as for ERROR
 
 
+class ChildState(enum.IntEnum):
+    """A child task's block ``state`` word, written under the *parent's* slot lock."""
+
+    QUEUED = 1  # pushed; not finished
+    DONE = 2  # result written; the parent reads it and frees the block
+    ABANDONED = 3  # the parent dropped its future; whoever sees the second of DONE/ABANDONED frees
+
+
 def encode(tag: Tag, *fields: Any) -> bytes:
     return pickle.dumps((int(tag), *fields), PICKLE_PROTOCOL)
 

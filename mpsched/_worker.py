@@ -54,15 +54,22 @@ from typing import Any
 from mpsched._errors import InternalError, TaskCancelled
 from mpsched._layout import SegmentViews
 from mpsched._payloads import BlockField
-from mpsched._protocol import ResultStatus, Tag, decode, dump_exception, encode, load_exception
+from mpsched._protocol import (
+    ChildState,
+    ResultStatus,
+    Tag,
+    decode,
+    dump_exception,
+    encode,
+    load_exception,
+)
 from mpsched._serialize import INLINE, decode_call, dumps, encode_call
 from mpsched._shm import SharedFd
 from mpsched._shm_deque import MAX_NESTING, StealResult
 
-# Child block states (BlockField.STATE), written under the parent's slot lock.
-CHILD_QUEUED = 1  # pushed; not finished
-CHILD_DONE = 2  # result written; the parent will read and free it
-CHILD_ABANDONED = 3  # the parent dropped its future; the executor frees the block
+CHILD_QUEUED = int(ChildState.QUEUED)
+CHILD_DONE = int(ChildState.DONE)
+CHILD_ABANDONED = int(ChildState.ABANDONED)
 
 STEAL_RETRY_ROUNDS = 64  # full rounds over the peers while some answered RETRY, then sleep
 _SUCCESS = StealResult.SUCCESS

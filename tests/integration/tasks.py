@@ -141,3 +141,12 @@ def raise_keyboard_interrupt() -> None:
 def fire_and_forget(path: str, task_id: int) -> int:
     mpsched.submit(record, path, task_id)
     return task_id
+
+
+def send_fatal() -> None:
+    """Pretend mpsched's own code failed in this worker (tests the broken-pool path)."""
+    from mpsched import _protocol, _worker
+
+    worker = _worker._current
+    assert worker is not None
+    worker.conn.send_bytes(_protocol.encode(_protocol.Tag.FATAL, worker.slot, "simulated bug"))

@@ -9,7 +9,7 @@ from concurrent.futures import CancelledError, wait
 import pytest
 
 import mpsched
-from mpsched import Pool, PoolClosedError
+from mpsched import BrokenPoolError, Pool, PoolClosedError
 
 from . import tasks
 
@@ -246,6 +246,17 @@ def test_future_cancel_before_a_worker_claims_it(tmp_path: object) -> None:
     for i, (f, ok) in enumerate(zip(queued, cancelled, strict=True)):
         assert ok == f.cancelled()
         assert (i in ran) != ok  # exactly one of: cancelled, or ran
+
+
+@pytest.mark.timeout(60)
+def test_an_internal_error_breaks_the_pool_loudly_and_it_still_shuts_down() -> None:
+    pool = Pool(2)
+    trigger = pool.submit(tasks.send_fatal)
+    assert pool._coordinator.finished.wait(30), "the coordinator did not stop on FATAL"
+    assert trigger.done()  # its result, or BrokenPoolError if the FATAL was read first
+    with pytest.raises(BrokenPoolError, match="simulated bug"):
+        pool.submit(tasks.ident, 1)
+    pool.shutdown(wait=True)  # no hang; the no_leaks fixture checks processes and fds
 
 
 @pytest.mark.timeout(60)
