@@ -8,6 +8,9 @@ leaves; only ``_pool`` knows about both sides. Public names come only from this 
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from mpsched._errors import BrokenPoolError as BrokenPoolError
 from mpsched._errors import InvalidTransition as InvalidTransition
 from mpsched._errors import MpschedError as MpschedError
@@ -15,17 +18,46 @@ from mpsched._errors import PoolClosedError as PoolClosedError
 from mpsched._errors import SchedulerClosed as SchedulerClosed
 from mpsched._errors import TaskCancelled as TaskCancelled
 from mpsched._errors import WorkerCrashedError as WorkerCrashedError
-from mpsched._future import Future as Future
-from mpsched._pool import Pool as Pool
-from mpsched._pool import PoolStatistics as PoolStatistics
-from mpsched._pool import WorkerStatistics as WorkerStatistics
-from mpsched._scheduler import Scheduler as Scheduler
-from mpsched._serialize import TaskPicklingError as TaskPicklingError
 from mpsched._task import Due as Due
 from mpsched._task import TaskState as TaskState
 from mpsched._task import Wait as Wait
-from mpsched._worker import ChildFuture as ChildFuture
-from mpsched._worker import submit as submit
+
+if TYPE_CHECKING:
+    from mpsched._future import Future as Future
+    from mpsched._pool import Pool as Pool
+    from mpsched._pool import PoolStatistics as PoolStatistics
+    from mpsched._pool import WorkerStatistics as WorkerStatistics
+    from mpsched._scheduler import Scheduler as Scheduler
+    from mpsched._serialize import TaskPicklingError as TaskPicklingError
+    from mpsched._worker import ChildFuture as ChildFuture
+    from mpsched._worker import submit as submit
+
+# Imported on first use: the zygote and the workers import this package too, and must not pay
+# for the coordinator's side (concurrent.futures, threads, the pool) on every start-up.
+_LAZY = {
+    "ChildFuture": "mpsched._worker",
+    "Future": "mpsched._future",
+    "Pool": "mpsched._pool",
+    "PoolStatistics": "mpsched._pool",
+    "Scheduler": "mpsched._scheduler",
+    "TaskPicklingError": "mpsched._serialize",
+    "WorkerStatistics": "mpsched._pool",
+    "submit": "mpsched._worker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mpsched' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

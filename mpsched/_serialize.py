@@ -25,8 +25,6 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import cloudpickle
-
 from mpsched._protocol import PICKLE_PROTOCOL
 
 INLINE = -1  # fid of a payload that carries its function
@@ -45,12 +43,19 @@ def dumps(obj: Any) -> bytes:
         return _dumps(obj, PICKLE_PROTOCOL)
     except Exception as plain_error:
         try:
-            return cloudpickle.dumps(obj, PICKLE_PROTOCOL)  # type: ignore[no-any-return]
+            return _cloudpickle().dumps(obj, PICKLE_PROTOCOL)  # type: ignore[no-any-return]
         except Exception as cloud_error:
             raise TaskPicklingError(
                 f"cannot pickle {_describe(obj)}: {cloud_error!r} (plain pickle: "
                 f"{plain_error!r}). Pass picklable arguments, or share the data another way."
             ) from cloud_error
+
+
+def _cloudpickle() -> Any:
+    """cloudpickle, imported on first need (workers that never see a lambda never load it)."""
+    import cloudpickle
+
+    return cloudpickle
 
 
 def _describe(obj: Any) -> str:
@@ -66,7 +71,7 @@ def encode_call(
     except Exception:
         pass
     try:
-        return cloudpickle.dumps((fid, fn, args, kwargs), PICKLE_PROTOCOL)  # type: ignore[no-any-return]
+        return _cloudpickle().dumps((fid, fn, args, kwargs), PICKLE_PROTOCOL)  # type: ignore[no-any-return]
     except Exception as exc:
         what = "arguments" if fn is None else f"function {fn!r} or its arguments"
         raise TaskPicklingError(

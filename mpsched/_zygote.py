@@ -43,6 +43,7 @@ from typing import Any
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach
 from mpsched._protocol import Tag, decode, encode
 from mpsched._shm import AnonSegment, SharedFd
+from mpsched._worker import worker_main  # loaded here once; every forked worker inherits it
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -135,8 +136,6 @@ class _Zygote:
             for pidfd in self.children:
                 os.close(pidfd)
             self.conn.close()
-            from mpsched._worker import worker_main  # deferred: the zygote itself never runs one
-
             code = worker_main(
                 slot,
                 self.views,
