@@ -11,6 +11,8 @@ then kills whatever children remain.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
@@ -73,6 +75,15 @@ def _session_helpers() -> None:
     before the first test, so that their pipes are not counted as a test's leaked fds."""
     multiprocessing.forkserver.ensure_running()
     multiprocessing.resource_tracker.ensure_running()
+
+
+START_METHODS = ("fork", "forkserver", "spawn")
+
+
+@pytest.fixture(params=START_METHODS)
+def ctx(request: pytest.FixtureRequest) -> multiprocessing.context.BaseContext:
+    """A multiprocessing context, for tests that must hold under every start method."""
+    return multiprocessing.get_context(request.param)
 
 
 @pytest.fixture(autouse=True)

@@ -14,11 +14,9 @@ only after the writer's last locked operation; nothing waits by sleeping.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 from collections.abc import Callable, Iterator
-from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -36,23 +34,10 @@ STRESS_DEQUE_CAPACITY = 256  # small, so that push() also fails and the owner ru
 STRESS_INBOX_CAPACITY = 256
 CANCEL_PERCENT = 20  # of injected batches, one entry is cancelled right away
 PIPE_TIMEOUT = 60.0  # seconds a child may take to answer
-START_METHODS = ("fork", "forkserver", "spawn")
 SUCCESS, EMPTY = StealResult.SUCCESS, StealResult.EMPTY
 INJECT_DONE, OWNER_DONE = 0, 1  # flag words
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _session_helpers_started() -> None:
-    # Session-long helpers keep an fd here; start them before the fd leak check's snapshot.
-    resource_tracker.ensure_running()
-    forkserver.ensure_running()
-
-
-@pytest.fixture(params=START_METHODS)
-def ctx(request: pytest.FixtureRequest) -> Any:
-    return mp.get_context(request.param)
 
 
 class Slots:

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import multiprocessing as mp
 import os
 import pickle
 import random
 from collections.abc import Iterator
-from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -31,7 +29,6 @@ from mpsched._layout import (
 from mpsched._payloads import BLOCK_HEADER_BYTES, MAX_CHAIN_BLOCKS, BlockField, FunctionTable, Slab
 from mpsched._shm import AnonSegment, create_lock
 
-START_METHODS = ("fork", "forkserver", "spawn")
 PIPE_TIMEOUT = 30.0  # seconds a child may take to answer
 SLAB_CHILDREN = 2
 SLAB_ROUNDS = 3000  # alloc/check/free rounds per child
@@ -43,18 +40,6 @@ SMALL = SegmentLayout(
     block_count=64,
     ftab_data_bytes=256,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _session_helpers_started() -> None:
-    # Session-long helpers keep an fd here; start them before the fd leak check's snapshot.
-    resource_tracker.ensure_running()
-    forkserver.ensure_running()
-
-
-@pytest.fixture(params=START_METHODS)
-def ctx(request: pytest.FixtureRequest) -> Any:
-    return mp.get_context(request.param)
 
 
 class Pool:

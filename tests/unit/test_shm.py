@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -29,23 +28,9 @@ from mpsched._shm import (
     unlink_lock_name,
 )
 
-START_METHODS = ("fork", "forkserver", "spawn")
 PIPE_TIMEOUT = 30.0  # seconds a child may take to answer (spawn start-up is ~0.1 s)
 GRANDCHILDREN = 2
 INCREMENTS = 20_000  # per process; enough for unguarded += to lose updates on 2 cores
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _session_helpers_started() -> None:
-    # The forkserver and the resource tracker live for the whole session and keep an fd open
-    # here; start them before the per-test fd leak check takes its first snapshot.
-    resource_tracker.ensure_running()
-    forkserver.ensure_running()
-
-
-@pytest.fixture(params=START_METHODS)
-def ctx(request: pytest.FixtureRequest) -> Any:
-    return mp.get_context(request.param)
 
 
 def _our_names() -> list[str]:

@@ -8,10 +8,8 @@ live in tests/stress/test_deque_stampede.py.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from collections.abc import Iterator
-from multiprocessing import forkserver, resource_tracker
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -22,23 +20,10 @@ from mpsched._errors import InternalError
 from mpsched._shm import AnonSegment, create_lock
 from mpsched._shm_deque import MAX_NESTING, TOMBSTONE, SlotQueues, StealResult, slot_bytes
 
-START_METHODS = ("fork", "forkserver", "spawn")
 PIPE_TIMEOUT = 30.0  # seconds a child may take to answer
 DCAP, ICAP, CCAP = 16, 8, 4
 EMPTY, SUCCESS, RETRY = StealResult.EMPTY, StealResult.SUCCESS, StealResult.RETRY
 CANCEL_ROUNDS = 3000  # inject+cancel races against a stealing process
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _session_helpers_started() -> None:
-    # Session-long helpers keep an fd here; start them before the fd leak check's snapshot.
-    resource_tracker.ensure_running()
-    forkserver.ensure_running()
-
-
-@pytest.fixture(params=START_METHODS)
-def ctx(request: pytest.FixtureRequest) -> Any:
-    return mp.get_context(request.param)
 
 
 class Region:
