@@ -55,7 +55,6 @@ from mpsched._protocol import (
 from mpsched._shm import SharedFd
 
 _NBYTES = int(BlockField.NBYTES)
-_UID = int(BlockField.UID)
 _RESULT_STATUS = int(BlockField.RESULT_STATUS)
 _RESULT_NBYTES = int(BlockField.RESULT_NBYTES)
 _OK = int(ResultStatus.OK)
@@ -99,7 +98,6 @@ class Coordinator:
         window: int,
         max_inflight: int,
     ) -> None:
-        self.views = views
         self.slots = views.slots
         self.slab = views.slab
         self.header = views.header

@@ -49,8 +49,9 @@ BLOCKS_PER_WORKER = 2048  # slab blocks per worker: in-flight tasks plus their c
 DEQUE_CAPACITY = 1024  # children queued per worker before they run inline
 STARTUP_TIMEOUT = 60.0  # seconds for the zygote to come up (spawn imports the main module)
 MAP_TARGET_CHUNK_SECONDS = 0.002  # map: aim for chunks of about this much work
-MAP_MAX_CHUNK = 4096  # items per chunk, at most
+MAP_MAX_CHUNK = 1024  # items per chunk, at most: more chunks keep both ends of the pipe busy
 MAP_PREFETCH_PER_WORKER = 4  # chunks in flight per worker (bounded read-ahead of lazy input)
+MAP_GROWTH = 64  # chunks grow at most this much per measured chunk
 
 _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 # Fork start method: the control ends of live pools, which a new zygote must not keep open (the
@@ -252,7 +253,8 @@ class Pool:
         """Like ``map(fn, *iterables)``, run in the pool; results in input order.
 
         The input is read lazily, at most a few chunks per worker ahead of the results.
-        ``chunksize=None`` adapts: chunks grow until each holds about 2 ms of work.
+        ``chunksize=None`` adapts: one 1-item chunk is timed first, then chunks hold about
+        2 ms of work each (at most 1024 items).
 
         Raises:
             PoolClosedError: the pool is shutting down or shut down.
@@ -282,7 +284,10 @@ class Pool:
         exhausted = False
         try:
             while True:
-                while not exhausted and len(in_flight) < limit:
+                # Adaptive sizing measures one 1-item chunk before any read-ahead: a guess made
+                # before it could put hundreds of slow items in one chunk.
+                measuring = chunksize is None and per_item is None
+                while not exhausted and len(in_flight) < (1 if measuring else limit):
                     chunk = list(itertools.islice(items, size))
                     if not chunk:
                         exhausted = True
@@ -379,8 +384,9 @@ def _pow2(n: int) -> int:
 
 def _next_chunksize(per_item: float, size: int) -> int:
     target = int(MAP_TARGET_CHUNK_SECONDS / per_item) if per_item > 0 else MAP_MAX_CHUNK
-    # Grow at most 4x per chunk so one mis-measured fast chunk cannot make a huge slow one.
-    return max(1, min(target, 4 * size, MAP_MAX_CHUNK))
+    # Bounded growth, so one mis-measured fast chunk cannot make a huge slow one; 64x reaches
+    # the largest chunk from 1 in two results, so a map of tiny tasks ramps up quickly.
+    return max(1, min(target, MAP_GROWTH * size, MAP_MAX_CHUNK))
 
 
 @atexit.register

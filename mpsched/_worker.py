@@ -78,7 +78,6 @@ _OK = int(ResultStatus.OK)
 _ERROR = int(ResultStatus.ERROR)
 _CANCELLED = int(ResultStatus.CANCELLED)
 _STATE = int(BlockField.STATE)
-_UID = int(BlockField.UID)
 _NBYTES = int(BlockField.NBYTES)
 _PARENT = int(BlockField.PARENT)
 _RESULT_STATUS = int(BlockField.RESULT_STATUS)
@@ -397,6 +396,8 @@ class Worker:
             found = self.find_work() if self.depth < MAX_NESTING - 1 else -1
             if found >= 0:
                 self.run(found)
+                if self.abandoned:
+                    self.release_abandoned()
             else:
                 self.idle(handle, deadline)
 
