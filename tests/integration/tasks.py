@@ -150,3 +150,16 @@ def send_fatal() -> None:
     worker = _worker._current
     assert worker is not None
     worker.conn.send_bytes(_protocol.encode(_protocol.Tag.FATAL, worker.slot, "simulated bug"))
+
+
+def report_pid_then_gate(started: str, path: str) -> int:
+    """Tell the test this worker's pid (FIFO ``started``), then wait at the gate ``path``."""
+    with open(started, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    gate(path)
+    return os.getpid()
+
+
+def read_pid(started: str) -> int:
+    with open(started, "rb") as fifo:
+        return int(fifo.read())
