@@ -370,8 +370,11 @@ class Pool:
     def __enter__(self) -> Pool:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown(wait=True)
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        # Leaving on Ctrl-C (or another non-Exception interrupt) means "stop": what no worker
+        # has claimed is cancelled instead of run to the end; running tasks finish.
+        interrupted = exc_type is not None and not issubclass(exc_type, Exception)
+        self.shutdown(wait=True, cancel_futures=interrupted)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running"

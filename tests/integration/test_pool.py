@@ -260,6 +260,22 @@ def test_an_internal_error_breaks_the_pool_loudly_and_it_still_shuts_down() -> N
 
 
 @pytest.mark.timeout(60)
+def test_ctrl_c_in_the_with_block_cancels_unclaimed_work() -> None:
+    futures: list[mpsched.Future] = []
+
+    def interrupted_block() -> None:
+        with Pool(1) as pool:
+            futures.extend(pool.submit(tasks.spin, 0.001) for _ in range(2000))
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupted_block()
+    assert all(f.done() for f in futures)
+    assert sum(f.cancelled() for f in futures) >= 1000  # not run to the end (~2 s of work)
+    assert all(f.result() == 0.001 for f in futures if not f.cancelled())
+
+
+@pytest.mark.timeout(60)
 def test_statistics(pool2: Pool) -> None:
     for f in [pool2.submit(tasks.ident, i) for i in range(500)]:
         f.result()
