@@ -64,6 +64,7 @@ _CHILD_ABANDONED = int(ChildState.ABANDONED)
 _DRAIN = encode(Tag.DRAIN)
 
 DRAIN_TIMEOUT = 10.0  # seconds a worker gets to answer DRAIN before it is killed
+RESULT_SWEEP_INTERVAL = 0.005  # seconds between done-ring sweeps while tasks are in flight
 
 
 @dataclass
@@ -201,7 +202,10 @@ class Coordinator:
     def loop(self) -> None:
         poll = self.epoll.poll
         while True:
-            for fd, _ in poll():
+            # While tasks are in flight, also wake on a timer: a worker announces results per
+            # batch, when idle, or after its next task, so a result followed on the same worker
+            # by a long task would otherwise wait for that task to end.
+            for fd, _ in poll(RESULT_SWEEP_INTERVAL if self.by_handle else -1):
                 if fd == self.wakeup_fd:
                     self.clear_wakeup()
                 elif fd == self.zygote.fileno():

@@ -276,6 +276,18 @@ def test_ctrl_c_in_the_with_block_cancels_unclaimed_work() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_result_is_not_held_back_by_the_next_long_task(tmp_path: object) -> None:
+    fifo = os.path.join(str(tmp_path), "gate")
+    os.mkfifo(fifo)
+    with Pool(1) as pool:
+        quick = pool.submit(tasks.ident, "quick")
+        blocker = pool.submit(tasks.gated_ident, fifo, "blocker")  # runs until the gate opens
+        assert quick.result(timeout=20) == "quick"  # while the same worker is still blocked
+        tasks.open_gate(fifo)
+        assert blocker.result() == "blocker"
+
+
+@pytest.mark.timeout(60)
 def test_statistics(pool2: Pool) -> None:
     for f in [pool2.submit(tasks.ident, i) for i in range(500)]:
         f.result()
