@@ -1,0 +1,62 @@
+"""SIGKILL of the coordinator's process: its zygote and workers are gone within 2 s, and
+nothing of the pool stays in /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEATH_DEADLINE = 2.0  # seconds, from the issue
+
+SCRIPT = """
+import json, sys
+import mpsched
+from tests.integration import tasks
+
+if __name__ == "__main__":
+    pool = mpsched.Pool(2, start_method=sys.argv[1])
+    pids = set()
+    for _ in range(500):  # until both workers have answered (each serves its own inbox)
+        pids.add(pool.submit(tasks.pid_of).result())
+        if len(pids) == 2:
+            break
+    busy = [pool.submit(tasks.spin, 60.0) for _ in range(4)]  # workers are mid-task when killed
+    print(json.dumps({"workers": sorted(pids), "zygote": pool._zygote.pid}), flush=True)
+    busy[0].result()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
+def test_sigkill_of_the_coordinator_takes_everything_with_it(start_method: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, start_method],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        assert len(info["workers"]) == 2
+        ours = [psutil.Process(pid) for pid in [*info["workers"], info["zygote"]]]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        _, alive = psutil.wait_procs(ours, timeout=DEATH_DEADLINE)
+        assert not alive, f"still alive {DEATH_DEADLINE} s after the coordinator died: {alive}"
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(f"sem.mpsched-{proc.pid}-")]
+        assert not left, f"left in /dev/shm: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
