@@ -315,7 +315,7 @@ class Coordinator:
                         data = self.stash_take(-nbytes, k)
                     outcomes.append((future, status, data))
             finally:  # settle what was taken even if one entry is bad: nothing is lost
-                slab.free_tasks([h for h in handles if h not in unknown])
+                slab.free_tasks([h for h in handles if h not in unknown] if unknown else handles)
                 self.completed += len(outcomes)
                 for future, status, data in outcomes:
                     resolve(future, status, data)

@@ -82,30 +82,24 @@ class Future(concurrent.futures.Future[Any]):
         return self._state == RUNNING
 
     def set_result(self, result: Any) -> None:
-        with _CONDITION_LOCK:
-            fast = self._cond is None
-            if fast:
-                if self._state in _DONE_STATES:
-                    raise InvalidStateError(f"{self._state}: {self!r}")
-                self._result = result
-                self._state = FINISHED
-        if fast:
-            self._invoke_callbacks()  # type: ignore[attr-defined]
-        else:
+        if not self._settle_fast("_result", result):
             super().set_result(result)
 
     def set_exception(self, exception: BaseException | None) -> None:
-        with _CONDITION_LOCK:
-            fast = self._cond is None
-            if fast:
-                if self._state in _DONE_STATES:
-                    raise InvalidStateError(f"{self._state}: {self!r}")
-                self._exception = exception
-                self._state = FINISHED
-        if fast:
-            self._invoke_callbacks()  # type: ignore[attr-defined]
-        else:
+        if not self._settle_fast("_exception", exception):
             super().set_exception(exception)
+
+    def _settle_fast(self, field: str, value: Any) -> bool:
+        """Store the outcome if no condition exists (nobody waits); False: take the stdlib path."""
+        with _CONDITION_LOCK:
+            if self._cond is not None:
+                return False
+            if self._state in _DONE_STATES:
+                raise InvalidStateError(f"{self._state}: {self!r}")
+            setattr(self, field, value)
+            self._state = FINISHED
+        self._invoke_callbacks()  # type: ignore[attr-defined]
+        return True
 
     def cancel(self) -> bool:
         """Cancel the task if no worker has claimed it yet; then it never runs.

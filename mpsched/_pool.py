@@ -161,7 +161,7 @@ class Pool:
             # first SPAWNED proves READY came (it opened the locks): then no name is needed.
             self._coordinator.spawn_all(STARTUP_TIMEOUT)
         except BaseException:
-            self._abort_start()
+            self._teardown()
             raise
         finally:
             locks.unlink_names()  # from here on, nothing of the pool has a name
@@ -197,8 +197,9 @@ class Pool:
             child_conn.close()
         return parent_conn
 
-    def _abort_start(self) -> None:
-        """Start-up failed: undo what was made, so nothing leaks (processes, fds, memory)."""
+    def _teardown(self) -> None:
+        """Undo what start-up made (after a failed start, or at release): processes, fds and
+        memory, so nothing leaks."""
         coordinator = getattr(self, "_coordinator", None)
         if coordinator is not None:
             for worker in coordinator.workers:
@@ -336,7 +337,7 @@ class Pool:
             return
         self._started = False
         self._thread.join()
-        self._abort_start()
+        self._teardown()
         _live_pools.discard(self)
 
     def statistics(self) -> PoolStatistics:

@@ -17,7 +17,7 @@ Every frame is ``send_bytes(pickle.dumps((tag, *fields)))``. Task payloads trave
 | SPAWNED  | zygote -> coord| after fork; the socket fd follows  | ``recv_handle`` the worker end  |
 | EXITED   | zygote -> coord| a worker was reaped                | record the exit code            |
 | STOP     | coord -> zygote| shutdown: no more spawns           | reap its children, exit         |
-| RESULTS  | worker -> coord| done ring filled, worker idle, aged| drain the worker's done ring    |
+| RESULTS  | worker -> coord| a batch done, or the worker idle   | drain the worker's done ring    |
 | STASH    | worker -> coord| bytes too big for a slab block     | keep them under their key       |
 | FETCH    | worker -> coord| a claimed task's bytes are stashed | answer PAYLOAD (now or on STASH)|
 | PAYLOAD  | coord -> worker| answer to FETCH                    | (the worker is blocked on it)   |

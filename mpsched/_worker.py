@@ -17,7 +17,7 @@ Task kinds, by the block's ``parent`` word:
     own block and the handle into this worker's done ring, popping the run stack in the same lock
     round (``SlotQueues.complete``): at every instant the handle is in exactly one of a ring, a
     run stack or a done ring, so a crash can lose nothing silently. The coordinator is poked
-    (RESULTS) per batch, when idle, or when the oldest unannounced result is old.
+    (RESULTS) per batch and when idle; the coordinator's timer sweep covers the rest.
   * child (parent = the spawning worker's slot): the result goes into the child's block, whose
     ``state`` becomes DONE under the *parent's* slot lock; the parent's future reads it from
     there. A child that nobody waits for (its future was dropped) is ABANDONED, and whoever sees
@@ -89,8 +89,9 @@ _POKE = encode(Tag.RESULTS)
 class WorkerOptions:
     """Worker tunables, fixed per pool."""
 
-    result_batch: int = 32  # results; poke the coordinator after this many unannounced ones
-    result_delay: float = 0.002  # seconds; or when the oldest unannounced result is this old
+    # Results; poke the coordinator after this many unannounced ones (and whenever idle). The
+    # coordinator also sweeps done rings on a timer, which bounds how long any result waits.
+    result_batch: int = 32
 
 
 # The Worker of this process, set by worker_main; None outside workers.
@@ -209,7 +210,6 @@ class Worker:
         self.abandoned: list[int] = []  # children whose futures were dropped (see __del__)
         self.depth = 0  # tasks running in this process (join-helping nests them)
         self.unannounced = 0  # results in the done ring since the last poke
-        self.first_unannounced = 0.0
         self.draining = False
         self.pid = os.getpid()
         self.stash_counter = 0
@@ -286,11 +286,7 @@ class Worker:
         if parent < 0:
             self.me.complete(handle)
             self.unannounced += 1
-            if self.unannounced == 1:
-                self.first_unannounced = time.monotonic()
-            if self.unannounced >= self.options.result_batch or (
-                time.monotonic() - self.first_unannounced > self.options.result_delay
-            ):
+            if self.unannounced >= self.options.result_batch:
                 self.poke()
         else:
             self.finish_child(handle, parent)
