@@ -24,12 +24,16 @@ from mpsched._task import Wait as Wait
 
 if TYPE_CHECKING:
     from mpsched._future import Future as Future
+    from mpsched._options import TaskOptions as TaskOptions
     from mpsched._pool import Pool as Pool
     from mpsched._pool import PoolStatistics as PoolStatistics
+    from mpsched._pool import TaskSubmitter as TaskSubmitter
     from mpsched._pool import WorkerStatistics as WorkerStatistics
     from mpsched._scheduler import Scheduler as Scheduler
     from mpsched._serialize import TaskPicklingError as TaskPicklingError
     from mpsched._worker import ChildFuture as ChildFuture
+    from mpsched._worker import TaskContext as TaskContext
+    from mpsched._worker import current_task as current_task
     from mpsched._worker import submit as submit
 
 # Imported on first use: the zygote and the workers import this package too, and must not pay
@@ -40,8 +44,12 @@ _LAZY = {
     "Pool": "mpsched._pool",
     "PoolStatistics": "mpsched._pool",
     "Scheduler": "mpsched._scheduler",
+    "TaskContext": "mpsched._worker",
+    "TaskOptions": "mpsched._options",
     "TaskPicklingError": "mpsched._serialize",
+    "TaskSubmitter": "mpsched._pool",
     "WorkerStatistics": "mpsched._pool",
+    "current_task": "mpsched._worker",
     "submit": "mpsched._worker",
 }
 
@@ -74,10 +82,14 @@ __all__ = (
     "Scheduler",
     "SchedulerClosed",
     "TaskCancelled",
+    "TaskContext",
+    "TaskOptions",
     "TaskPicklingError",
     "TaskState",
+    "TaskSubmitter",
     "Wait",
     "WorkerCrashedError",
     "WorkerStatistics",
+    "current_task",
     "submit",
 )

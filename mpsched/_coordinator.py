@@ -26,33 +26,46 @@ recovery from a dead worker beyond failing its running tasks and replacing it.
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import logging
+import math
 import os
 import pickle
 import select
 import signal
 import threading
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
 
-from mpsched._errors import BrokenPoolError, InternalError, ProtocolError, WorkerCrashedError
-from mpsched._future import Future
+from mpsched._errors import (
+    BrokenPoolError,
+    InternalError,
+    ProtocolError,
+    WorkerCrashedError,
+)
+from mpsched._future import FINISHING, Future
 from mpsched._layout import SegmentViews
+from mpsched._options import TaskOptions, is_misfire, next_run_at
 from mpsched._payloads import BlockField
 from mpsched._protocol import (
     ChildState,
     ResultStatus,
     Tag,
+    TopState,
     decode,
     dump_exception,
     encode,
     load_exception,
 )
+from mpsched._ready import ReadyQueue
+from mpsched._serialize import dumps_meta, with_meta
 from mpsched._shm import SharedFd
+from mpsched._task import TaskState
+from mpsched._timed import Recurrence, TaskRun, Timetable
 
 _NBYTES = int(BlockField.NBYTES)
 _RESULT_STATUS = int(BlockField.RESULT_STATUS)
@@ -61,10 +74,20 @@ _OK = int(ResultStatus.OK)
 _CANCELLED = int(ResultStatus.CANCELLED)
 _CHILD_DONE = int(ChildState.DONE)
 _CHILD_ABANDONED = int(ChildState.ABANDONED)
+_ERROR = int(ResultStatus.ERROR)
+_CANCEL_REQUESTED = int(TopState.CANCEL_REQUESTED)
+_STATE = int(BlockField.STATE)
 _DRAIN = encode(Tag.DRAIN)
+_FAILED = RuntimeError("the task failed")  # stands for any error in Timetable.end
+_NO_LOW = 2**63  # inbox_low of an inbox with nothing low in it
 
 DRAIN_TIMEOUT = 10.0  # seconds a worker gets to answer DRAIN before it is killed
 RESULT_SWEEP_INTERVAL = 0.005  # seconds between done-ring sweeps while tasks are in flight
+# A poll timeout shorter than this is waited with select() on the epoll fd: epoll rounds its
+# timeout up to whole milliseconds, which would make every timed task ~0.5 ms late on average.
+FINE_WAIT = 0.002  # seconds
+STOP_WAIT = 0.2  # seconds a SIGSTOPped worker gets to show as stopped before a forced cancel
+logger = logging.getLogger("mpsched")
 
 
 @dataclass
@@ -98,6 +121,9 @@ class Coordinator:
         n_workers: int,
         window: int,
         max_inflight: int,
+        aging: float | None = None,
+        timed_after_shutdown: bool = True,
+        recurring_after_shutdown: bool = False,
     ) -> None:
         self.slots = views.slots
         self.slab = views.slab
@@ -108,9 +134,19 @@ class Coordinator:
         self.n_workers = n_workers
         self.window = window
         self.max_inflight = max_inflight
-        # Guards pending, records' location fields and the draining flag against user threads.
+        self.aging = aging
+        self.timed_after_shutdown = timed_after_shutdown
+        self.recurring_after_shutdown = recurring_after_shutdown
+        # Guards ready, timetable, requests, records' location fields and the draining flag
+        # against user threads.
         self.lock = threading.Lock()
-        self.pending: collections.deque[Future] = collections.deque()
+        self.ready = ReadyQueue()
+        self.timetable = Timetable()
+        self.next_due: float | None = None  # earliest run_at waiting in the timetable
+        self.sleep_until = math.inf  # the loop sleeps until then unless woken (under lock)
+        self.requests: list[tuple[Future, bool]] = []  # running tasks to signal / kill (force)
+        self.watched: dict[int, Future] = {}  # handle -> in-flight task with a timeout
+        self.inbox_low = [_NO_LOW] * n_workers  # lowest priority injected since inbox emptied
         self.by_handle: dict[int, Future] = {}  # dispatched, unfinished
         self.stash: dict[int, bytes] = {}
         self.parked_fetches: dict[int, list[Connection]] = {}
@@ -124,6 +160,9 @@ class Coordinator:
         self.crashes = 0
         self.respawns = 0
         self.completed = 0
+        self.retried = 0
+        self.misfires = 0
+        self.skipped_runs = 0
         self.final_stats: dict[int, dict[str, int]] = {}
         self.epoll = select.epoll()
         self.wakeup_fd = wakeup_fd
@@ -146,6 +185,11 @@ class Coordinator:
             self.on_zygote_message(block=True)
 
     # ------------------------------------------------------------------ user-thread API
+    def check_usable(self) -> None:
+        """Under ``self.lock``."""
+        if self.broken is not None:
+            raise BrokenPoolError(f"the pool is broken: {self.broken!r}") from self.broken
+
     def submit(self, future: Future) -> bool:
         """Any thread (the caller checked the pool is open): when the pool is idle (nothing
         queued or in flight), hand the task to a worker at once, one thread hop less on the
@@ -154,11 +198,12 @@ class Coordinator:
         write per task to workers that keep falling asleep). Returns True if the coordinator
         loop must be woken."""
         with self.lock:
-            if self.broken is not None:
-                raise BrokenPoolError(f"the pool is broken: {self.broken!r}") from self.broken
-            if not self.pending and not self.by_handle and self.dispatch_one(future):
-                return False
-            self.pending.append(future)
+            self.check_usable()
+            if not self.ready and not self.by_handle and self.dispatch_one(future):
+                return future._run is not None  # a timeout needs the loop's watch
+            if self.aging is not None:
+                future._due_at = time.monotonic()
+            self.ready.append(future, future._priority)
         return True
 
     def dispatch_one(self, future: Future) -> bool:
@@ -170,25 +215,125 @@ class Coordinator:
             k = (self.next_slot + i) % n
             if self.workers[k] is not None and self.slots[k].inbox_depth() < self.window:
                 self.next_slot = (k + 1) % n
-                return self.inject(k, [future]) == 1
+                return self.inject(k, [future], future._priority) == 1
         return False
 
-    def cancel(self, future: Future) -> bool:
-        """Any thread: withdraw a task no worker has claimed. True if it will never run."""
+    def schedule(
+        self,
+        task_id: Hashable,
+        run_at: float,
+        priority: int,
+        future: Future,
+        meta_of: Any,
+        recurrence: Recurrence | None = None,
+    ) -> bool:
+        """Any thread: add a version of ``task_id`` (``future`` holds its call, encoded with
+        ``has_meta``; ``meta_of(version)`` pickles its meta). The version handed out earlier, if
+        no worker has claimed it, and the pending one are superseded: cancelled, never run.
+        Returns True if the loop must be woken (the new task is due before it would wake)."""
+        superseded = []
         with self.lock:
-            if future._handle < 0:
-                if future._withdrawn or future.done():
-                    return future._withdrawn
-                future._withdrawn = True  # dispatch skips it
-                future._payload = b""
-                return True
-            if not self.slots[future._slot].cancel_injected(future._handle):
-                return False  # a worker claimed it first
-            self.by_handle.pop(future._handle, None)
-            self.slab.free_tasks([future._handle])
-            future._handle = -1
-            future._withdrawn = True
+            self.check_usable()
+            timetable = self.timetable
+            handed = timetable.handed.get(task_id)
+            if handed is not None and self.withdraw(handed):
+                timetable.end(handed, None, cancelled=True)
+                superseded.append(handed)
+            pending = timetable.pending_future(task_id)
+            if pending is not None:
+                superseded.append(pending)
+            if recurrence is not None:
+                old = timetable.recurring.get(task_id)
+                if old is not None and old is not recurrence:
+                    old.active = False
+                    superseded.append(old.future)
+                timetable.recurring[task_id] = recurrence
+            elif task_id in timetable.recurring:
+                old = timetable.recurring.pop(task_id)
+                old.active = False
+                superseded.append(old.future)
+            version = timetable.schedule(task_id, run_at, priority, future)
+            future._payload = with_meta(future._payload, meta_of(version))
+            self.note_due(run_at)
+            wake = run_at < self.sleep_until
+            if wake:
+                self.sleep_until = run_at
+        for old_future in superseded:
+            old_future._mark_cancelled()
+        return wake
+
+    def cancel(self, future: Future) -> bool:
+        """Any thread (``Future.cancel``): withdraw a task no worker has claimed. True if it
+        will never run."""
+        run = future._run
+        if run is not None and run.recurrence is not None and run.recurrence.future is future:
+            return self.cancel_id(run.recurrence.task_id, force=False)
+        with self.lock:
+            if not self.withdraw(future):
+                return False
+            due = future._due
+            if due is not None and not self.timetable.withdraw_pending(future):
+                self.timetable.end(future, None, cancelled=True)
             return True
+
+    def withdraw(self, future: Future) -> bool:
+        """Under ``self.lock``: make sure a task no worker has claimed never runs. True if it
+        will not run (withdrawn now or before); False if it was claimed or has finished."""
+        if future._handle < 0:  # in the ready queue or the timetable: dispatch skips it
+            if future._withdrawn or future.done():
+                return future._withdrawn
+            future._withdrawn = True
+            future._payload = b""
+            return True
+        if future._slot >= 0 and not self.slots[future._slot].cancel_injected(future._handle):
+            return False  # a worker claimed it first
+        # Withdrawn from its inbox, or taken back (queued here with its block): free the block.
+        self.by_handle.pop(future._handle, None)
+        self.watched.pop(future._handle, None)
+        self.slab.free_tasks([future._handle])
+        future._handle = -1
+        future._withdrawn = True
+        future._payload = b""
+        return True
+
+    def cancel_id(self, task_id: Hashable, force: bool) -> bool:
+        """Any thread (``Pool.cancel``): cancel every version of ``task_id`` that has not
+        started, stop its recurrence, and ask a running version to stop (cooperatively, or by
+        killing its worker with ``force``). True if anything was cancelled or asked to stop."""
+        cancelled = []
+        found = False
+        with self.lock:
+            timetable = self.timetable
+            rec = timetable.recurring.pop(task_id, None)
+            if rec is not None:
+                rec.active = False
+                cancelled.append(rec.future)
+                found = True
+            pending = timetable.pending_future(task_id)
+            if pending is not None and timetable.withdraw_pending(pending):
+                cancelled.append(pending)
+                found = True
+            handed = timetable.handed.get(task_id)
+            if handed is not None:
+                found = True
+                if self.withdraw(handed):
+                    timetable.end(handed, None, cancelled=True)
+                    cancelled.append(handed)
+                else:  # claimed: running (or finished, not collected yet)
+                    self.requests.append((handed, force))
+        for future in cancelled:
+            future._mark_cancelled()
+        return found
+
+    def state(self, task_id: Hashable) -> TaskState | None:
+        with self.lock:
+            return self.timetable.state(task_id, self.claimed)
+
+    def claimed(self, future: Future) -> bool:
+        """Under ``self.lock``: whether a handed-out task was claimed by a worker."""
+        if future._handle < 0 or future._slot < 0:
+            return False
+        return not self.slots[future._slot].in_inbox(future._handle)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -200,12 +345,8 @@ class Coordinator:
             self.finished.set()
 
     def loop(self) -> None:
-        poll = self.epoll.poll
         while True:
-            # While tasks are in flight, also wake on a timer: a worker announces results per
-            # batch, when idle, or after its next task, so a result followed on the same worker
-            # by a long task would otherwise wait for that task to end.
-            for fd, _ in poll(RESULT_SWEEP_INTERVAL if self.by_handle else -1):
+            for fd in self.wait():
                 if fd == self.wakeup_fd:
                     self.clear_wakeup()
                 elif fd == self.zygote.fileno():
@@ -215,70 +356,170 @@ class Coordinator:
                     if worker is not None:
                         self.on_worker_readable(worker)
             self.collect()
-            if self.pending:
+            if self.requests:
+                self.apply_requests()
+            due = self.next_due
+            if (due is not None and due <= time.monotonic()) or self.aging is not None:
+                self.release_due()
+            if self.ready:
                 self.dispatch()
+            if self.watched:
+                self.check_timeouts()
             if self.draining and self.all_done():
                 self.drain_workers()
                 return
 
+    def wait(self) -> list[int]:
+        """The loop's one blocking point: until an fd is readable or the next due time.
+
+        While tasks are in flight, also wake on a timer: a worker announces results per batch,
+        when idle, or after its next task, so a result followed on the same worker by a long
+        task would otherwise wait for that task to end."""
+        timeout = RESULT_SWEEP_INTERVAL if self.by_handle else math.inf
+        if self.aging is not None and self.ready:
+            timeout = min(timeout, self.aging / 4)
+        with self.lock:  # sleep_until under the lock: see schedule()
+            due = self.next_due
+            self.sleep_until = math.inf if due is None else due
+        if due is not None and due - time.monotonic() < timeout:
+            timeout = max(0.0, due - time.monotonic())
+            if timeout < FINE_WAIT:  # epoll would round up to whole ms; select() waits in us
+                select.select([self.epoll.fileno()], [], [], timeout)
+                timeout = 0.0
+            else:  # wake up to 1 ms early (epoll rounds up), then wait the rest with select()
+                timeout -= 0.001
+        events = self.epoll.poll(-1 if timeout == math.inf else timeout)
+        return [fd for fd, _ in events]
+
     def all_done(self) -> bool:
-        return not self.pending and not self.by_handle and self.header.live_children() == 0
+        return (
+            not self.ready
+            and not self.by_handle
+            and not self.timetable.busy()
+            and self.header.live_children() == 0
+        )
+
+    def release_due(self) -> None:
+        """Move the timetable's due versions to the ready queue (and age the ready queue)."""
+        now = time.monotonic()
+        with self.lock:
+            self.next_due = self.timetable.release_due(now, self.make_ready)
+            if self.aging is not None and self.ready:
+                self.ready.age(now, self.aging)
+
+    def make_ready(self, future: Future, priority: int) -> None:
+        """Under ``self.lock``: a version came due (the timetable hands it out)."""
+        future._due_at = time.monotonic()
+        self.ready.append(future, priority)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self) -> None:
         n = self.n_workers
         with self.lock:
+            top = self.ready.top_priority()
+            if top is not None:
+                self.take_back_lower(top)
             for i in range(n):
                 k = (self.next_slot + i) % n
-                if self.workers[k] is None or not self.pending:
+                if self.workers[k] is None or not self.ready:
                     continue
-                room = min(
-                    self.window - self.slots[k].inbox_depth(),
-                    self.max_inflight - len(self.by_handle),
-                )
+                depth = self.slots[k].inbox_depth()
+                if depth == 0:
+                    self.inbox_low[k] = _NO_LOW
+                room = min(self.window - depth, self.max_inflight - len(self.by_handle))
                 if room > 0:
-                    batch = self.take_pending(room)
-                    taken = self.inject(k, batch)
+                    batch, lowest = self.take_ready(room)
+                    taken = self.inject(k, batch, lowest)
                     if taken < len(batch):  # slab full: the rest waits for results
-                        self.pending.extendleft(reversed(batch[taken:]))
+                        self.ready.putback(batch[taken:])
                         break
             self.next_slot = (self.next_slot + 1) % n
 
-    def inject(self, k: int, batch: list[Future]) -> int:
-        """Under ``self.lock``: write ``batch`` into slab blocks and inject them into inbox
-        ``k`` in one lock round, waking a sleeper. Returns how many went (the slab may be full)."""
+    def take_back_lower(self, top: int) -> None:
+        """Under ``self.lock``: a due task of priority ``top`` must not wait behind lower ones
+        in the inboxes: take them back (unclaimed entries, under the slot lock: the same race
+        as cancel, decided by the lock) to the front of the ready queue, to be re-injected in
+        priority order. Costs nothing unless priorities are mixed."""
+        for k, low in enumerate(self.inbox_low):
+            if low >= top:
+                continue
+            self.inbox_low[k] = _NO_LOW
+            futures = [self.by_handle[h] for h in self.slots[k].drain(include_deque=False)]
+            for future in futures:
+                future._slot = -1
+            self.ready.putback(futures)
+
+    def take_ready(self, n: int) -> tuple[list[Future], int]:
+        """Under ``self.lock``: up to ``n`` due tasks, minus recurring runs that misfired."""
+        batch, lowest = self.ready.take(n)
+        if any(f._run is not None and f._run.recurrence is not None for f in batch):
+            batch = [f for f in batch if not self.misfired(f)]
+        return batch, lowest
+
+    def misfired(self, future: Future) -> bool:
+        """Under ``self.lock``: drop a recurring run that is too late, if its policy says so."""
+        run = future._run
+        if run is None or run.recurrence is None:
+            return False
+        options = run.options
+        if options.misfire != "skip" or not is_misfire(
+            run.run_at, time.monotonic(), options.misfire_grace
+        ):
+            return False
+        self.misfires += 1
+        logger.warning(
+            "mpsched: recurring task %r missed its run due at %.3f (more than %.3f s late); "
+            "skipped by its misfire policy",
+            run.recurrence.task_id,
+            run.run_at,
+            options.misfire_grace,
+        )
+        future._withdrawn = True
+        self.timetable.end(future, None, cancelled=True)
+        self.continue_recurrence(future, skipped=True)
+        return True
+
+    def inject(self, k: int, batch: list[Future], lowest: int) -> int:
+        """Under ``self.lock``: write ``batch`` into slab blocks (tasks taken back already have
+        theirs) and inject them into inbox ``k`` in one lock round, waking a sleeper. Returns
+        how many went (the slab may be full)."""
         if not batch:
             return 0
         slab = self.slab
-        handles = slab.alloc_many(len(batch)) if len(batch) > 1 else [slab.alloc()]
-        if not handles or handles[0] < 0:
-            return 0
-        for future, handle in zip(batch, handles, strict=False):
-            payload = future._payload
-            if not slab.write(handle, payload, uid=future._uid):
-                slab.write(handle, b"", uid=future._uid)
-                slab.set_word(handle, _NBYTES, -self.stash_put(payload))
-            future._payload = b""
-            future._handle = handle
+        new = [f for f in batch if f._handle < 0]
+        if new:
+            handles = slab.alloc_many(len(new)) if len(new) > 1 else [slab.alloc()]
+            if not handles or handles[0] < 0:
+                batch = batch[: batch.index(new[0])]  # those taken back still go
+                if not batch:
+                    return 0
+                new = []
+            for future, handle in zip(new, handles, strict=False):
+                payload = future._payload
+                if not slab.write(handle, payload, uid=future._uid, state=0):
+                    slab.write(handle, b"", uid=future._uid, state=0)
+                    slab.set_word(handle, _NBYTES, -self.stash_put(payload))
+                run = future._run
+                if run is None or not run.retries_left:
+                    future._payload = b""  # kept only to run the task again after a crash
+                future._handle = handle
+                self.by_handle[handle] = future  # before the inject: a result may come at once
+        handles = []
+        for future in batch:
             future._slot = k
-            self.by_handle[handle] = future  # before the inject: a result may come at once
+            handles.append(future._handle)
+            run = future._run
+            if run is not None and run.options.timeout is not None:
+                self.watched[future._handle] = future
         injected, was_sleeping = self.slots[k].inject_wake(handles)
         if injected != len(handles):
             raise BrokenPoolError("inbox overflow: the dispatch window is broken")
+        self.inbox_low[k] = min(self.inbox_low[k], lowest)
         if was_sleeping:
             os.eventfd_write(self.wake_fds[k], 1)
         elif self.header.sleepers():
             self.wake_one_sleeper()
         return len(handles)
-
-    def take_pending(self, n: int) -> list[Future]:
-        out: list[Future] = []
-        pending = self.pending
-        while pending and len(out) < n:
-            future = pending.popleft()
-            if not future._withdrawn:
-                out.append(future)
-        return out
 
     def wake_one_sleeper(self) -> None:
         for k, slot in enumerate(self.slots):
@@ -291,6 +532,65 @@ class Coordinator:
         key = (os.getpid() << 31) | self.stash_counter
         self.stash[key] = data
         return key
+
+    # ------------------------------------------------------------------ running tasks
+    def apply_requests(self) -> None:
+        """Cancel requests for running tasks: set the flag the task polls, or kill its worker
+        (``force``). Here, not in the user's thread: only this thread frees top-level blocks,
+        so a block whose future is still in ``by_handle`` is still that task's."""
+        with self.lock:
+            requests, self.requests = self.requests, []
+        for future, force in requests:
+            handle = future._handle
+            if handle < 0 or self.by_handle.get(handle) is not future:
+                continue  # finished meanwhile
+            self.slab.set_word(handle, _STATE, _CANCEL_REQUESTED)
+            if force:
+                self.kill_running(future)
+
+    def check_timeouts(self) -> None:
+        """Tasks with a timeout: note when each is first seen running (claims are not reported;
+        the sweep timer bounds the error at RESULT_SWEEP_INTERVAL), ask it to cancel once its
+        time is up, and kill its worker after the grace period."""
+        now = time.monotonic()
+        running = {h for slot in self.slots for h in slot.running()}
+        for handle, future in list(self.watched.items()):
+            run = future._run
+            if handle not in running:
+                continue
+            if run.started_at is None:
+                run.started_at = now
+                continue
+            overdue = now - run.started_at - run.options.timeout
+            if overdue < 0:
+                continue
+            if not run.timed_out:
+                run.timed_out = True
+                self.slab.set_word(handle, _STATE, _CANCEL_REQUESTED)
+            elif overdue >= run.options.timeout_grace and not run.forced:
+                self.kill_running(future)
+
+    def kill_running(self, future: Future) -> None:
+        """Kill the worker running ``future``'s task, and no other: the worker is stopped
+        first, and killed only if the task is still on its run stack (else it continues)."""
+        handle = future._handle
+        for k, slot in enumerate(self.slots):
+            worker = self.workers[k]
+            if worker is None or handle not in slot.running():
+                continue
+            try:
+                os.kill(worker.pid, signal.SIGSTOP)
+                wait_stopped(worker.pid)
+                if handle in slot.running():
+                    if future._run is None:
+                        future._run = TaskRun(TaskOptions())
+                    future._run.forced = True
+                    os.kill(worker.pid, signal.SIGKILL)
+                else:
+                    os.kill(worker.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # it died on its own: the crash path reports it
+            return
 
     # ------------------------------------------------------------------ results
     def collect(self) -> None:
@@ -317,10 +617,26 @@ class Coordinator:
             finally:  # settle what was taken even if one entry is bad: nothing is lost
                 slab.free_tasks([h for h in handles if h not in unknown] if unknown else handles)
                 self.completed += len(outcomes)
-                for future, status, data in outcomes:
-                    resolve(future, status, data)
+                self.settle(outcomes)
             if unknown:
                 raise InternalError(f"worker {k} completed unknown task blocks {unknown}")
+
+    def settle(self, outcomes: list[tuple[Future, int, bytes]]) -> None:
+        """Resolve futures; tasks with an id or options first update the timetable (so that a
+        caller woken by ``result()`` sees the final ``state()``)."""
+        special = [o for o in outcomes if o[0]._due is not None or o[0]._run is not None]
+        if special:
+            self.end_runs(special)
+        for future, status, data in outcomes:
+            run = future._run
+            if run is None:
+                resolve(future, status, data)
+            elif run.recurrence is not None:
+                self.end_recurring_run(future, status, data)
+            elif run.timed_out and status != _OK:
+                settle_error(future, TimeoutError(timeout_message(run)))
+            else:
+                resolve(future, status, data)
 
     def stash_take(self, key: int, slot: int) -> bytes:
         """Stashed result bytes; the STASH message was sent before the done-ring push, so it
@@ -331,6 +647,57 @@ class Coordinator:
                 raise ProtocolError(f"stashed result {key} lost with worker {slot}")
             self.on_worker_message(worker, worker.conn.recv_bytes())
         return self.stash.pop(key)
+
+    def end_runs(self, outcomes: list[tuple[Future, int, bytes]]) -> None:
+        with self.lock:
+            for future, status, _ in outcomes:
+                if future._handle >= 0:
+                    self.watched.pop(future._handle, None)
+                future._handle = -1
+                if future._due is not None:
+                    self.timetable.end(
+                        future, None if status == _OK else _FAILED, cancelled=status == _CANCELLED
+                    )
+            self.note_due(self.timetable.heap.next_deadline())  # a deferred version may be due
+
+    def note_due(self, run_at: float | None) -> None:
+        """Under ``self.lock``: the loop must wake at ``run_at`` (None: nothing new)."""
+        if run_at is not None and (self.next_due is None or run_at < self.next_due):
+            self.next_due = run_at
+
+    def end_recurring_run(self, future: Future, status: int, data: bytes) -> None:
+        """One run of a recurring id ended: schedule the next, or end the recurrence."""
+        rec: Recurrence = future._run.recurrence
+        if status == _OK and rec.active:
+            with self.lock:
+                if rec.active:
+                    self.continue_recurrence(future, skipped=False)
+                    return
+        if status == _OK:
+            return  # stopped meanwhile: its future was cancelled then
+        with self.lock:
+            rec.active = False
+            if self.timetable.recurring.get(rec.task_id) is rec:
+                del self.timetable.recurring[rec.task_id]
+        if status == _CANCELLED:
+            rec.future._mark_cancelled()
+        else:  # a run failed: the recurrence ends with its error (as Java's scheduled tasks)
+            resolve(rec.future, status, data)
+
+    def continue_recurrence(self, run_future: Future, skipped: bool) -> None:
+        """Under ``self.lock``: schedule the run after ``run_future``'s (ended or skipped)."""
+        rec: Recurrence = run_future._run.recurrence
+        options = rec.options
+        # A skipped misfire goes to the grid after now, whatever the overlap policy.
+        policy = "skip" if skipped else options.overlap
+        every: float = options.every  # type: ignore[assignment]  # set on every recurrence
+        run_at, dropped = next_run_at(run_future._run.run_at, every, time.monotonic(), policy)
+        self.skipped_runs += dropped
+        future = Future(self, run_future._uid, rec.call, rec.priority)
+        future._run = TaskRun(options, rec, run_at)
+        version = self.timetable.schedule(rec.task_id, run_at, rec.priority, future)
+        future._payload = with_meta(rec.call, dumps_meta(rec.task_id, version))
+        self.note_due(run_at)
 
     # ------------------------------------------------------------------ messages
     def on_worker_readable(self, worker: WorkerHandle) -> None:
@@ -430,7 +797,11 @@ class Coordinator:
         return self.exit_codes.pop(pid, None)
 
     def recover_slot(self, worker: WorkerHandle, code: int | None) -> None:
-        """Fail what the dead worker was running; its queues stay in shared memory."""
+        """Settle what the dead worker was running; its queues stay in shared memory.
+
+        A task killed on purpose (forced cancel, timeout) ends cancelled or with TimeoutError;
+        one with retries left goes back to the front of the ready queue; any other fails with
+        WorkerCrashedError."""
         slot = self.slots[worker.slot]
         slot.break_dead_holder(worker.pid, slot)
         for other in self.slots:
@@ -439,22 +810,40 @@ class Coordinator:
         self.slab.break_dead_holder(worker.pid)
         self.header.break_dead_holder(worker.pid)
         self.collect()
+        outcomes = []
         for handle in slot.take_running():
             future = self.by_handle.pop(handle, None)
             if future is None:  # a child: its parent waits on the block
                 self.fail_child(handle, worker, code)
                 continue
             self.slab.free_tasks([handle])
-            future._owner = None
-            with contextlib.suppress(Exception):
-                future.set_exception(WorkerCrashedError(crash_message(worker, code), code))
+            run = future._run
+            if run is not None and not run.forced and run.retries_left and future._payload:
+                run.retries_left -= 1
+                self.retried += 1
+                with self.lock:
+                    self.watched.pop(handle, None)
+                    future._handle = -1
+                    future._slot = -1
+                    run.started_at = None
+                    self.ready.putback([future])
+                continue
+            if run is not None and run.forced and not run.timed_out:
+                status, data = _CANCELLED, b""
+            elif run is not None and run.timed_out:
+                status, data = _ERROR, dump_exception(TimeoutError(timeout_message(run)))
+            else:
+                error = WorkerCrashedError(crash_message(worker, code), code)
+                status, data = _ERROR, dump_exception(error)
+            outcomes.append((future, status, data))
+        self.settle(outcomes)
 
     def fail_child(self, handle: int, worker: WorkerHandle, code: int | None) -> None:
         """A child was running in the dead worker: settle it with the crash, wake its parent.
         A child that reached DONE before the death (its run-stack entry was not popped yet)
         keeps its result."""
         slab = self.slab
-        if slab.get_word(handle, int(BlockField.STATE)) == _CHILD_DONE:
+        if slab.get_word(handle, _STATE) == _CHILD_DONE:
             return
         error = WorkerCrashedError(crash_message(worker, code), code)
         if not slab.write_result(handle, int(ResultStatus.ERROR), dump_exception(error)):
@@ -463,27 +852,45 @@ class Coordinator:
         previous = self.slots[parent].exchange_block_state(slab, handle, _CHILD_DONE)
         self.header.add_live_children(-1)
         if previous == _CHILD_ABANDONED:
-            slab.set_word(handle, int(BlockField.STATE), 0)
+            slab.set_word(handle, _STATE, 0)
             slab.free_tasks([handle])
         elif self.slots[parent].clear_sleeping():
             os.eventfd_write(self.wake_fds[parent], 1)
 
     # ------------------------------------------------------------------ shutdown
     def begin_shutdown(self, cancel_futures: bool) -> None:
-        """Any thread: no more submissions reach here (the pool checks); drain from now on."""
+        """Any thread: no more submissions reach here (the pool checks); drain from now on.
+
+        Recurring tasks stop unless ``recurring_after_shutdown``; timed one-shot tasks still run
+        when due unless ``timed_after_shutdown`` is False; ``cancel_futures`` cancels all that
+        has not started."""
         with self.lock:
             self.draining = True
+            stopped = [] if self.recurring_after_shutdown else self.timetable.stop_recurrences()
+            cancelled = [r.future for r in stopped]
+            for rec in stopped:  # their next runs wait in the timetable: withdraw them
+                pending = self.timetable.pending_future(rec.task_id)
+                if pending is not None and self.timetable.withdraw_pending(pending):
+                    cancelled.append(pending)
+            if cancel_futures or not self.timed_after_shutdown:
+                cancelled += self.timetable.cancel_all_pending()
+        for future in cancelled:
+            future._mark_cancelled()
         if cancel_futures:
             self.cancel_everything_unclaimed()
 
     def cancel_everything_unclaimed(self) -> None:
         with self.lock:
-            pending, self.pending = self.pending, collections.deque()
+            queued = self.ready.drain()
             injected = list(self.by_handle.values())
-        for future in pending:
-            if not future._withdrawn:
+            for future in queued:
+                if future._handle >= 0:  # taken back from an inbox: holds a block
+                    self.withdraw(future)
                 future._withdrawn = True
-                future._mark_cancelled()
+                if future._due is not None:
+                    self.timetable.end(future, None, cancelled=True)
+        for future in queued:
+            future._mark_cancelled()
         for future in injected:
             future.cancel()  # wins only against a claim that has not happened
 
@@ -517,14 +924,13 @@ class Coordinator:
         with self.lock:
             self.broken = exc  # under the lock: no submit can queue behind the sweep below
             self.draining = True
-            futures = list(self.pending) + list(self.by_handle.values())
-            self.pending.clear()
+            futures = self.ready.drain() + list(self.by_handle.values())
+            futures += [r.future for r in self.timetable.stop_recurrences()]
+            futures += self.timetable.cancel_all_pending()
             self.by_handle.clear()
         for future in futures:
-            future._owner = None
-            with contextlib.suppress(Exception):
-                if not future.done():
-                    future.set_exception(error)
+            future._owner = FINISHING
+            settle_error(future, error)
         for worker in list(self.workers):
             if worker is not None:
                 self.forget_worker(worker)
@@ -544,9 +950,34 @@ def crash_message(worker: WorkerHandle, code: int | None) -> str:
     )
 
 
+def timeout_message(run: TaskRun) -> str:
+    return f"the task ran longer than its timeout of {run.options.timeout} s" + (
+        f" and was killed {run.options.timeout_grace} s later" if run.forced else ""
+    )
+
+
+def wait_stopped(pid: int) -> None:
+    """Wait (bounded) until ``pid`` shows as stopped: SIGSTOP is delivered asynchronously."""
+    deadline = time.monotonic() + STOP_WAIT
+    path = f"/proc/{pid}/stat"
+    while time.monotonic() < deadline:
+        with open(path, "rb") as f:
+            stat = f.read()
+        if stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"T", b"t"):
+            return
+        os.sched_yield()
+
+
+def settle_error(future: Future, error: BaseException) -> None:
+    future._owner = FINISHING
+    with contextlib.suppress(Exception):
+        if not future.done():
+            future.set_exception(error)
+
+
 def resolve(future: Future, status: int, data: bytes) -> None:
     """Settle a task's future from its result bytes (coordinator thread, no lock held)."""
-    future._owner = None
+    future._owner = FINISHING
     if future.done():  # cancelled meanwhile: a race the claim decided; nothing to report
         return
     try:

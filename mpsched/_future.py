@@ -42,24 +42,64 @@ class _Owner(Protocol):
     def cancel(self, future: Future) -> bool: ...
 
 
+class _Finishing:
+    """The owner of a future whose outcome is being set: too late to cancel. (With no owner
+    at all, a racing ``cancel()`` would mark a task that ran as cancelled.)"""
+
+    def cancel(self, future: Future) -> bool:
+        return False
+
+
+FINISHING: _Owner = _Finishing()
+
+
 class Future(concurrent.futures.Future[Any]):
     """The future of a task submitted to an ``mpsched.Pool``."""
 
-    def __init__(self, owner: _Owner | None = None, uid: int = 0, payload: bytes = b"") -> None:
+    # Every field is a slot, so an instance has no __dict__: a million pending futures are
+    # part of a scheduled pool's memory budget (1 KB per pending task, futures included).
+    __slots__ = (
+        "_cond",
+        "_done_callbacks",
+        "_due",
+        "_due_at",
+        "_exception",
+        "_handle",
+        "_owner",
+        "_payload",
+        "_priority",
+        "_result",
+        "_run",
+        "_slot",
+        "_state",
+        "_uid",
+        "_waiters",
+        "_withdrawn",
+    )
+
+    def __init__(
+        self, owner: _Owner | None = None, uid: int = 0, payload: bytes = b"", priority: int = 0
+    ) -> None:
         # No super().__init__(): it would create the Condition eagerly (see the module doc).
         self._cond: threading.Condition | None = None
         self._state = PENDING
         self._result = None
         self._exception = None
-        self._waiters: list[Any] = []
-        self._done_callbacks: list[Any] = []
+        # Empty tuples until a condition exists: the stdlib appends to these only while holding
+        # the condition, whose creation turns them into lists.
+        self._waiters: Any = ()
+        self._done_callbacks: Any = ()
         # Routing (the coordinator's): who can withdraw the task, and where it is.
         self._owner = owner  # None once the outcome is known
         self._uid = uid
-        self._payload = payload  # dropped once written to shared memory
+        self._payload = payload  # dropped once written to shared memory (unless retried)
         self._handle = -1  # slab block once dispatched
-        self._slot = -1  # the inbox it was injected into
+        self._slot = -1  # the inbox it waits in; -1 while queued in the coordinator
         self._withdrawn = False  # cancelled before dispatch: dispatch skips it
+        self._priority = priority  # base priority (due tasks run highest first)
+        self._due_at = 0.0  # when the task became due (aging measures from here)
+        self._due: Any = None  # the scheduler heap's Due, for tasks with an id
+        self._run: Any = None  # per-task options and their state (_coordinator.TaskRun)
 
     @property
     def _condition(self) -> threading.Condition:  # type: ignore[override]
@@ -68,6 +108,8 @@ class Future(concurrent.futures.Future[Any]):
             with _CONDITION_LOCK:
                 cond = self._cond
                 if cond is None:
+                    self._waiters = []
+                    self._done_callbacks = list(self._done_callbacks)
                     cond = self._cond = threading.Condition()
         return cond
 
@@ -119,6 +161,8 @@ class Future(concurrent.futures.Future[Any]):
         count only CANCELLED_AND_NOTIFIED as done; ProcessPoolExecutor forgets this after
         ``shutdown(cancel_futures=True)``, leaving its waiters blocked)."""
         self._owner = None
+        if self._state == CANCELLED_AND_NOTIFIED:  # cancelled twice (e.g. by id, then here)
+            return True
         if not super().cancel():
             return False
         self.set_running_or_notify_cancel()

@@ -169,6 +169,11 @@ class VersionedHeap:
         rec = self._records.get(task_id)
         return 0 if rec is None else rec.running
 
+    def pending_item(self, task_id: Hashable) -> Any:
+        """The ``fn`` given with the pending version of ``task_id``; None if none is pending."""
+        rec = self._records.get(task_id)
+        return None if rec is None or rec.state is not PENDING else rec.fn
+
     def next_deadline(self) -> float | None:
         """run_at of the earliest live entry in the heap (drops stale tops); None if none."""
         heap = self._heap
@@ -226,6 +231,17 @@ class VersionedHeap:
             found = True
         return found
 
+    def withdraw(self, task_id: Hashable, version: int) -> bool:
+        """Cancel the pending version of ``task_id`` if it is ``version`` (and leave a running
+        one alone, unlike ``cancel``). True if it was pending."""
+        rec = self._records.get(task_id)
+        if rec is None or rec.state is not PENDING or rec.version != version:
+            return False
+        self._drop_pending(rec)
+        rec.state = CANCELLED
+        self._maybe_prune()
+        return True
+
     def pop_due(self, now: float) -> Due | Wait | None:
         """Hand out the live task with the smallest key among those with ``run_at <= now``.
 
@@ -255,11 +271,14 @@ class VersionedHeap:
             return _new_due(Due, (rec.task_id, rec.version, rec.run_at, rec.priority, fn))
         return Wait(math.inf) if self._deferred else None
 
-    def finish(self, due: Due, error: BaseException | None = None) -> TaskState:
+    def finish(
+        self, due: Due, error: BaseException | None = None, *, cancelled: bool = False
+    ) -> TaskState:
         """End the running version ``due``; returns its terminal state.
 
-        COMPLETED without error; CANCELLED if ``error`` is a ``TaskCancelled`` and a cancel was
-        requested; FAILED otherwise. A deferred newer version of the id becomes eligible.
+        COMPLETED without error; CANCELLED if ``cancelled`` (the caller withdrew it before it
+        started) or if ``error`` is a ``TaskCancelled`` and a cancel was requested; FAILED
+        otherwise. A deferred newer version of the id becomes eligible.
 
         Raises:
             InvalidTransition: ``due`` is not the running version of its id (finished twice,
@@ -272,7 +291,9 @@ class VersionedHeap:
                 f"cannot finish task {due.task_id!r} v{due.version}: it is not running "
                 f"(running version: {now_running}); finish() takes each Due from next() once"
             )
-        if error is None:
+        if cancelled:
+            outcome = CANCELLED
+        elif error is None:
             outcome = COMPLETED
         elif isinstance(error, TaskCancelled) and rec.cancel_requested:
             outcome = CANCELLED

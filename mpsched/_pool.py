@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import itertools
 import multiprocessing
 import os
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -37,13 +38,18 @@ from mpsched._coordinator import Coordinator
 from mpsched._errors import PoolClosedError
 from mpsched._future import Future
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
-from mpsched._serialize import INLINE, FunctionCache, encode_call
+from mpsched._options import TaskOptions
+from mpsched._scheduler import check_priority, check_run_at, check_task_id
+from mpsched._serialize import INLINE, FunctionCache, dumps_meta, encode_call
 from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
+from mpsched._task import TaskState
+from mpsched._timed import Recurrence, TaskRun
 from mpsched._wakeup import Wakeup
 from mpsched._worker import WorkerOptions
 from mpsched._zygote import ZygoteConfig, zygote_main
 
 DISPATCH_WINDOW = 128  # tasks per worker inbox; larger = fewer wake-ups, longer cancel window
+DISPATCH_WINDOW_MAX = 4096  # the inbox ring is sized for the window
 INFLIGHT_PER_WORKER = 4 * DISPATCH_WINDOW  # dispatched-unfinished tasks, per worker
 BLOCKS_PER_WORKER = 2048  # slab blocks per worker: in-flight tasks plus their children
 DEQUE_CAPACITY = 1024  # children queued per worker before they run inline
@@ -52,6 +58,8 @@ MAP_TARGET_CHUNK_SECONDS = 0.002  # map: aim for chunks of about this much work
 MAP_MAX_CHUNK = 1024  # items per chunk, at most: more chunks keep both ends of the pipe busy
 MAP_PREFETCH_PER_WORKER = 4  # chunks in flight per worker (bounded read-ahead of lazy input)
 MAP_GROWTH = 64  # chunks grow at most this much per measured chunk
+
+_INF = float("inf")
 
 _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 # Fork start method: the control ends of live pools, which a new zygote must not keep open (the
@@ -77,10 +85,14 @@ class PoolStatistics:
     workers: int
     submitted: int
     completed: int
-    pending: int
+    pending: int  # due, not yet handed to a worker
+    scheduled: int  # versions waiting for their run_at (or behind a running version)
     steals: int
     crashes: int
     respawns: int
+    retried: int  # runs started again after their worker died (the retries option)
+    misfires: int  # recurring runs skipped by the misfire policy
+    skipped_runs: int  # recurring due times dropped by the overlap policy "skip"/"coalesce"
     per_worker: tuple[WorkerStatistics, ...]
 
 
@@ -95,6 +107,19 @@ class Pool:
         workers: number of worker processes (default ``os.cpu_count()``).
         start_method: ``"forkserver"`` (default on Linux), ``"spawn"`` or ``"fork"``: how the
             pool's zygote process starts; workers are forked from the zygote.
+        dispatch_window: tasks handed ahead to each worker's inbox (default 128). A newly due
+            task of a *higher* priority never waits behind them (the coordinator takes lower
+            ones back); one of equal priority waits behind at most this many per worker. A
+            smaller window makes ``cancel`` and order reach more tasks in the coordinator; a
+            larger one keeps workers fed with tiny tasks.
+        aging: None (default: strict priority) or seconds: a due task that has waited this long
+            gains one priority level, and one more per further period, so that low priorities
+            cannot starve.
+        timed_after_shutdown: whether timed one-shot tasks still pending at ``shutdown`` run
+            when due (default True, as Java's ScheduledThreadPoolExecutor); False cancels them.
+        recurring_after_shutdown: whether recurring tasks go on after ``shutdown`` (default
+            False: they stop and their futures are cancelled). If True, ``shutdown(wait=True)``
+            returns only once they are cancelled.
     """
 
     _coordinator: Coordinator
@@ -103,7 +128,16 @@ class Pool:
     _segment: AnonSegment
     _functions: FunctionCache
 
-    def __init__(self, workers: int | None = None, *, start_method: str | None = None) -> None:
+    def __init__(
+        self,
+        workers: int | None = None,
+        *,
+        start_method: str | None = None,
+        dispatch_window: int = DISPATCH_WINDOW,
+        aging: float | None = None,
+        timed_after_shutdown: bool = True,
+        recurring_after_shutdown: bool = False,
+    ) -> None:
         if workers is None:
             workers = os.cpu_count() or 1
         if isinstance(workers, bool) or not isinstance(workers, int):
@@ -116,8 +150,18 @@ class Pool:
                 f"start_method must be one of {multiprocessing.get_all_start_methods()}, "
                 f"not {method!r}"
             )
+        if isinstance(dispatch_window, bool) or not isinstance(dispatch_window, int):
+            raise TypeError(f"dispatch_window must be an int, not {type(dispatch_window).__name__}")
+        if not 1 <= dispatch_window <= DISPATCH_WINDOW_MAX:
+            raise ValueError(f"dispatch_window must be in 1..{DISPATCH_WINDOW_MAX}")
+        if aging is not None:
+            TaskOptions(timeout=aging)  # the same check: a finite positive number of seconds
         self._workers = workers
         self._start_method = method
+        self._window = dispatch_window
+        self._aging = None if aging is None else float(aging)
+        self._timed_after_shutdown = bool(timed_after_shutdown)
+        self._recurring_after_shutdown = bool(recurring_after_shutdown)
         self._uids = itertools.count(1)
         self._submit_lock = threading.Lock()
         self._shutdown_lock = threading.Lock()
@@ -133,8 +177,8 @@ class Pool:
         layout = SegmentLayout(
             n_slots=n,
             deque_capacity=DEQUE_CAPACITY,
-            inbox_capacity=_pow2(DISPATCH_WINDOW),
-            done_capacity=_pow2(INFLIGHT_PER_WORKER * n),
+            inbox_capacity=_pow2(self._window),
+            done_capacity=_pow2(max(INFLIGHT_PER_WORKER, 4 * self._window) * n),
             block_count=BLOCKS_PER_WORKER * n,
         )
         self._segment = AnonSegment.create(layout.total_bytes)
@@ -154,8 +198,11 @@ class Pool:
                 self._wakeup.fileno(),
                 self._wakeup.clear,
                 n,
-                DISPATCH_WINDOW,
-                INFLIGHT_PER_WORKER * n,
+                self._window,
+                max(INFLIGHT_PER_WORKER, 4 * self._window) * n,
+                aging=self._aging,
+                timed_after_shutdown=self._timed_after_shutdown,
+                recurring_after_shutdown=self._recurring_after_shutdown,
             )
             # The SPAWN commands are queued at once; the zygote reads them after READY, and the
             # first SPAWNED proves READY came (it opened the locks): then no name is needed.
@@ -230,6 +277,15 @@ class Pool:
             PoolClosedError: the pool is shutting down or shut down.
             TaskPicklingError: the function or an argument cannot be pickled.
         """
+        return self._submit(None, fn, args, kwargs)
+
+    def _submit(
+        self,
+        options: TaskOptions | None,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Future:
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         with self._submit_lock:
@@ -238,11 +294,132 @@ class Pool:
             fid = self._functions.fid(fn)
             payload = encode_call(fid, None if fid != INLINE else fn, args, kwargs)
             future = Future(self._coordinator, next(self._uids), payload)
+            if options is not None:
+                future._run = TaskRun(options)
             self._submitted += 1
             wake = self._coordinator.submit(future)
         if wake:
             self._wakeup.wakeup()
         return future
+
+    def schedule(
+        self,
+        task_id: Hashable,
+        run_at: float,
+        priority: int,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Future:
+        """Run ``fn(*args, **kwargs)`` as version of ``task_id`` due at ``run_at``.
+
+        ``run_at`` is an absolute ``time.monotonic()`` time (in the past: due at once). Among
+        due tasks, the higher ``priority`` starts first, then the earlier ``run_at``, then
+        the earlier call. Scheduling an id again supersedes its previous version: one that has
+        not started is cancelled (its future too) and never runs; one that runs is not
+        interrupted, and the new version starts only after it ended.
+
+        Raises:
+            PoolClosedError: the pool is shutting down or shut down.
+            TypeError: unhashable or unpicklable ``task_id``, non-real ``run_at``, non-int
+                ``priority``, non-callable ``fn``.
+            ValueError: ``run_at`` is NaN or infinite.
+            TaskPicklingError: the function or an argument cannot be pickled.
+        """
+        return self._schedule(None, task_id, run_at, priority, fn, args, kwargs)
+
+    def _schedule(
+        self,
+        options: TaskOptions | None,
+        task_id: Hashable,
+        run_at: float,
+        priority: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Future:
+        if type(run_at) is not float:
+            run_at = check_run_at(run_at)
+        elif run_at != run_at or run_at in (_INF, -_INF):
+            raise ValueError(f"run_at must be finite, not {run_at!r}")
+        if type(priority) is not int:
+            priority = check_priority(priority)
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        check_task_id(task_id)
+        try:
+            dumps_meta(task_id, 0)
+        except Exception as exc:
+            raise TypeError(f"task_id must be picklable: {exc!r}") from exc
+        coordinator = self._coordinator
+
+        def meta_of(version: int) -> bytes:
+            return dumps_meta(task_id, version)
+
+        with self._submit_lock:
+            if self._closed:
+                raise PoolClosedError("cannot schedule on a pool that is shutting down")
+            fid = self._functions.fid(fn)
+            call = encode_call(fid, None if fid != INLINE else fn, args, kwargs, True)
+            uid = next(self._uids)
+            future = Future(coordinator, uid, call, priority)
+            recurrence = None
+            if options is not None:
+                if options.every is not None:
+                    public = Future(coordinator, uid)
+                    recurrence = Recurrence(task_id, priority, call, options, public)
+                    public._run = TaskRun(options, recurrence)
+                future._run = TaskRun(options, recurrence, run_at)
+            self._submitted += 1
+            wake = coordinator.schedule(task_id, run_at, priority, future, meta_of, recurrence)
+        if wake:
+            self._wakeup.wakeup()
+        return future if recurrence is None else recurrence.future
+
+    def with_options(self, options: TaskOptions | None = None, /, **fields: Any) -> TaskSubmitter:
+        """A submitter whose ``submit``/``schedule`` run tasks with these options.
+
+        Options are not arguments of ``fn``, so they travel here rather than as keywords of
+        ``submit``, where they would collide with ``fn``'s own::
+
+            pool.with_options(timeout=5, retries=2).submit(fn, x, timeout=30)  # fn gets 30
+            pool.with_options(every=1.0, overlap="skip").schedule("tick", t0, 0, poll)
+
+        Takes a ``TaskOptions`` or its fields (fields override the given options).
+        """
+        if options is None:
+            options = TaskOptions(**fields)
+        elif fields:
+            options = dataclasses.replace(options, **fields)
+        elif not isinstance(options, TaskOptions):
+            raise TypeError(f"options must be a TaskOptions, not {type(options).__name__}")
+        return TaskSubmitter(self, options)
+
+    def cancel(self, task_id: Hashable, *, force: bool = False) -> bool:
+        """Cancel ``task_id``: a version that has not started never runs (its future is
+        cancelled; this holds even for one already handed to a worker's queue); a recurrence
+        stops; a running version is asked to stop (``current_task().cancel_requested``), or,
+        with ``force``, its worker is killed (and replaced) and its future is cancelled.
+
+        Returns:
+            True if a version was cancelled or asked to stop; False for an id with nothing
+            pending or running.
+        """
+        check_task_id(task_id)
+        if not self._started:
+            return False
+        found = self._coordinator.cancel_id(task_id, bool(force))
+        if found:
+            self._wakeup.wakeup()
+        return found
+
+    def state(self, task_id: Hashable) -> TaskState | None:
+        """The state of the latest version of ``task_id``: PENDING until a worker claims it,
+        RUNNING, then COMPLETED, FAILED or CANCELLED; None for an unknown id (ids that ended
+        are forgotten after the 100,000 more recent ones)."""
+        check_task_id(task_id)
+        return self._coordinator.state(task_id)
 
     def map(
         self,
@@ -346,7 +523,7 @@ class Pool:
         for k, slot in enumerate(self._views.slots):
             counters = coord.final_stats.get(k) or slot.counters()
             worker = coord.workers[k]
-            inbox, deque_ = slot.depths()
+            deque_, inbox = slot.depths()
             per_worker.append(
                 WorkerStatistics(
                     slot=k,
@@ -361,10 +538,14 @@ class Pool:
             workers=self._workers,
             submitted=self._submitted,
             completed=coord.completed,
-            pending=len(coord.pending),
+            pending=len(coord.ready),
+            scheduled=len(coord.timetable.heap),
             steals=sum(w.stolen for w in per_worker),
             crashes=coord.crashes,
             respawns=coord.respawns,
+            retried=coord.retried,
+            misfires=coord.misfires,
+            skipped_runs=coord.skipped_runs,
             per_worker=tuple(per_worker),
         )
 
@@ -380,6 +561,41 @@ class Pool:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running"
         return f"<mpsched.Pool {state} workers={self._workers} start_method={self._start_method}>"
+
+
+class TaskSubmitter:
+    """``pool.with_options(...)``: ``submit`` and ``schedule`` with fixed task options."""
+
+    __slots__ = ("_options", "_pool")
+
+    def __init__(self, pool: Pool, options: TaskOptions) -> None:
+        self._pool = pool
+        self._options = options
+
+    @property
+    def options(self) -> TaskOptions:
+        return self._options
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        """``Pool.submit`` with these options (a recurrence needs an id: use ``schedule``)."""
+        if self._options.every is not None:
+            raise ValueError("a recurring task needs a task id: use schedule(), not submit()")
+        return self._pool._submit(self._options, fn, args, kwargs)
+
+    def schedule(
+        self,
+        task_id: Hashable,
+        run_at: float,
+        priority: int,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Future:
+        """``Pool.schedule`` with these options. With ``every``, the task recurs, and the
+        returned future ends only when the recurrence does: cancelled by ``cancel``/shutdown,
+        or with the error of a run that raised (later runs do not happen then)."""
+        return self._pool._schedule(self._options, task_id, run_at, priority, fn, args, kwargs)
 
 
 def _pow2(n: int) -> int:

@@ -73,6 +73,16 @@ class ChildState(enum.IntEnum):
     ABANDONED = 3  # the parent dropped its future; whoever sees the second of DONE/ABANDONED frees
 
 
+class TopState(enum.IntEnum):
+    """A top-level task's block ``state`` word: the coordinator's cancel request to a running
+    task, read by the worker without a round trip (``current_task().cancel_requested``).
+    Written only by the coordinator thread, and only while the task's future is unsettled (so
+    the block is still that task's: the coordinator frees top-level blocks itself)."""
+
+    PLAIN = 0  # written by inject
+    CANCEL_REQUESTED = 1  # pool.cancel(task_id) or a timeout asked the running task to stop
+
+
 def encode(tag: Tag, *fields: Any) -> bytes:
     return pickle.dumps((int(tag), *fields), PICKLE_PROTOCOL)
 

@@ -5,7 +5,11 @@ worker), so an unpicklable function or argument fails there, at the call, with a
 (bpo-31699: a pickling error inside the pool machinery must never hang it). Decoded in the worker
 that claims the task.
 
-Payload = ``pickle.dumps((fid, fn, args, kwargs))``:
+Payload = ``pickle.dumps((fid, fn, args, kwargs, has_meta))``, followed, if ``has_meta``, by the
+pickled ``(task_id, version)`` of a task scheduled with an id (``mpsched.current_task()`` reports
+them) and that pickle's length in 4 bytes. The meta is appended by the coordinator under its lock
+(``with_meta``), where the version number is known, so the call itself is pickled outside the
+lock, in the caller. Then:
 
 * ``fid >= 0``: ``fn`` is None; the function lives in the pool's function table under ``fid``
   (pickled once per pool; pickling a function by reference is half the per-task pickle cost).
@@ -64,14 +68,19 @@ def _describe(obj: Any) -> str:
 
 
 def encode_call(
-    fid: int, fn: Callable[..., Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    fid: int,
+    fn: Callable[..., Any] | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    has_meta: bool = False,
 ) -> bytes:
+    call = (fid, fn, args, kwargs, has_meta)
     try:
-        return _dumps((fid, fn, args, kwargs), PICKLE_PROTOCOL)
+        return _dumps(call, PICKLE_PROTOCOL)
     except Exception:
         pass
     try:
-        return _cloudpickle().dumps((fid, fn, args, kwargs), PICKLE_PROTOCOL)  # type: ignore[no-any-return]
+        return _cloudpickle().dumps(call, PICKLE_PROTOCOL)  # type: ignore[no-any-return]
     except Exception as exc:
         what = "arguments" if fn is None else f"function {fn!r} or its arguments"
         raise TaskPicklingError(
@@ -81,8 +90,25 @@ def encode_call(
         ) from exc
 
 
-def decode_call(data: bytes | memoryview) -> tuple[int, Any, tuple[Any, ...], dict[str, Any]]:
-    return _loads(data)  # type: ignore[no-any-return]
+Call = tuple[int, Any, tuple[Any, ...], dict[str, Any], "tuple[Any, int] | None"]
+_META_LEN = 4  # bytes of the meta's length, little-endian
+
+
+def with_meta(call: bytes, meta: bytes) -> bytes:
+    """A payload: ``call`` (encoded with ``has_meta=True``) and the pickled ``meta``."""
+    return b"".join((call, meta, len(meta).to_bytes(_META_LEN, "little")))
+
+
+def dumps_meta(task_id: Any, version: int) -> bytes:
+    return _dumps((task_id, version), PICKLE_PROTOCOL)
+
+
+def decode_call(data: bytes | memoryview) -> Call:
+    fid, fn, args, kwargs, has_meta = _loads(data)  # stops at the call's STOP opcode
+    if not has_meta:
+        return fid, fn, args, kwargs, None
+    n = int.from_bytes(data[-_META_LEN:], "little")
+    return fid, fn, args, kwargs, _loads(data[-_META_LEN - n : -_META_LEN])
 
 
 def function_bytes(fn: Callable[..., Any]) -> bytes | None:

@@ -535,6 +535,18 @@ class SlotQueues:
             self._release()
         return True
 
+    def in_inbox(self, handle: int) -> bool:
+        """Whether ``handle`` still waits in the inbox (unclaimed), under the lock."""
+        w = self._w
+        if not self._acquire(False):
+            self._acquire_contended()
+        try:
+            w[HOLDER_PID] = _pid
+            return _find(self._inbox, self._imask, w[INBOX_FRONT], w[INBOX_BACK], handle) >= 0
+        finally:
+            w[HOLDER_PID] = 0
+            self._release()
+
     def take_done(self) -> list[int]:
         """Coordinator only: collect every completed handle (FIFO), one lock round."""
         w = self._w
@@ -781,11 +793,13 @@ class SlotQueues:
         self._w[OWNER_PID] = 0
         return handles
 
-    def drain(self) -> list[int]:
-        """Coordinator only (e.g. after the owner died): claim everything queued, one round.
+    def drain(self, include_deque: bool = True) -> list[int]:
+        """Coordinator only: claim everything queued, one lock round (the inbox only, to take
+        injected tasks back for re-ordering: the same race against claims as a cancel).
 
         Returns:
-            The deque's handles front to back, then the inbox's live handles in FIFO order.
+            The deque's handles front to back (if included), then the inbox's live handles in
+            FIFO order.
         """
         w = self._w
         if not self._acquire(False):
@@ -793,10 +807,10 @@ class SlotQueues:
         try:
             w[HOLDER_PID] = _pid
             out = []
-            for ring, mask, front_word, back in (
-                (self._deque, self._dmask, DEQUE_FRONT, w[DEQUE_BACK]),
-                (self._inbox, self._imask, INBOX_FRONT, w[INBOX_BACK]),
-            ):
+            rings = [(self._inbox, self._imask, INBOX_FRONT, w[INBOX_BACK])]
+            if include_deque:
+                rings.insert(0, (self._deque, self._dmask, DEQUE_FRONT, w[DEQUE_BACK]))
+            for ring, mask, front_word, back in rings:
                 for lo, hi in _segments(w[front_word], back, mask):
                     out += [h for h in ring[lo:hi].tolist() if h != TOMBSTONE]
                 w[front_word] = back  # commit of this ring

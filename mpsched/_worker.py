@@ -58,6 +58,7 @@ from mpsched._protocol import (
     ChildState,
     ResultStatus,
     Tag,
+    TopState,
     decode,
     dump_exception,
     encode,
@@ -83,6 +84,7 @@ _PARENT = int(BlockField.PARENT)
 _RESULT_STATUS = int(BlockField.RESULT_STATUS)
 _RESULT_NBYTES = int(BlockField.RESULT_NBYTES)
 _POKE = encode(Tag.RESULTS)
+_CANCEL_REQUESTED = int(TopState.CANCEL_REQUESTED)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,58 @@ def submit(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> ChildFuture:
     if not callable(fn):
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
     return worker.spawn(fn, args, kwargs)
+
+
+def current_task() -> TaskContext:
+    """Inside a task: the running task's context (its id, version, worker and cancel flag).
+
+    Raises:
+        RuntimeError: called outside a task running in an mpsched pool.
+    """
+    worker = _current
+    if worker is None or not worker.contexts:
+        raise RuntimeError("mpsched.current_task() only works inside a task running in a pool")
+    return worker.contexts[-1]
+
+
+class TaskContext:
+    """What a running task knows about itself (``mpsched.current_task()``).
+
+    Attributes:
+        task_id: the id given to ``pool.schedule``; None for ``submit``/``map`` tasks and
+            children.
+        version: the version of ``task_id`` this run belongs to (0 without an id).
+        worker_id: the slot of the worker running the task (0 .. workers - 1).
+    """
+
+    __slots__ = ("_handle", "_slab", "task_id", "version", "worker_id")
+
+    def __init__(
+        self, worker_id: int, slab: Any, handle: int, meta: tuple[Any, int] | None
+    ) -> None:
+        self.worker_id = worker_id
+        self.task_id: Any = None if meta is None else meta[0]
+        self.version: int = 0 if meta is None else meta[1]
+        self._slab = slab
+        self._handle = handle  # -1 for a child: nobody can cancel a child by id
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once ``pool.cancel(task_id)`` (or the task's timeout) asked this run to stop.
+        Reads one word of shared memory: cheap enough to poll in a loop."""
+        return self._handle >= 0 and self._slab.get_word(self._handle, _STATE) == _CANCEL_REQUESTED
+
+    def raise_if_cancelled(self) -> None:
+        """Raise ``mpsched.TaskCancelled`` if a cancel was requested: the future then ends
+        cancelled."""
+        if self.cancel_requested:
+            raise TaskCancelled(f"task {self.task_id!r} v{self.version} was asked to cancel")
+
+    def __repr__(self) -> str:
+        return (
+            f"<TaskContext task_id={self.task_id!r} version={self.version} "
+            f"worker_id={self.worker_id} cancel_requested={self.cancel_requested}>"
+        )
 
 
 class ChildFuture:
@@ -209,6 +263,7 @@ class Worker:
         self.fid_of: dict[Callable[..., Any], int] = {}  # reverse of fn_cache, for children
         self.abandoned: list[int] = []  # children whose futures were dropped (see __del__)
         self.depth = 0  # tasks running in this process (join-helping nests them)
+        self.contexts: list[TaskContext] = []  # current_task(): the innermost is last
         self.unannounced = 0  # results in the done ring since the last poke
         self.draining = False
         self.pid = os.getpid()
@@ -264,21 +319,28 @@ class Worker:
         else:
             data = self.fetch(-nbytes)
         self.depth += 1
+        context = None
         try:
-            fid, fn, args, kwargs = decode_call(data)
+            fid, fn, args, kwargs, meta = decode_call(data)
             del data
             if fid != INLINE:
                 fn = self.load_function(fid)
+            context = TaskContext(self.slot, slab, handle if parent < 0 else -1, meta)
+            self.contexts.append(context)
             value = fn(*args, **kwargs)
             del fn, args, kwargs
             status, out = _OK, dumps(value)
             del value
         except TaskCancelled as exc:
-            status, out = _CANCELLED, dump_exception(exc)
+            # Cancelled only if asked to: a TaskCancelled raised unprompted is an error.
+            requested = context is not None and context.cancel_requested
+            status, out = (_CANCELLED if requested else _ERROR), dump_exception(exc)
         except BaseException as exc:  # user code: any exception is the task's outcome
             status, out = _ERROR, dump_exception(exc)
         finally:
             self.depth -= 1
+            if context is not None:
+                self.contexts.pop()
         if not slab.write_result(handle, status, out):
             slab.set_word(handle, _RESULT_STATUS, status)
             slab.set_word(handle, _RESULT_NBYTES, -self.stash(out))
@@ -330,7 +392,7 @@ class Worker:
         return ChildFuture(self, handle)
 
     def run_inline(self, payload: bytes) -> ChildFuture:
-        fid, fn, args, kwargs = decode_call(payload)
+        fid, fn, args, kwargs, _ = decode_call(payload)
         if fid != INLINE:
             fn = self.load_function(fid)
         try:

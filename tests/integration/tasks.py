@@ -163,3 +163,8 @@ def report_pid_then_gate(started: str, path: str) -> int:
 def read_pid(started: str) -> int:
     with open(started, "rb") as fifo:
         return int(fifo.read())
+
+
+def boom_cancelled() -> None:
+    """Raise TaskCancelled although nobody asked: that is an error, not a cancel."""
+    raise mpsched.TaskCancelled("unprompted")

@@ -1,0 +1,127 @@
+"""Per-task options that are not arguments of the task's function, and the recurrence rules.
+
+Owns ``TaskOptions`` (public, validated at construction) and the pure arithmetic of recurring
+tasks: when the next run of an id is due after a run ends (``next_run_at``, the overlap policy)
+and whether a due run is too late to start (``is_misfire``, the misfire policy). Pure functions
+of their arguments and a ``now``, so the rules are unit-tested with plain numbers; the pool's
+coordinator thread calls them.
+
+Why an options object: ``pool.submit(fn, *args, **kwargs)`` passes every keyword to ``fn``, so a
+``timeout=`` keyword there would steal ``fn``'s own argument of that name. Options travel on a
+separate call, ``pool.with_options(...)``, which returns a submitter bound to them.
+
+Recurrence (fixed rate): runs are due at ``first + k * every``. A run of an id never overlaps the
+previous run of that id; when a run ends after one or more later due times have passed, the
+overlap policy decides what happens to those missed times:
+
+    "skip"      the missed times are dropped; the next run is due at the first grid time after
+                now (the count of skipped times is returned, for the pool's statistics);
+    "coalesce"  the missed times become one run, due at once; the grid goes on after it;
+    "queue"     every missed time runs, one after the other, each due at once, until the
+                recurrence has caught up with the grid.
+
+Misfire: a run that could not *start* within ``misfire_grace`` seconds of its due time (the pool
+was busy) is a misfire. "run_late" (the default) runs it anyway; "skip" drops that run, counts it
+in ``PoolStatistics.misfires`` and logs a warning: never silently.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+OverlapPolicy = Literal["skip", "coalesce", "queue"]
+MisfirePolicy = Literal["run_late", "skip"]
+
+OVERLAP_POLICIES = ("skip", "coalesce", "queue")
+MISFIRE_POLICIES = ("run_late", "skip")
+DEFAULT_TIMEOUT_GRACE = 1.0  # seconds between the cooperative cancel of a timeout and the kill
+DEFAULT_MISFIRE_GRACE = 1.0  # seconds late a recurring run may start before it is a misfire
+
+
+def _check_seconds(name: str, value: object, *, allow_none: bool, positive: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        qualifier = "positive" if positive else "non-negative"
+        raise ValueError(f"{name} must be a finite {qualifier} number of seconds, not {value!r}")
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """How the pool runs one task, apart from its arguments.
+
+    Attributes:
+        timeout: seconds a run may take once started; then it is asked to cancel (its
+            ``current_task().cancel_requested`` turns True) and, ``timeout_grace`` seconds
+            later, its worker is killed and replaced. The future fails with ``TimeoutError``
+            unless the task returned first. None: no limit.
+        timeout_grace: seconds between the cooperative cancel and the kill.
+        retries: how many times the task runs again if its worker dies while running it
+            (out of memory, a crash in native code); 0: it fails with ``WorkerCrashedError``.
+        every: seconds between the due times of a recurring task (``schedule`` only); None:
+            one run.
+        overlap: what a recurring task does with due times that passed while its previous run
+            was still going: ``"skip"``, ``"coalesce"`` or ``"queue"`` (module doc).
+        misfire: ``"run_late"`` or ``"skip"`` for a recurring run that could not start within
+            ``misfire_grace`` seconds of its due time.
+        misfire_grace: seconds; see ``misfire``.
+    """
+
+    timeout: float | None = None
+    timeout_grace: float = DEFAULT_TIMEOUT_GRACE
+    retries: int = 0
+    every: float | None = None
+    overlap: OverlapPolicy = "coalesce"
+    misfire: MisfirePolicy = "run_late"
+    misfire_grace: float = DEFAULT_MISFIRE_GRACE
+
+    def __post_init__(self) -> None:
+        _check_seconds("timeout", self.timeout, allow_none=True, positive=True)
+        _check_seconds("timeout_grace", self.timeout_grace, allow_none=False, positive=False)
+        _check_seconds("every", self.every, allow_none=True, positive=True)
+        _check_seconds("misfire_grace", self.misfire_grace, allow_none=False, positive=False)
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int):
+            raise TypeError(f"retries must be an int, not {type(self.retries).__name__}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, not {self.retries}")
+        if self.overlap not in OVERLAP_POLICIES:
+            raise ValueError(f"overlap must be one of {OVERLAP_POLICIES}, not {self.overlap!r}")
+        if self.misfire not in MISFIRE_POLICIES:
+            raise ValueError(f"misfire must be one of {MISFIRE_POLICIES}, not {self.misfire!r}")
+
+    @property
+    def is_plain(self) -> bool:
+        """True if these options change nothing (the pool then takes its fast path)."""
+        return self == _PLAIN
+
+
+_PLAIN = TaskOptions()
+
+
+def next_run_at(due: float, every: float, now: float, overlap: OverlapPolicy) -> tuple[float, int]:
+    """When the run after the one due at ``due`` is due, given that it ended at ``now``.
+
+    Returns:
+        ``(run_at, skipped)``: the next due time (it may be <= now: due at once) and how many
+        grid times the policy dropped.
+    """
+    following = due + every
+    if following > now:  # the run ended before the next grid time: nothing was missed
+        return following, 0
+    if overlap == "queue":
+        return following, 0
+    # The last grid time that has passed: following + m * every <= now.
+    missed = int((now - following) // every) + 1
+    last_passed = following + (missed - 1) * every
+    if overlap == "coalesce":
+        return last_passed, missed - 1
+    return last_passed + every, missed  # "skip"
+
+
+def is_misfire(run_at: float, now: float, grace: float) -> bool:
+    """True if a run due at ``run_at`` that starts at ``now`` is later than ``grace`` allows."""
+    return now - run_at > grace

@@ -1,0 +1,123 @@
+"""ReadyQueue: the coordinator's due tasks that no worker has been handed yet.
+
+Owns the order among due tasks: the highest priority first, then the order in which tasks
+became due (FIFO within a priority). A task becomes due when ``Pool.submit`` queues it (due now)
+or when the coordinator moves it out of the scheduler heap at its ``run_at``; the heap releases
+tasks in ``(run_at, -priority, seq)`` order, so within one priority the FIFO order is the
+``(run_at, seq)`` order, except that a submit may slip ahead of a timed task whose ``run_at`` had
+passed by less than the coordinator's wake-up delay (tens of microseconds).
+
+One deque per priority level plus a descending list of the levels present: ``append`` and
+``popleft`` are O(1) for the common case of a few levels (``append`` of a new level is O(levels)).
+
+Called from the coordinator thread and from user threads (``Pool.submit``), always under the
+coordinator's lock. Items are futures (``_priority`` is the base priority, ``_due_at`` when the
+task became due); a future withdrawn (cancelled) while queued stays in its deque and is skipped
+by ``take``, so cancel is O(1).
+
+Aging (``age``): off unless the pool sets it. A task that has waited ``aging`` seconds since it
+became due moves up one level, and one more per further ``aging`` seconds; a promoted task joins
+the back of its new level. So strict priority order holds among tasks that became due less than
+``aging`` seconds apart, and no task starves behind an endless stream of higher priorities.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from collections.abc import Iterable
+
+from mpsched._future import Future
+
+NO_LEVEL = -(2**63)  # "no level": below every priority
+
+
+class ReadyQueue:
+    __slots__ = ("_levels", "_order", "size")
+
+    def __init__(self) -> None:
+        self._levels: dict[int, collections.deque[Future]] = {}
+        self._order: list[int] = []  # priorities with a deque, ascending (the last is the top)
+        self.size = 0  # items queued, withdrawn ones included until they are popped
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bool__(self) -> bool:
+        return self.size > 0
+
+    def _level(self, priority: int) -> collections.deque[Future]:
+        level = self._levels.get(priority)
+        if level is None:
+            level = self._levels[priority] = collections.deque()
+            bisect.insort(self._order, priority)
+        return level
+
+    def append(self, item: Future, priority: int) -> None:
+        self._level(priority).append(item)
+        self.size += 1
+
+    def putback(self, items: Iterable[Future]) -> None:
+        """Return ``items`` (in their original order) to the front of their base levels: they
+        were taken before everything still queued there."""
+        for item in reversed(list(items)):
+            self._level(item._priority).appendleft(item)
+            self.size += 1
+
+    def top_priority(self) -> int | None:
+        order = self._order
+        while order:
+            top = order[-1]
+            if self._levels[top]:
+                return top
+            del self._levels[top]
+            order.pop()
+        return None
+
+    def take(self, n: int) -> tuple[list[Future], int]:
+        """Up to ``n`` live (not withdrawn) items, highest priority first, and the lowest level
+        they came from (``NO_LEVEL`` if none)."""
+        out: list[Future] = []
+        lowest = NO_LEVEL
+        levels = self._levels
+        while len(out) < n:
+            top = self.top_priority()
+            if top is None:
+                break
+            level = levels[top]
+            while level and len(out) < n:
+                item = level.popleft()
+                self.size -= 1
+                if not item._withdrawn:
+                    out.append(item)
+                    lowest = top
+        return out, lowest
+
+    def drain(self) -> list[Future]:
+        """Every item, highest priority first; the queue is empty afterwards."""
+        out: list[Future] = []
+        for priority in reversed(self._order):
+            out.extend(self._levels[priority])
+        self._levels.clear()
+        self._order.clear()
+        self.size = 0
+        return out
+
+    def age(self, now: float, aging: float) -> int:
+        """Move up the items that waited long enough (module doc); returns how many moved.
+
+        Only level fronts are examined: within a level, items are in the order they became due,
+        so a front that has not earned a promotion means that no item behind it has either
+        (up to the at most ``aging`` seconds of disorder that promotions to the back add)."""
+        moved = 0
+        for priority in list(self._order):
+            level = self._levels.get(priority)
+            while level:
+                item = level[0]
+                target = item._priority + int((now - item._due_at) / aging)
+                if target <= priority:
+                    break
+                level.popleft()
+                self._level(target).append(item)
+                moved += 1
+        return moved

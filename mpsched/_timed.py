@@ -1,0 +1,166 @@
+"""Timetable: the pool's tasks that have an id (``Pool.schedule``), from schedule to the end.
+
+Owns the scheduler core's ``VersionedHeap`` (pending versions, keyed ``(run_at, -priority,
+seq)``), the version of each id that the heap has handed out (it waits in the ready queue or an
+inbox, or runs), the recurrences, and the bounded memory of finished ids. The coordinator calls
+every method under its lock (``Coordinator.lock``); user threads reach it only through the
+coordinator.
+
+Each version of an id is one ``Future``. ``future._due`` is ``(task_id, version)`` while the
+version waits in the heap and the heap's ``Due`` once it was handed out (``finish`` needs it).
+
+States: the heap says RUNNING from the moment it hands a version out; ``state()`` refines that
+for the pool, since a handed-out version that no worker has claimed yet has not started: it is
+PENDING until the claim (the coordinator answers ``claimed``).
+
+Memory: records of ids whose latest version ended are kept for ``state()`` up to
+``FINISHED_IDS_KEPT`` ids, then forgotten oldest first (``state()`` then answers None, as for an
+id never seen).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from mpsched._future import Future
+from mpsched._heap import VersionedHeap
+from mpsched._options import TaskOptions
+from mpsched._task import Due, TaskState
+
+FINISHED_IDS_KEPT = 100_000  # ids whose state() still answers after they end (~200 B each)
+
+_RUNNING = TaskState.RUNNING
+_PENDING = TaskState.PENDING
+
+
+class Recurrence:
+    """A recurring id: the call it repeats and the future that reports its end."""
+
+    __slots__ = ("active", "call", "future", "options", "priority", "task_id")
+
+    def __init__(
+        self, task_id: Hashable, priority: int, call: bytes, options: TaskOptions, future: Future
+    ) -> None:
+        self.task_id = task_id
+        self.priority = priority
+        self.call = call  # the encoded call; each run appends its own (task_id, version)
+        self.options = options
+        self.future = future  # public: ends when the recurrence ends (cancel, error, shutdown)
+        self.active = True
+
+
+class Timetable:
+    def __init__(self) -> None:
+        self.heap = VersionedHeap()
+        self.handed: dict[Hashable, Future] = {}  # by id: the version out of the heap
+        self.recurring: dict[Hashable, Recurrence] = {}
+        self._finished: collections.deque[Hashable] = collections.deque()
+
+    def busy(self) -> bool:
+        """True while a version waits in the heap or is handed out (drain must wait)."""
+        return len(self.heap) > 0 or bool(self.handed)
+
+    def schedule(self, task_id: Hashable, run_at: float, priority: int, future: Future) -> int:
+        """Add a version; returns its number. The caller withdrew the handed-out version if it
+        could (then it called ``end``); a version that already runs defers the new one."""
+        version: int = self.heap.schedule(task_id, run_at, priority, future)  # type: ignore[arg-type]
+        future._due = (task_id, version)
+        return version
+
+    def pending_future(self, task_id: Hashable) -> Future | None:
+        item = self.heap.pending_item(task_id)
+        return item if isinstance(item, Future) else None
+
+    def withdraw_pending(self, future: Future) -> bool:
+        """Cancel ``future``'s version if it still waits in the heap."""
+        due = future._due
+        return due is not None and self.heap.withdraw(due[0], due[1])
+
+    def release_due(self, now: float, on_due: Callable[[Future, int], None]) -> float | None:
+        """Hand out every version due at ``now``, in key order, to ``on_due(future, priority)``.
+        Returns the next due time, or None if no version waits on time."""
+        heap = self.heap
+        while True:
+            due = heap.pop_due(now)
+            if due is None:
+                return None
+            if not isinstance(due, Due):
+                return None if due.seconds == math.inf else now + due.seconds
+            future: Any = due.fn
+            future._due = due
+            self.handed[due.task_id] = future
+            on_due(future, due.priority)
+
+    def end(self, future: Future, error: BaseException | None, *, cancelled: bool) -> None:
+        """A handed-out version ended (ran, or was withdrawn before it started)."""
+        due = future._due
+        future._due = None
+        task_id = due.task_id
+        if self.handed.get(task_id) is future:
+            del self.handed[task_id]
+        state = self.heap.finish(due, error, cancelled=cancelled)
+        if state.is_terminal:
+            self._remember_finished(task_id)
+
+    def _remember_finished(self, task_id: Hashable) -> None:
+        finished = self._finished
+        finished.append(task_id)
+        while len(finished) > FINISHED_IDS_KEPT:
+            self.heap.discard(finished.popleft())  # no-op if the id was scheduled again
+
+    def state(self, task_id: Hashable, claimed: Callable[[Future], bool]) -> TaskState | None:
+        state = self.heap.state(task_id)
+        if state is _RUNNING:
+            future = self.handed.get(task_id)
+            if future is not None and not claimed(future):
+                return _PENDING
+        return state
+
+    def cancel_all_pending(self) -> list[Future]:
+        """Shutdown with cancel_futures: every version still in the heap; their ids end
+        CANCELLED. Returns their futures (to be marked cancelled outside the lock)."""
+        heap = self.heap
+        out = []
+        for task_id in list(heap._records):
+            future = self.pending_future(task_id)
+            if future is not None and self.withdraw_pending(future):
+                out.append(future)
+        return out
+
+    def stop_recurrences(self) -> list[Recurrence]:
+        stopped = [r for r in self.recurring.values() if r.active]
+        for rec in stopped:
+            rec.active = False
+        self.recurring.clear()
+        return stopped
+
+    def recurrence_of(self, task_id: Hashable) -> Recurrence | None:
+        return self.recurring.get(task_id)
+
+
+class TaskRun:
+    """The options of one task and their running state (coordinator thread and lock)."""
+
+    __slots__ = (
+        "forced",
+        "options",
+        "recurrence",
+        "retries_left",
+        "run_at",
+        "started_at",
+        "timed_out",
+    )
+
+    def __init__(
+        self, options: TaskOptions, recurrence: Recurrence | None = None, run_at: float = 0.0
+    ) -> None:
+        self.options = options
+        self.recurrence = recurrence  # set on each run of a recurring id (and its future)
+        self.run_at = run_at  # due time of this run of a recurring id
+        self.retries_left = options.retries
+        self.started_at: float | None = None  # first seen on a run stack (timeouts)
+        self.timed_out = False  # the cooperative cancel of the timeout was sent
+        self.forced = False  # cancel(force=True) or the timeout's grace ran out: killed on purpose

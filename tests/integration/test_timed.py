@@ -1,0 +1,514 @@
+"""Integration tests of timed, prioritized, cancellable tasks (issue: timed tasks on the pool).
+
+Ordering is made deterministic by holding the pool's only worker in a task that waits at a FIFO
+gate until every scheduled task is due (observed through ``statistics()``, a condition, not a
+sleep). Cancel races are repeated thousands of times and every outcome is checked against the
+side-effect log (O_APPEND lines written by the tasks themselves).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError, wait
+from pathlib import Path
+
+import pytest
+
+import mpsched
+from mpsched import Pool, PoolClosedError, TaskState
+
+from . import tasks
+from . import timed_tasks as tt
+
+CONDITION_TIMEOUT = 20.0  # seconds a polled condition may take before the test fails
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` (a state of the pool, not a time) until true; fail after a bound."""
+    deadline = time.monotonic() + CONDITION_TIMEOUT
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting until {what}")
+        time.sleep(0.001)
+
+
+class Fifos:
+    def __init__(self, tmp: Path) -> None:
+        self.gate = str(tmp / "gate")
+        self.started = str(tmp / "started")
+        self.log = str(tmp / "log")
+        os.mkfifo(self.gate)
+        os.mkfifo(self.started)
+
+
+@pytest.fixture
+def fifos(tmp_path: Path) -> Fifos:
+    return Fifos(tmp_path)
+
+
+def hold_worker(pool: Pool, fifos: Fifos) -> mpsched.Future:
+    """Occupy the (single) worker until ``tasks.open_gate(fifos.gate)``."""
+    blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
+    tasks.wait_started(fifos.started)
+    return blocker
+
+
+# ---------------------------------------------------------------- order
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("window", [1, 128])
+def test_due_tasks_start_by_priority_then_run_at_then_submission(fifos: Fifos, window: int) -> None:
+    rng = random.Random(window)
+    with Pool(1, dispatch_window=window) as pool:
+        blocker = hold_worker(pool, fifos)
+        base = time.monotonic() + 0.2  # all in the future while scheduling, due soon after
+        specs = [
+            (i, base + rng.choice([0.0, 0.01, 0.02]), rng.choice([0, 5, 9])) for i in range(30)
+        ]
+        rng.shuffle(specs)
+        expected = sorted(
+            ((-prio, run_at, seq, i) for seq, (i, run_at, prio) in enumerate(specs)),
+        )
+        futures = [
+            pool.schedule(i, run_at, prio, tt.log, fifos.log, i) for i, run_at, prio in specs
+        ]
+        # Every task is due and out of the timetable (the worker is still held).
+        wait_until(lambda: pool.statistics().scheduled == 0, "all tasks are due")
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=20) == "blocker"
+        starts = [f.result(timeout=20) for f in futures]
+    assert tt.read_tags(fifos.log) == [e[3] for e in expected]
+    for (_, run_at, _), start in zip(specs, starts, strict=True):
+        assert start >= run_at
+
+
+@pytest.mark.timeout(60)
+def test_a_newly_due_high_priority_task_overtakes_the_inboxes(fifos: Fifos) -> None:
+    """A backlog fills the inbox (window 128); a high-priority task due later must not wait
+    behind it: the coordinator takes the lower ones back."""
+    with Pool(1) as pool:
+        background = [pool.submit(tt.spin_then_log, fifos.log, i, 0.002) for i in range(400)]
+        wait_until(lambda: pool.statistics().per_worker[0].executed >= 5, "the backlog runs")
+        urgent = pool.schedule("urgent", 0.0, 10, tt.log, fifos.log, "urgent")
+        urgent.result(timeout=20)
+        wait(background, timeout=30)
+    order = tt.read_tags(fifos.log)
+    assert order.index("urgent") < 5 + 10, order[:30]  # a few ran before it was scheduled
+
+
+@pytest.mark.timeout(60)
+def test_never_started_before_run_at() -> None:
+    rng = random.Random(7)
+    with Pool(2) as pool:
+        now = time.monotonic()
+        due = [now + rng.uniform(0.0, 0.3) for _ in range(100)]
+        futures = [pool.schedule(i, t, rng.randint(0, 3), tt.stamp, i) for i, t in enumerate(due)]
+        for i, (f, t) in enumerate(zip(futures, due, strict=True)):
+            tag, start = f.result(timeout=20)
+            assert tag == i
+            assert start >= t, f"task {i} started {t - start:.6f} s early"
+
+
+@pytest.mark.timeout(60)
+def test_task_scheduled_in_the_past_is_due_at_once_and_sees_its_context() -> None:
+    with Pool(1) as pool:
+        f = pool.schedule(("job", 1), time.monotonic() - 100.0, 0, tt.context_fields)
+        assert f.result(timeout=20) == (("job", 1), 1, 0, False)
+        f = pool.schedule(("job", 1), 0.0, 0, tt.context_fields)
+        assert f.result(timeout=20) == (("job", 1), 2, 0, False)
+        assert pool.submit(tt.context_fields).result(timeout=20) == (None, 0, 0, False)
+        assert pool.state(("job", 1)) is TaskState.COMPLETED
+        assert pool.state("never seen") is None
+
+
+def test_current_task_outside_a_task_raises() -> None:
+    with pytest.raises(RuntimeError, match="only works inside a task"):
+        mpsched.current_task()
+
+
+# ---------------------------------------------------------------- reschedule
+@pytest.mark.timeout(60)
+def test_reschedule_supersedes_pending_versions_only_the_last_runs(fifos: Fifos) -> None:
+    with Pool(1) as pool:
+        blocker = hold_worker(pool, fifos)
+        v1 = pool.schedule("x", 0.0, 0, tt.log, fifos.log, 1)  # due now: may be in the inbox
+        v2 = pool.schedule("x", time.monotonic() + 60, 0, tt.log, fifos.log, 2)  # in the heap
+        v3 = pool.schedule("x", 0.0, 0, tt.log, fifos.log, 3)
+        assert v1.cancelled()
+        assert v2.cancelled()
+        assert pool.state("x") is TaskState.PENDING
+        tasks.open_gate(fifos.gate)
+        blocker.result(timeout=20)
+        v3.result(timeout=20)
+        assert pool.state("x") is TaskState.COMPLETED
+    assert tt.read_tags(fifos.log) == [3]
+
+
+@pytest.mark.timeout(60)
+def test_reschedule_while_running_waits_for_the_running_version(fifos: Fifos) -> None:
+    with Pool(2) as pool:
+        v1 = pool.schedule("y", 0.0, 0, tt.announce_then_gate, fifos.started, fifos.gate)
+        tasks.wait_started(fifos.started)
+        assert pool.state("y") is TaskState.RUNNING
+        v2 = pool.schedule("y", 0.0, 0, tt.log, fifos.log, "v2")
+        # The other worker is idle, yet v2 must not start while v1 runs (no overlap).
+        assert pool.submit(tasks.ident, "probe").result(timeout=20) == "probe"
+        assert pool.state("y") is TaskState.PENDING
+        assert not v1.done()
+        assert tt.read_tags(fifos.log) == []
+        tasks.open_gate(fifos.gate)
+        v1.result(timeout=20)
+        v2.result(timeout=20)
+    assert tt.read_tags(fifos.log) == ["v2"]
+
+
+# ---------------------------------------------------------------- cancel
+@pytest.mark.timeout(60)
+def test_cancel_before_dispatch_never_runs(fifos: Fifos) -> None:
+    with Pool(2) as pool:
+        f = pool.schedule("later", time.monotonic() + 60, 0, tt.log, fifos.log, "later")
+        assert pool.state("later") is TaskState.PENDING
+        assert pool.cancel("later") is True
+        assert f.cancelled()
+        assert pool.state("later") is TaskState.CANCELLED
+        assert pool.cancel("later") is False  # nothing left to cancel
+        assert pool.cancel("unknown") is False
+        assert pool.statistics().scheduled == 0
+    assert tt.read_tags(fifos.log) == []
+
+
+@pytest.mark.timeout(60)
+def test_cancel_after_dispatch_into_an_inbox_never_runs(fifos: Fifos) -> None:
+    with Pool(1) as pool:
+        blocker = hold_worker(pool, fifos)
+        f = pool.schedule("queued", 0.0, 0, tt.log, fifos.log, "queued")
+        wait_until(lambda: pool.statistics().per_worker[0].inbox_depth == 1, "it is injected")
+        assert pool.state("queued") is TaskState.PENDING  # handed out, not claimed
+        assert pool.cancel("queued") is True
+        assert f.cancelled()
+        tasks.open_gate(fifos.gate)
+        blocker.result(timeout=20)
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1  # the worker went past it
+        assert pool.state("queued") is TaskState.CANCELLED
+    assert tt.read_tags(fifos.log) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_cancel_races_the_claim_with_exactly_one_winner(tmp_path: Path) -> None:
+    """Thousands of cancels at random moments after the schedule: each either wins (the task
+    never runs, its future is cancelled) or loses (the task runs once, its future completes)."""
+    log = str(tmp_path / "log")
+    rng = random.Random(1234)
+    outcomes = {}
+    with Pool(2) as pool:
+        for i in range(3000):
+            f = pool.schedule(i, 0.0, 0, tt.log, log, i)
+            for _ in range(rng.randrange(0, 3000)):  # vary the moment of the cancel
+                pass
+            outcomes[i] = (pool.cancel(i), f)
+        for won, f in outcomes.values():
+            if not won:
+                f.result(timeout=20)
+    ran = tt.read_tags(log)
+    assert len(ran) == len(set(ran)), "a task ran twice"
+    ran_set = set(ran)
+    won = 0
+    for i, (cancel_won, f) in outcomes.items():
+        if cancel_won and f.cancelled():
+            assert i not in ran_set, f"task {i} was cancelled and ran"
+            won += 1
+        else:  # cancel lost the race (claimed first) or only asked a running task to stop
+            assert not f.cancelled() or i not in ran_set
+            assert f.cancelled() or (i in ran_set and f.result() >= 0)
+    assert 0 < won < len(outcomes), f"the race was not exercised: {won} cancels won"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("acknowledge", [True, False])
+def test_cooperative_cancel_of_a_running_task(fifos: Fifos, acknowledge: bool) -> None:
+    with Pool(2) as pool:
+        f = pool.schedule("coop", 0.0, 0, tt.wait_for_cancel, fifos.started, not acknowledge)
+        tasks.wait_started(fifos.started)
+        assert pool.state("coop") is TaskState.RUNNING
+        assert pool.cancel("coop") is True
+        wait([f], timeout=20)
+        if acknowledge:  # the task raised TaskCancelled
+            assert f.cancelled()
+            assert pool.state("coop") is TaskState.CANCELLED
+        else:  # the task returned: it completed normally
+            assert f.result() == "finished anyway"
+            assert pool.state("coop") is TaskState.COMPLETED
+        assert pool.statistics().crashes == 0
+
+
+@pytest.mark.timeout(60)
+def test_task_cancelled_raised_unprompted_is_an_error() -> None:
+    with Pool(1) as pool:
+        f = pool.schedule("rogue", 0.0, 0, tasks.boom_cancelled)
+        with pytest.raises(mpsched.TaskCancelled):
+            f.result(timeout=20)
+        assert pool.state("rogue") is TaskState.FAILED
+
+
+@pytest.mark.timeout(60)
+def test_forced_cancel_kills_only_that_task_and_the_pool_replaces_the_worker(
+    fifos: Fifos, tmp_path: Path
+) -> None:
+    other_started, other_gate = str(tmp_path / "s2"), str(tmp_path / "g2")
+    os.mkfifo(other_started)
+    os.mkfifo(other_gate)
+    with Pool(2) as pool:
+        stuck = pool.schedule("stuck", 0.0, 0, tt.announce_then_gate, fifos.started, fifos.gate)
+        tasks.wait_started(fifos.started)
+        other = pool.submit(tasks.started_then_gated, other_started, other_gate, "other")
+        tasks.wait_started(other_started)
+        assert pool.cancel("stuck", force=True) is True
+        wait([stuck], timeout=20)
+        assert stuck.cancelled()
+        assert pool.state("stuck") is TaskState.CANCELLED
+        tasks.open_gate(other_gate)
+        assert other.result(timeout=20) == "other"
+        wait_until(lambda: pool.statistics().respawns == 1, "the worker is replaced")
+        stats = pool.statistics()
+        assert stats.crashes == 1
+        assert [pool.submit(tasks.ident, i).result(timeout=20) for i in range(10)] == list(
+            range(10)
+        )
+
+
+# ---------------------------------------------------------------- timeouts
+@pytest.mark.timeout(60)
+def test_timeout_cancels_cooperatively(fifos: Fifos) -> None:
+    with Pool(1) as pool:
+        f = pool.with_options(timeout=0.1).schedule(
+            "slow", 0.0, 0, tt.wait_for_cancel, fifos.started, False
+        )
+        tasks.wait_started(fifos.started)
+        with pytest.raises(TimeoutError, match=r"timeout of 0\.1 s"):
+            f.result(timeout=20)
+        assert pool.statistics().crashes == 0
+
+
+@pytest.mark.timeout(60)
+def test_timeout_kills_a_task_that_ignores_it(fifos: Fifos) -> None:
+    with Pool(1) as pool:
+        f = pool.with_options(timeout=0.1, timeout_grace=0.1).submit(
+            tasks.started_then_gated, fifos.started, fifos.gate, "never"
+        )
+        tasks.wait_started(fifos.started)
+        with pytest.raises(TimeoutError, match="killed"):
+            f.result(timeout=20)
+        assert pool.submit(tasks.ident, 5).result(timeout=20) == 5
+        assert pool.statistics().crashes == 1
+
+
+def test_options_do_not_collide_with_the_functions_keywords() -> None:
+    with Pool(1) as pool:
+        f = pool.with_options(timeout=30).submit(tasks.add, 1, b=2)
+        assert f.result(timeout=20) == 3
+        f = pool.with_options(mpsched.TaskOptions(retries=2), timeout=30).submit(tasks.ident, 4)
+        assert f.result(timeout=20) == 4
+        with pytest.raises(ValueError, match="needs a task id"):
+            pool.with_options(every=1.0).submit(tasks.ident, 1)
+        with pytest.raises(TypeError):
+            pool.with_options("fast")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- recurring
+EVERY = 0.05  # s; the grid of the recurrence tests
+LONG_FIRST = 5.5 * EVERY  # s; the first run overlaps five later due times
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", ["skip", "coalesce", "queue"])
+def test_recurring_overlap_policies(tmp_path: Path, overlap: str) -> None:
+    log = str(tmp_path / "log")
+    last = 8
+    with Pool(2) as pool:
+        t0 = time.monotonic()
+        f = pool.with_options(every=EVERY, overlap=overlap).schedule(
+            "tick", t0, 0, tt.recurring_run, log, LONG_FIRST, last
+        )
+        with pytest.raises(LookupError, match=f"run {last} ends"):
+            f.result(timeout=30)
+        stats = pool.statistics()
+        assert pool.state("tick") is TaskState.FAILED
+    runs = tt.read_tags(log)
+    versions = [v for v, _ in runs]
+    starts = dict(runs)
+    assert versions == list(range(1, last + 1)), "runs overlapped or were lost"
+    for v in versions:  # never early: run v is due at t0 + k * EVERY for some k >= v - 1
+        assert starts[v] >= t0 + (v - 1) * EVERY - 1e-9
+    first_end = starts[1] + LONG_FIRST
+    if overlap == "skip":  # the five passed times are dropped; the grid goes on after now
+        assert stats.skipped_runs >= 5
+        assert starts[2] >= t0 + 6 * EVERY
+    elif overlap == "coalesce":  # one run for the five, at once; four dropped
+        assert stats.skipped_runs >= 4
+        assert starts[3] >= t0 + 6 * EVERY
+    else:  # queue: every passed time runs, none dropped
+        assert stats.skipped_runs == 0
+        assert starts[6] >= first_end  # runs 2..6 caught up after the first ended
+
+
+@pytest.mark.timeout(60)
+def test_recurring_task_stops_on_cancel_and_its_future_is_cancelled(tmp_path: Path) -> None:
+    log = str(tmp_path / "log")
+    with Pool(1) as pool:
+        f = pool.with_options(every=0.01).schedule("r", 0.0, 0, tt.log, log, "r")
+        wait_until(lambda: len(tt.read_tags(log)) >= 3, "three runs happened")
+        assert pool.cancel("r") is True
+        wait([f], timeout=20)
+        assert f.cancelled()
+        n = len(tt.read_tags(log))
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+        assert pool.cancel("r") is False
+    assert len(tt.read_tags(log)) <= n + 1  # at most the run that was going on
+
+
+@pytest.mark.timeout(60)
+def test_recurring_future_cancel_stops_it_too(tmp_path: Path) -> None:
+    log = str(tmp_path / "log")
+    with Pool(1) as pool:
+        f = pool.with_options(every=60.0).schedule("r", time.monotonic() + 60, 0, tt.log, log, 1)
+        assert f.cancel()
+        assert f.cancelled()
+        assert pool.state("r") is TaskState.CANCELLED
+        assert pool.statistics().scheduled == 0
+
+
+MISFIRE_GRACE = 0.05  # s; a run that starts later than this after its due time misfires
+
+
+@pytest.mark.timeout(60)
+def test_misfire_skip_drops_a_late_run_and_counts_it(fifos: Fifos, tmp_path: Path) -> None:
+    """The run due now waits in the coordinator (the worker is held and the window of one is
+    taken) until it is later than its grace: it is skipped, counted, and the next runs go on."""
+    log = str(tmp_path / "log")
+    with Pool(1, dispatch_window=1) as pool:
+        blocker = hold_worker(pool, fifos)
+        filler = pool.submit(tasks.ident, "filler")
+        due = time.monotonic()
+        f = pool.with_options(every=0.02, misfire="skip", misfire_grace=MISFIRE_GRACE).schedule(
+            "m", due, 0, tt.log, log, "m"
+        )
+        # Lateness is the subject here: wait for the clock, not for an event.
+        wait_until(lambda: time.monotonic() > due + 2 * MISFIRE_GRACE, "the run is late")
+        tasks.open_gate(fifos.gate)
+        blocker.result(timeout=20)
+        filler.result(timeout=20)
+        wait_until(lambda: len(tt.read_tags(log)) >= 2, "later runs happened")
+        assert pool.cancel("m") is True
+        wait([f], timeout=20)
+        assert f.cancelled()
+        assert pool.statistics().misfires >= 1
+    # The first run (due at `due`) never ran; later ones did.
+    first_start = tt.read_starts(log)[0]
+    assert first_start > due + 2 * MISFIRE_GRACE
+
+
+# ---------------------------------------------------------------- shutdown
+@pytest.mark.timeout(60)
+def test_shutdown_runs_pending_timed_tasks_and_stops_recurring_ones(tmp_path: Path) -> None:
+    log = str(tmp_path / "log")
+    pool = Pool(2)
+    one_shot = pool.schedule("once", time.monotonic() + 0.2, 0, tt.log, log, "once")
+    recurring = pool.with_options(every=30.0).schedule(
+        "again", time.monotonic() + 30, 0, tt.log, log, "again"
+    )
+    pool.shutdown(wait=True)
+    assert one_shot.result(timeout=0) > 0
+    assert recurring.cancelled()
+    with pytest.raises(PoolClosedError):
+        pool.schedule("late", 0.0, 0, tasks.ident, 1)
+    assert tt.read_tags(log) == ["once"]
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_can_cancel_pending_timed_tasks(tmp_path: Path) -> None:
+    pool = Pool(1, timed_after_shutdown=False)
+    f = pool.schedule("once", time.monotonic() + 60, 0, tasks.ident, 1)
+    pool.shutdown(wait=True)
+    assert f.cancelled()
+    assert pool.state("once") is TaskState.CANCELLED
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_cancel_futures_cancels_everything_not_started(fifos: Fifos) -> None:
+    pool = Pool(1)
+    blocker = hold_worker(pool, fifos)
+    due = [pool.schedule(i, 0.0, i % 3, tt.log, fifos.log, i) for i in range(50)]
+    later = [
+        pool.schedule(("later", i), time.monotonic() + 60, 0, tasks.ident, i) for i in range(5)
+    ]
+    done = threading.Event()
+
+    def shut() -> None:
+        pool.shutdown(wait=True, cancel_futures=True)
+        done.set()
+
+    closer = threading.Thread(target=shut)
+    closer.start()
+    wait(due + later, timeout=20)
+    tasks.open_gate(fifos.gate)
+    closer.join(20)
+    assert done.is_set()
+    assert blocker.result(timeout=0) == "blocker"
+    assert all(f.cancelled() for f in due + later)
+    assert all(pool.state(i) is TaskState.CANCELLED for i in range(50))
+    assert tt.read_tags(fifos.log) == []
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("task_id", "run_at", "priority", "fn", "error"),
+    [
+        ("a", math.nan, 0, tasks.ident, ValueError),
+        ("a", math.inf, 0, tasks.ident, ValueError),
+        ("a", -math.inf, 0, tasks.ident, ValueError),
+        ("a", "soon", 0, tasks.ident, TypeError),
+        ("a", None, 0, tasks.ident, TypeError),
+        ("a", 1.0, 1.5, tasks.ident, TypeError),
+        ("a", 1.0, True, tasks.ident, TypeError),
+        ("a", 1.0, 0, "not callable", TypeError),
+        (["unhashable"], 1.0, 0, tasks.ident, TypeError),
+        (threading.Lock(), 1.0, 0, tasks.ident, TypeError),  # hashable, not picklable
+    ],
+)
+def test_bad_schedule_arguments_fail_at_the_call(
+    task_id: object, run_at: object, priority: object, fn: object, error: type
+) -> None:
+    with Pool(1) as pool:
+        with pytest.raises(error):
+            pool.schedule(task_id, run_at, priority, fn, 1)  # type: ignore[arg-type]
+        assert pool.statistics().scheduled == 0
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"dispatch_window": 0}, ValueError),
+        ({"dispatch_window": 1.5}, TypeError),
+        ({"aging": 0}, ValueError),
+        ({"aging": "slow"}, TypeError),
+    ],
+)
+def test_bad_pool_settings_fail_at_construction(kwargs: dict[str, object], error: type) -> None:
+    with pytest.raises(error):
+        Pool(1, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_cancelled_future_of_a_version_reports_cancelled_error() -> None:
+    with Pool(1) as pool:
+        f = pool.schedule("z", time.monotonic() + 60, 0, tasks.ident, 1)
+        assert f.cancel()
+        with pytest.raises(CancelledError):
+            f.result(timeout=1)
+        assert pool.state("z") is TaskState.CANCELLED

@@ -1,0 +1,97 @@
+"""Task bodies for the timed-task tests (module level: workers import them by reference)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import mpsched
+
+from .tasks import gate
+
+
+def stamp(tag: Any) -> tuple[Any, float]:
+    """Return ``tag`` and the monotonic time this run started (shared by all processes)."""
+    return tag, time.monotonic()
+
+
+def log(path: str, tag: Any) -> float:
+    """Append ``repr(tag)`` and the start time to the log at ``path`` (one O_APPEND write);
+    returns the start."""
+    start = time.monotonic()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, f"{tag!r}\t{start!r}\n".encode())
+    finally:
+        os.close(fd)
+    return start
+
+
+def _read(path: str) -> list[tuple[Any, float]]:
+    import ast
+
+    try:
+        with open(path) as f:
+            lines = [line.rstrip("\n").split("\t") for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+    return [(ast.literal_eval(tag), float(start)) for tag, start in lines]
+
+
+def read_tags(path: str) -> list[Any]:
+    return [tag for tag, _ in _read(path)]
+
+
+def read_starts(path: str) -> list[float]:
+    return [start for _, start in _read(path)]
+
+
+def announce(started: str) -> None:
+    with open(started, "wb") as fifo:
+        fifo.write(b"s")
+
+
+def wait_for_cancel(started: str, then_return: bool) -> str:
+    """Signal that the task runs, poll the cancel flag, then acknowledge or ignore it."""
+    ctx = mpsched.current_task()
+    assert not ctx.cancel_requested
+    announce(started)
+    while not ctx.cancel_requested:
+        pass
+    if then_return:
+        return "finished anyway"
+    ctx.raise_if_cancelled()
+    return "unreachable"
+
+
+def context_fields() -> tuple[Any, int, int, bool]:
+    ctx = mpsched.current_task()
+    return ctx.task_id, ctx.version, ctx.worker_id, ctx.cancel_requested
+
+
+def announce_then_gate(started: str, path: str) -> int:
+    announce(started)
+    gate(path)
+    return os.getpid()
+
+
+def spin_then_log(path: str, tag: Any, seconds: float) -> float:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+    return log(path, tag)
+
+
+def recurring_run(path: str, long_first: float, last: int) -> float:
+    """A recurring task: logs (version, start); the first run is long, run ``last`` fails (so
+    the recurrence ends with that error and the test has its end without a sleep)."""
+    ctx = mpsched.current_task()
+    start = log(path, (ctx.version, time.monotonic()))
+    if ctx.version == 1:
+        end = time.perf_counter() + long_first
+        while time.perf_counter() < end:
+            pass
+    if ctx.version >= last:
+        raise LookupError(f"run {ctx.version} ends the recurrence")
+    return start

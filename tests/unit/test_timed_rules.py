@@ -1,0 +1,174 @@
+"""Unit tests of the pure rules behind timed tasks: options, recurrence arithmetic, the ready
+queue's order, take/putback and aging (explicit ``now``: no clock, no processes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mpsched import TaskOptions
+from mpsched._future import Future
+from mpsched._options import is_misfire, next_run_at
+from mpsched._ready import NO_LEVEL, ReadyQueue
+
+
+# ---------------------------------------------------------------- TaskOptions
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"timeout": 0}, ValueError),
+        ({"timeout": -1.0}, ValueError),
+        ({"timeout": math.nan}, ValueError),
+        ({"timeout": math.inf}, ValueError),
+        ({"timeout": "1"}, TypeError),
+        ({"timeout": True}, TypeError),
+        ({"timeout_grace": -0.1}, ValueError),
+        ({"retries": -1}, ValueError),
+        ({"retries": 1.5}, TypeError),
+        ({"retries": True}, TypeError),
+        ({"every": 0}, ValueError),
+        ({"every": math.inf}, ValueError),
+        ({"overlap": "parallel"}, ValueError),
+        ({"misfire": "drop"}, ValueError),
+        ({"misfire_grace": math.nan}, ValueError),
+    ],
+)
+def test_bad_options_fail_at_construction(fields: dict[str, object], error: type) -> None:
+    with pytest.raises(error):
+        TaskOptions(**fields)  # type: ignore[arg-type]
+
+
+def test_default_options_are_plain() -> None:
+    assert TaskOptions().is_plain
+    assert not TaskOptions(retries=1).is_plain
+
+
+# ---------------------------------------------------------------- recurrence
+@pytest.mark.parametrize("overlap", ["skip", "coalesce", "queue"])
+def test_a_run_that_ends_before_the_next_grid_time_keeps_the_grid(overlap: str) -> None:
+    assert next_run_at(10.0, 2.0, 11.5, overlap) == (12.0, 0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("overlap", "expected"),
+    [
+        # A run due at 10 ended at 17.5 with every=2: 12, 14 and 16 passed meanwhile.
+        ("skip", (18.0, 3)),  # all three dropped; next on the grid after now
+        ("coalesce", (16.0, 2)),  # one run for the three, due at once; two dropped
+        ("queue", (12.0, 0)),  # each missed time runs, the first at once
+    ],
+)
+def test_overlap_policies_after_a_long_run(overlap: str, expected: tuple[float, int]) -> None:
+    assert next_run_at(10.0, 2.0, 17.5, overlap) == expected  # type: ignore[arg-type]
+
+
+def test_queue_catches_up_one_run_at_a_time() -> None:
+    due, runs = 10.0, []
+    now = 17.5  # each queued run ends at once (now does not move)
+    while due + 2.0 <= now:
+        due, dropped = next_run_at(due, 2.0, now, "queue")
+        assert dropped == 0
+        runs.append(due)
+    assert runs == [12.0, 14.0, 16.0]
+    assert next_run_at(due, 2.0, now, "queue") == (18.0, 0)
+
+
+def test_a_run_ending_exactly_on_a_grid_time_counts_it_as_passed() -> None:
+    assert next_run_at(0.0, 1.0, 1.0, "skip") == (2.0, 1)
+    assert next_run_at(0.0, 1.0, 1.0, "coalesce") == (1.0, 0)
+
+
+def test_misfire_is_strictly_later_than_the_grace() -> None:
+    assert not is_misfire(10.0, 11.0, 1.0)
+    assert is_misfire(10.0, 11.001, 1.0)
+    assert not is_misfire(10.0, 9.0, 0.0)
+
+
+# ---------------------------------------------------------------- ReadyQueue
+def _future(priority: int, due_at: float = 0.0, name: str = "") -> Future:
+    f = Future(None, 0, name.encode(), priority)
+    f._due_at = due_at
+    return f
+
+
+def _names(futures: list[Future]) -> list[str]:
+    return [f._payload.decode() for f in futures]
+
+
+def test_ready_queue_takes_highest_priority_first_then_fifo() -> None:
+    q = ReadyQueue()
+    for name, prio in [("a", 0), ("b", 5), ("c", 0), ("d", 5), ("e", -3), ("f", 9)]:
+        q.append(_future(prio, name=name), prio)
+    assert len(q) == 6
+    batch, lowest = q.take(4)
+    assert _names(batch) == ["f", "b", "d", "a"]
+    assert lowest == 0
+    batch, lowest = q.take(10)
+    assert _names(batch) == ["c", "e"]
+    assert lowest == -3
+    assert q.take(1) == ([], NO_LEVEL)
+    assert not q
+
+
+def test_ready_queue_skips_withdrawn_items_and_counts_them_out() -> None:
+    q = ReadyQueue()
+    futures = [_future(0, name=str(i)) for i in range(4)]
+    for f in futures:
+        q.append(f, 0)
+    futures[1]._withdrawn = True
+    futures[2]._withdrawn = True
+    batch, _ = q.take(2)
+    assert _names(batch) == ["0", "3"]
+    assert len(q) == 0
+
+
+def test_putback_restores_the_front_in_original_order() -> None:
+    q = ReadyQueue()
+    for name, prio in [("a", 0), ("b", 0), ("c", 7)]:
+        q.append(_future(prio, name=name), prio)
+    taken, _ = q.take(2)  # c, a
+    q.append(_future(7, name="d"), 7)
+    q.putback(taken)
+    batch, _ = q.take(10)
+    assert _names(batch) == ["c", "d", "a", "b"]
+
+
+def test_drain_empties_highest_first() -> None:
+    q = ReadyQueue()
+    for name, prio in [("a", 0), ("b", 2), ("c", 1)]:
+        q.append(_future(prio, name=name), prio)
+    assert _names(q.drain()) == ["b", "c", "a"]
+    assert len(q) == 0
+    assert q.top_priority() is None
+
+
+def test_aging_promotes_one_level_per_period_waited() -> None:
+    q = ReadyQueue()
+    old = _future(0, due_at=0.0, name="old")
+    q.append(old, 0)
+    for i in range(3):
+        q.append(_future(2, due_at=1.0, name=f"hi{i}"), 2)
+    assert q.age(now=1.5, aging=1.0) == 1  # old waited 1.5 periods: level 1
+    assert q.top_priority() == 2
+    # At 2.0: old reaches level 2, and the others, due at 1.0, have aged to level 3.
+    assert q.age(now=2.0, aging=1.0) == 4
+    batch, _ = q.take(10)
+    assert _names(batch) == ["hi0", "hi1", "hi2", "old"]
+
+
+def test_aging_lets_a_long_waiting_task_overtake_a_stream_of_higher_ones() -> None:
+    q = ReadyQueue()
+    q.append(_future(0, due_at=0.0, name="low"), 0)
+    q.append(_future(3, due_at=3.5, name="high"), 3)
+    q.age(now=4.0, aging=1.0)  # low: 0 + 4 periods = level 4 > 3
+    batch, _ = q.take(10)
+    assert _names(batch) == ["low", "high"]
+
+
+def test_without_enough_wait_aging_changes_nothing() -> None:
+    q = ReadyQueue()
+    q.append(_future(0, due_at=0.0, name="a"), 0)
+    q.append(_future(1, due_at=0.0, name="b"), 1)
+    assert q.age(now=0.9, aging=1.0) == 0
+    assert _names(q.take(10)[0]) == ["b", "a"]
