@@ -62,7 +62,7 @@ from mpsched._protocol import (
     load_exception,
 )
 from mpsched._ready import ReadyQueue
-from mpsched._serialize import dumps_meta, with_meta
+from mpsched._serialize import with_meta
 from mpsched._shm import SharedFd
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun, Timetable
@@ -117,6 +117,7 @@ class Coordinator:
         wake_fds: list[SharedFd],
         zygote_conn: Connection,
         wakeup_fd: int,
+        wakeup: Any,
         clear_wakeup: Any,
         n_workers: int,
         window: int,
@@ -130,6 +131,7 @@ class Coordinator:
         self.header = views.header
         self.wake_fds = [f.fd for f in wake_fds]
         self.zygote = zygote_conn
+        self.wakeup = wakeup
         self.clear_wakeup = clear_wakeup
         self.n_workers = n_workers
         self.window = window
@@ -224,43 +226,51 @@ class Coordinator:
         run_at: float,
         priority: int,
         future: Future,
-        meta_of: Any,
+        pickled_id: bytes,
         recurrence: Recurrence | None = None,
     ) -> bool:
         """Any thread: add a version of ``task_id`` (``future`` holds its call, encoded with
-        ``has_meta``; ``meta_of(version)`` pickles its meta). The version handed out earlier, if
-        no worker has claimed it, and the pending one are superseded: cancelled, never run.
+        ``has_meta``; ``pickled_id`` is ``dumps_task_id(task_id)``). The version handed out
+        earlier, if no worker has claimed it, and the pending one are superseded: cancelled,
+        never run.
         Returns True if the loop must be woken (the new task is due before it would wake)."""
-        superseded = []
+        superseded: list[Future] = []
+        timetable = self.timetable
         with self.lock:
             self.check_usable()
-            timetable = self.timetable
-            handed = timetable.handed.get(task_id)
-            if handed is not None and self.withdraw(handed):
-                timetable.end(handed, None, cancelled=True)
-                superseded.append(handed)
-            pending = timetable.pending_future(task_id)
-            if pending is not None:
-                superseded.append(pending)
+            if task_id in timetable.heap:  # an id seen before: supersede what it has
+                self.supersede(task_id, recurrence, superseded)
             if recurrence is not None:
-                old = timetable.recurring.get(task_id)
-                if old is not None and old is not recurrence:
-                    old.active = False
-                    superseded.append(old.future)
                 timetable.recurring[task_id] = recurrence
-            elif task_id in timetable.recurring:
-                old = timetable.recurring.pop(task_id)
-                old.active = False
-                superseded.append(old.future)
             version = timetable.schedule(task_id, run_at, priority, future)
-            future._payload = with_meta(future._payload, meta_of(version))
-            self.note_due(run_at)
+            future._payload = with_meta(future._payload, pickled_id, version)
+            if self.next_due is None or run_at < self.next_due:
+                self.next_due = run_at
             wake = run_at < self.sleep_until
             if wake:
                 self.sleep_until = run_at
         for old_future in superseded:
             old_future._mark_cancelled()
         return wake
+
+    def supersede(
+        self, task_id: Hashable, recurrence: Recurrence | None, superseded: list[Future]
+    ) -> None:
+        """Under ``self.lock``: a new version of ``task_id`` comes; cancel the handed-out version
+        if no worker claimed it, the pending one, and a recurrence other than ``recurrence``."""
+        timetable = self.timetable
+        handed = timetable.handed.get(task_id)
+        if handed is not None and self.withdraw(handed):
+            timetable.end(handed, None, cancelled=True)
+            superseded.append(handed)
+        pending = timetable.pending_future(task_id)
+        if pending is not None:
+            superseded.append(pending)  # the heap drops it when the new version comes
+        old = timetable.recurring.get(task_id)
+        if old is not None and old is not recurrence:
+            del timetable.recurring[task_id]
+            old.active = False
+            superseded.append(old.future)
 
     def cancel(self, future: Future) -> bool:
         """Any thread (``Future.cancel``): withdraw a task no worker has claimed. True if it
@@ -301,7 +311,7 @@ class Coordinator:
         started, stop its recurrence, and ask a running version to stop (cooperatively, or by
         killing its worker with ``force``). True if anything was cancelled or asked to stop."""
         cancelled = []
-        found = False
+        found = wake = False
         with self.lock:
             timetable = self.timetable
             rec = timetable.recurring.pop(task_id, None)
@@ -321,8 +331,11 @@ class Coordinator:
                     cancelled.append(handed)
                 else:  # claimed: running (or finished, not collected yet)
                     self.requests.append((handed, force))
+                    wake = True
         for future in cancelled:
             future._mark_cancelled()
+        if wake:  # only this thread may touch a running task's block: see apply_requests
+            self.wakeup()
         return found
 
     def state(self, task_id: Hashable) -> TaskState | None:
@@ -696,7 +709,7 @@ class Coordinator:
         future = Future(self, run_future._uid, rec.call, rec.priority)
         future._run = TaskRun(options, rec, run_at)
         version = self.timetable.schedule(rec.task_id, run_at, rec.priority, future)
-        future._payload = with_meta(rec.call, dumps_meta(rec.task_id, version))
+        future._payload = with_meta(rec.call, rec.pickled_id, version)
         self.note_due(run_at)
 
     # ------------------------------------------------------------------ messages

@@ -161,6 +161,15 @@ class Future(concurrent.futures.Future[Any]):
         count only CANCELLED_AND_NOTIFIED as done; ProcessPoolExecutor forgets this after
         ``shutdown(cancel_futures=True)``, leaving its waiters blocked)."""
         self._owner = None
+        with _CONDITION_LOCK:  # as _settle_fast: no condition yet means nobody to notify
+            fast = self._cond is None
+            if fast:
+                if self._state != PENDING:
+                    return self._state in _CANCELLED_STATES
+                self._state = CANCELLED_AND_NOTIFIED
+        if fast:
+            self._invoke_callbacks()  # type: ignore[attr-defined]
+            return True
         if self._state == CANCELLED_AND_NOTIFIED:  # cancelled twice (e.g. by id, then here)
             return True
         if not super().cancel():

@@ -144,6 +144,10 @@ class VersionedHeap:
         """Live pending versions: those in the heap plus the deferred ones."""
         return self._in_heap + self._deferred
 
+    def __contains__(self, task_id: Hashable) -> bool:
+        """Whether ``task_id`` has a record (pending, running or remembered)."""
+        return task_id in self._records
+
     @property
     def heap_size(self) -> int:
         """Entries in the heap, stale included (bounded by PRUNE_FACTOR * live + PRUNE_SLACK)."""

@@ -40,7 +40,7 @@ from mpsched._future import Future
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
 from mpsched._options import TaskOptions
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
-from mpsched._serialize import INLINE, FunctionCache, dumps_meta, encode_call
+from mpsched._serialize import INLINE, FunctionCache, dumps_task_id, encode_call
 from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
@@ -196,6 +196,7 @@ class Pool:
                 self._wake_fds,
                 self._start_zygote(layout, locks),
                 self._wakeup.fileno(),
+                self._wakeup.wakeup,
                 self._wakeup.clear,
                 n,
                 self._window,
@@ -347,16 +348,12 @@ class Pool:
             priority = check_priority(priority)
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
-        check_task_id(task_id)
         try:
-            dumps_meta(task_id, 0)
+            pickled_id = dumps_task_id(task_id)
+            hash(task_id)
         except Exception as exc:
-            raise TypeError(f"task_id must be picklable: {exc!r}") from exc
+            raise TypeError(f"task_id must be hashable and picklable: {exc!r}") from exc
         coordinator = self._coordinator
-
-        def meta_of(version: int) -> bytes:
-            return dumps_meta(task_id, version)
-
         with self._submit_lock:
             if self._closed:
                 raise PoolClosedError("cannot schedule on a pool that is shutting down")
@@ -368,11 +365,11 @@ class Pool:
             if options is not None:
                 if options.every is not None:
                     public = Future(coordinator, uid)
-                    recurrence = Recurrence(task_id, priority, call, options, public)
+                    recurrence = Recurrence(task_id, pickled_id, priority, call, options, public)
                     public._run = TaskRun(options, recurrence)
                 future._run = TaskRun(options, recurrence, run_at)
             self._submitted += 1
-            wake = coordinator.schedule(task_id, run_at, priority, future, meta_of, recurrence)
+            wake = coordinator.schedule(task_id, run_at, priority, future, pickled_id, recurrence)
         if wake:
             self._wakeup.wakeup()
         return future if recurrence is None else recurrence.future
@@ -409,10 +406,7 @@ class Pool:
         check_task_id(task_id)
         if not self._started:
             return False
-        found = self._coordinator.cancel_id(task_id, bool(force))
-        if found:
-            self._wakeup.wakeup()
-        return found
+        return self._coordinator.cancel_id(task_id, bool(force))
 
     def state(self, task_id: Hashable) -> TaskState | None:
         """The state of the latest version of ``task_id``: PENDING until a worker claims it,

@@ -6,10 +6,10 @@ worker), so an unpicklable function or argument fails there, at the call, with a
 that claims the task.
 
 Payload = ``pickle.dumps((fid, fn, args, kwargs, has_meta))``, followed, if ``has_meta``, by the
-pickled ``(task_id, version)`` of a task scheduled with an id (``mpsched.current_task()`` reports
-them) and that pickle's length in 4 bytes. The meta is appended by the coordinator under its lock
-(``with_meta``), where the version number is known, so the call itself is pickled outside the
-lock, in the caller. Then:
+meta of a task scheduled with an id (``mpsched.current_task()`` reports it): the pickled task id,
+the version (8 bytes) and the task id's length (4 bytes). The coordinator appends the meta under
+its lock (``with_meta``), where the version number is known; everything that can fail or take
+time (pickling the call and the task id) happens before, in the caller. Then:
 
 * ``fid >= 0``: ``fn`` is None; the function lives in the pool's function table under ``fid``
   (pickled once per pool; pickling a function by reference is half the per-task pickle cost).
@@ -91,24 +91,41 @@ def encode_call(
 
 
 Call = tuple[int, Any, tuple[Any, ...], dict[str, Any], "tuple[Any, int] | None"]
-_META_LEN = 4  # bytes of the meta's length, little-endian
+_LEN_BYTES = 4  # little-endian length of the pickled task id, at the very end
+_VERSION_BYTES = 8  # little-endian version number, before it
 
 
-def with_meta(call: bytes, meta: bytes) -> bytes:
-    """A payload: ``call`` (encoded with ``has_meta=True``) and the pickled ``meta``."""
-    return b"".join((call, meta, len(meta).to_bytes(_META_LEN, "little")))
+def with_meta(call: bytes, task_id: bytes, version: int) -> bytes:
+    """A payload: ``call`` (encoded with ``has_meta=True``), then the meta: the pickled task id
+    (``dumps_task_id``, done once outside the coordinator's lock) and the version number."""
+    return b"".join(
+        (
+            call,
+            task_id,
+            version.to_bytes(_VERSION_BYTES, "little"),
+            len(task_id).to_bytes(_LEN_BYTES, "little"),
+        )
+    )
 
 
-def dumps_meta(task_id: Any, version: int) -> bytes:
-    return _dumps((task_id, version), PICKLE_PROTOCOL)
+def dumps_task_id(task_id: Any) -> bytes:
+    return _dumps(task_id, PICKLE_PROTOCOL)
 
 
 def decode_call(data: bytes | memoryview) -> Call:
     fid, fn, args, kwargs, has_meta = _loads(data)  # stops at the call's STOP opcode
     if not has_meta:
         return fid, fn, args, kwargs, None
-    n = int.from_bytes(data[-_META_LEN:], "little")
-    return fid, fn, args, kwargs, _loads(data[-_META_LEN - n : -_META_LEN])
+    end = len(data) - _LEN_BYTES
+    n = int.from_bytes(data[end:], "little")
+    version = int.from_bytes(data[end - _VERSION_BYTES : end], "little")
+    return (
+        fid,
+        fn,
+        args,
+        kwargs,
+        (_loads(data[end - _VERSION_BYTES - n : end - _VERSION_BYTES]), version),
+    )
 
 
 def function_bytes(fn: Callable[..., Any]) -> bytes | None:

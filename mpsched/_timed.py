@@ -39,14 +39,21 @@ _PENDING = TaskState.PENDING
 class Recurrence:
     """A recurring id: the call it repeats and the future that reports its end."""
 
-    __slots__ = ("active", "call", "future", "options", "priority", "task_id")
+    __slots__ = ("active", "call", "future", "options", "pickled_id", "priority", "task_id")
 
     def __init__(
-        self, task_id: Hashable, priority: int, call: bytes, options: TaskOptions, future: Future
+        self,
+        task_id: Hashable,
+        pickled_id: bytes,
+        priority: int,
+        call: bytes,
+        options: TaskOptions,
+        future: Future,
     ) -> None:
         self.task_id = task_id
+        self.pickled_id = pickled_id
         self.priority = priority
-        self.call = call  # the encoded call; each run appends its own (task_id, version)
+        self.call = call  # the encoded call; each run appends its own meta (with_meta)
         self.options = options
         self.future = future  # public: ends when the recurrence ends (cancel, error, shutdown)
         self.active = True
