@@ -1,27 +1,30 @@
 """The coordinator: one thread in the pool's process that feeds the workers and reaps results.
 
-Owns: the queue of submitted tasks not yet handed out, the records of dispatched tasks (by slab
-block), the stash of payloads too big for a block, the worker handles (pid, socket, pidfd), and
-the drain handshake. Called from: user threads through ``Pool`` (``submit_records``, ``cancel``,
-``begin_shutdown``; each takes ``self.lock`` briefly and wakes the loop), and its own thread
-(``run``). Everything else below runs in the coordinator thread only.
+Owns: the ready queue (due tasks not yet handed out, by priority), the timetable (tasks with an
+id: the scheduler heap and the versions handed out), the records of dispatched tasks (by slab
+block), the stash of payloads too big for a block, the worker handles (pid, socket, pidfd), the
+cancel requests and timeout watch of running tasks, and the drain handshake. Called from: user
+threads through ``Pool`` (``submit``, ``schedule``, ``cancel``, ``cancel_id``, ``state``,
+``begin_shutdown``; each takes ``self.lock`` briefly and wakes the loop if needed), and its own
+thread (``run``). Everything else below runs in the coordinator thread only.
 
-The loop has one blocking point, an ``epoll`` over: the wakeup pipe (user calls), the zygote's
-control socket (spawns and exits), and every worker's socket (result pokes, stashes, fetches,
-drained, fatal; EOF when a worker dies). Each wake is classified and handled in a small named
-method; then results are collected from every done ring and the inboxes are refilled.
+The loop has one blocking point (``wait``), an ``epoll`` over: the wakeup pipe (user calls), the
+zygote's control socket (spawns and exits), and every worker's socket (result pokes, stashes,
+fetches, drained, fatal; EOF when a worker dies), with a timeout at the next due time. Each wake
+is classified and handled in a small named method; then results are collected from every done
+ring, cancel requests applied, due versions released, the inboxes refilled and timeouts checked.
 
 Dispatch window: at most ``window`` handles wait in a worker's inbox, and at most
-``max_inflight`` dispatched tasks are unfinished in all; the rest wait here, in order. A small
-window keeps cancels cheap and order close to exact; a large one keeps workers fed between
-coordinator wake-ups. The done rings are sized for ``max_inflight``, so they cannot overflow.
+``max_inflight`` dispatched tasks are unfinished in all; the rest wait here, in order. A due task
+of a higher priority than one waiting in an inbox takes the lower ones back (``take_back_lower``)
+so that it never waits behind them. The done rings are sized for ``max_inflight``, so they
+cannot overflow.
 
-Cancel (``cancel``): a task still queued here is dropped; a task in an inbox is cancelled with
-``cancel_injected`` under the slot lock, where it races the claim and exactly one wins; a claimed
-task cannot be cancelled.
-
-Not handled here (yet): timed and prioritized tasks (the scheduler core drives them later),
-recovery from a dead worker beyond failing its running tasks and replacing it.
+Cancel (``withdraw``): a task in the timetable or the ready queue is dropped; a task in an inbox
+is cancelled with ``cancel_injected`` under the slot lock, where it races the claim and exactly
+one wins; a claimed task gets the cooperative flag in its block (``apply_requests``), or, forced,
+its worker is stopped, checked and killed (``kill_running``). docs/design.md section 3 has the
+argument.
 """
 
 from __future__ import annotations
