@@ -313,20 +313,20 @@ class Coordinator:
         """Any thread (``Pool.cancel``): cancel every version of ``task_id`` that has not
         started, stop its recurrence, and ask a running version to stop (cooperatively, or by
         killing its worker with ``force``). True if anything was cancelled or asked to stop."""
-        cancelled = []
-        found = wake = False
+        cancelled: list[Future] = []
+        wake = False
+        timetable = self.timetable
         with self.lock:
-            timetable = self.timetable
-            rec = timetable.recurring.pop(task_id, None)
+            pending = timetable.cancel_pending(task_id)
+            found = pending is not None
+            if pending is not None:
+                cancelled.append(pending)
+            rec = timetable.recurring.pop(task_id, None) if timetable.recurring else None
             if rec is not None:
                 rec.active = False
                 cancelled.append(rec.future)
                 found = True
-            pending = timetable.pending_future(task_id)
-            if pending is not None and timetable.withdraw_pending(pending):
-                cancelled.append(pending)
-                found = True
-            handed = timetable.handed.get(task_id)
+            handed = timetable.handed.get(task_id) if timetable.handed else None
             if handed is not None:
                 found = True
                 if self.withdraw(handed):

@@ -168,7 +168,8 @@ class Future(concurrent.futures.Future[Any]):
                     return self._state in _CANCELLED_STATES
                 self._state = CANCELLED_AND_NOTIFIED
         if fast:
-            self._invoke_callbacks()  # type: ignore[attr-defined]
+            if self._done_callbacks:
+                self._invoke_callbacks()  # type: ignore[attr-defined]
             return True
         if self._state == CANCELLED_AND_NOTIFIED:  # cancelled twice (e.g. by id, then here)
             return True

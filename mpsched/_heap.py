@@ -173,6 +173,10 @@ class VersionedHeap:
         rec = self._records.get(task_id)
         return 0 if rec is None else rec.running
 
+    def pending_ids(self) -> list[Hashable]:
+        """The ids that have a pending version (deferred ones included)."""
+        return [r.task_id for r in self._records.values() if r.state is PENDING]
+
     def pending_item(self, task_id: Hashable) -> Any:
         """The ``fn`` given with the pending version of ``task_id``; None if none is pending."""
         rec = self._records.get(task_id)
@@ -235,16 +239,18 @@ class VersionedHeap:
             found = True
         return found
 
-    def withdraw(self, task_id: Hashable, version: int) -> bool:
-        """Cancel the pending version of ``task_id`` if it is ``version`` (and leave a running
-        one alone, unlike ``cancel``). True if it was pending."""
+    def withdraw(self, task_id: Hashable, version: int = 0) -> Any:
+        """Cancel the pending version of ``task_id`` (only if it is ``version``, unless that is
+        0) and leave a running one alone, unlike ``cancel``. Returns the ``fn`` it was
+        scheduled with, or None if no such version was pending."""
         rec = self._records.get(task_id)
-        if rec is None or rec.state is not PENDING or rec.version != version:
-            return False
+        if rec is None or rec.state is not PENDING or (version and rec.version != version):
+            return None
+        fn = rec.fn
         self._drop_pending(rec)
         rec.state = CANCELLED
         self._maybe_prune()
-        return True
+        return fn
 
     def pop_due(self, now: float) -> Due | Wait | None:
         """Hand out the live task with the smallest key among those with ``run_at <= now``.

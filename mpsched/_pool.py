@@ -403,10 +403,7 @@ class Pool:
             True if a version was cancelled or asked to stop; False for an id with nothing
             pending or running.
         """
-        check_task_id(task_id)
-        if not self._started:
-            return False
-        return self._coordinator.cancel_id(task_id, bool(force))
+        return self._coordinator.cancel_id(task_id, force)  # unhashable: TypeError there
 
     def state(self, task_id: Hashable) -> TaskState | None:
         """The state of the latest version of ``task_id``: PENDING until a worker claims it,

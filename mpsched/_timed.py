@@ -84,7 +84,17 @@ class Timetable:
     def withdraw_pending(self, future: Future) -> bool:
         """Cancel ``future``'s version if it still waits in the heap."""
         due = future._due
-        return due is not None and self.heap.withdraw(due[0], due[1])
+        if due is None or self.heap.withdraw(due[0], due[1]) is None:
+            return False
+        self._remember_finished(due[0])
+        return True
+
+    def cancel_pending(self, task_id: Hashable) -> Future | None:
+        """Cancel the version of ``task_id`` waiting in the heap, if any; returns its future."""
+        future: Future | None = self.heap.withdraw(task_id)
+        if future is not None:
+            self._remember_finished(task_id)
+        return future
 
     def release_due(self, now: float, on_due: Callable[[Future, int], None]) -> float | None:
         """Hand out every version due at ``now``, in key order, to ``on_due(future, priority)``.
@@ -129,13 +139,8 @@ class Timetable:
     def cancel_all_pending(self) -> list[Future]:
         """Shutdown with cancel_futures: every version still in the heap; their ids end
         CANCELLED. Returns their futures (to be marked cancelled outside the lock)."""
-        heap = self.heap
-        out = []
-        for task_id in list(heap._records):
-            future = self.pending_future(task_id)
-            if future is not None and self.withdraw_pending(future):
-                out.append(future)
-        return out
+        cancelled = (self.cancel_pending(task_id) for task_id in self.heap.pending_ids())
+        return [f for f in cancelled if f is not None]
 
     def stop_recurrences(self) -> list[Recurrence]:
         stopped = [r for r in self.recurring.values() if r.active]
