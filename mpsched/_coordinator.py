@@ -240,7 +240,8 @@ class Coordinator:
         superseded: list[Future] = []
         timetable = self.timetable
         with self.lock:
-            self.check_usable()
+            if self.broken is not None:
+                self.check_usable()
             if task_id in timetable.heap:  # an id seen before: supersede what it has
                 self.supersede(task_id, recurrence, superseded)
             if recurrence is not None:
@@ -313,33 +314,32 @@ class Coordinator:
         """Any thread (``Pool.cancel``): cancel every version of ``task_id`` that has not
         started, stop its recurrence, and ask a running version to stop (cooperatively, or by
         killing its worker with ``force``). True if anything was cancelled or asked to stop."""
-        cancelled: list[Future] = []
-        wake = False
         timetable = self.timetable
+        rec = handed = None
+        wake = False
         with self.lock:
             pending = timetable.cancel_pending(task_id)
-            found = pending is not None
-            if pending is not None:
-                cancelled.append(pending)
-            rec = timetable.recurring.pop(task_id, None) if timetable.recurring else None
-            if rec is not None:
-                rec.active = False
-                cancelled.append(rec.future)
-                found = True
-            handed = timetable.handed.get(task_id) if timetable.handed else None
-            if handed is not None:
-                found = True
-                if self.withdraw(handed):
+            if timetable.recurring:
+                rec = timetable.recurring.pop(task_id, None)
+                if rec is not None:
+                    rec.active = False
+            if timetable.handed:
+                handed = timetable.handed.get(task_id)
+                if handed is not None and self.withdraw(handed):
                     timetable.end(handed, None, cancelled=True)
-                    cancelled.append(handed)
-                else:  # claimed: running (or finished, not collected yet)
+                elif handed is not None:  # claimed: running (or finished, not collected yet)
                     self.requests.append((handed, force))
                     wake = True
-        for future in cancelled:
-            future._mark_cancelled()
+                    handed = None
+        if pending is not None:
+            pending._mark_cancelled()
+        if rec is not None:
+            rec.future._mark_cancelled()
+        if handed is not None:
+            handed._mark_cancelled()
         if wake:  # only this thread may touch a running task's block: see apply_requests
             self.wakeup()
-        return found
+        return pending is not None or rec is not None or handed is not None or wake
 
     def state(self, task_id: Hashable) -> TaskState | None:
         with self.lock:

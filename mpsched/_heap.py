@@ -201,7 +201,8 @@ class VersionedHeap:
         if rec is None:  # fast path: a new id (no pending, no running version)
             seq = next(self._seq)
             rec = self._records[task_id] = _Record(task_id, run_at, priority, fn, seq)
-            heapq.heappush(self._heap, (run_at, _negated(priority), seq, rec))
+            neg = _negated_get(priority)
+            heapq.heappush(self._heap, (run_at, -priority if neg is None else neg, seq, rec))
             self._in_heap += 1
             return 1
         if rec.state is PENDING:
@@ -247,9 +248,17 @@ class VersionedHeap:
         if rec is None or rec.state is not PENDING or (version and rec.version != version):
             return None
         fn = rec.fn
-        self._drop_pending(rec)
+        # _drop_pending and _maybe_prune, inlined: cancelling many ids is a measured path.
+        if rec.deferred:
+            rec.deferred = False
+            self._deferred -= 1
+        else:
+            self._in_heap -= 1
+        rec.seq = NOT_IN_HEAP
+        rec.fn = None
         rec.state = CANCELLED
-        self._maybe_prune()
+        if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
+            self._prune()
         return fn
 
     def pop_due(self, now: float) -> Due | Wait | None:

@@ -340,10 +340,8 @@ class Pool:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Future:
-        if type(run_at) is not float:
+        if type(run_at) is not float or not -_INF < run_at < _INF:  # fast path: finite float
             run_at = check_run_at(run_at)
-        elif run_at != run_at or run_at in (_INF, -_INF):
-            raise ValueError(f"run_at must be finite, not {run_at!r}")
         if type(priority) is not int:
             priority = check_priority(priority)
         if not callable(fn):

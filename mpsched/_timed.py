@@ -93,7 +93,10 @@ class Timetable:
         """Cancel the version of ``task_id`` waiting in the heap, if any; returns its future."""
         future: Future | None = self.heap.withdraw(task_id)
         if future is not None:
-            self._remember_finished(task_id)
+            finished = self._finished
+            finished.append(task_id)
+            if len(finished) > FINISHED_IDS_KEPT:
+                self._forget_oldest()
         return future
 
     def release_due(self, now: float, on_due: Callable[[Future, int], None]) -> float | None:
@@ -125,6 +128,11 @@ class Timetable:
     def _remember_finished(self, task_id: Hashable) -> None:
         finished = self._finished
         finished.append(task_id)
+        if len(finished) > FINISHED_IDS_KEPT:
+            self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        finished = self._finished
         while len(finished) > FINISHED_IDS_KEPT:
             self.heap.discard(finished.popleft())  # no-op if the id was scheduled again
 
