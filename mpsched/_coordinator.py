@@ -51,7 +51,7 @@ from mpsched._errors import (
     WorkerCrashedError,
 )
 from mpsched._future import FINISHING, Future
-from mpsched._layout import SegmentViews
+from mpsched._layout import SegmentLocks, SegmentViews
 from mpsched._options import TaskOptions, is_misfire, next_run_at
 from mpsched._payloads import BlockField
 from mpsched._protocol import (
@@ -66,7 +66,7 @@ from mpsched._protocol import (
 )
 from mpsched._ready import ReadyQueue
 from mpsched._serialize import with_meta
-from mpsched._shm import SharedFd
+from mpsched._shm import SharedFd, release_if_orphaned
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun, Timetable
 
@@ -90,6 +90,10 @@ RESULT_SWEEP_INTERVAL = 0.005  # seconds between done-ring sweeps while tasks ar
 # timeout up to whole milliseconds, which would make every timed task ~0.5 ms late on average.
 FINE_WAIT = 0.002  # seconds
 STOP_WAIT = 0.2  # seconds a SIGSTOPped worker gets to show as stopped before a forced cancel
+# After a worker died: a lock still taken this long with no holder recorded is released (its
+# taker died between the acquire and the pid store; see _shm.release_if_orphaned). Holders keep
+# locks for microseconds, so a second is far beyond any live holder's preemption.
+ORPHAN_WAIT = 1.0  # seconds
 logger = logging.getLogger("mpsched")
 
 
@@ -100,6 +104,7 @@ class WorkerHandle:
     conn: Connection
     pidfd: int
     drained: bool = False
+    retiring: bool = False  # max_tasks_per_worker reached: its exit is not a crash
 
 
 def signal_description(exitcode: int | None) -> str:
@@ -125,6 +130,7 @@ class Coordinator:
         n_workers: int,
         window: int,
         max_inflight: int,
+        locks: SegmentLocks | None = None,
         aging: float | None = None,
         timed_after_shutdown: bool = True,
         recurring_after_shutdown: bool = False,
@@ -140,6 +146,8 @@ class Coordinator:
         self.window = window
         self.max_inflight = max_inflight
         self.aging = aging
+        self.locks = locks  # the guarded locks of the segment (orphan release after a crash)
+        self.repair_lock = threading.Lock()  # one lock repair at a time, from any thread
         self.timed_after_shutdown = timed_after_shutdown
         self.recurring_after_shutdown = recurring_after_shutdown
         # Guards ready, timetable, requests, records' location fields and the draining flag
@@ -166,6 +174,8 @@ class Coordinator:
         self.respawns = 0
         self.completed = 0
         self.retried = 0
+        self.recycled = 0
+        self.retired_pids: set[int] = set()  # their EXITED reports are not crash reports
         self.misfires = 0
         self.skipped_runs = 0
         self.final_stats: dict[int, dict[str, int]] = {}
@@ -742,6 +752,15 @@ class Coordinator:
         elif tag is Tag.DRAINED:
             worker.drained = True
             self.final_stats[worker.slot] = fields[1]
+        elif tag is Tag.RETIRING:
+            worker.retiring = True
+            self.retired_pids.add(worker.pid)  # before its exit, so EXITED finds it here
+        elif tag is Tag.INIT_FAILED:
+            error = BrokenPoolError(
+                f"the pool's initializer raised in worker {fields[0]}; no task can run (the "
+                "initializer's exception is the cause)"
+            )
+            raise error from load_exception(fields[1])
         elif tag is Tag.FATAL:
             raise BrokenPoolError(f"worker {fields[0]} hit an internal error:\n{fields[1]}")
         else:
@@ -774,7 +793,10 @@ class Coordinator:
             self.epoll.register(conn.fileno(), select.EPOLLIN)
         elif tag is Tag.EXITED:
             _, pid, code = fields
-            self.exit_codes[pid] = code
+            if pid in self.retired_pids:
+                self.retired_pids.discard(pid)
+            else:
+                self.exit_codes[pid] = code
         elif tag is Tag.READY:
             pass
         else:
@@ -785,6 +807,11 @@ class Coordinator:
         """The worker's socket hit EOF: it exited (after DRAINED) or died."""
         self.forget_worker(worker)
         if worker.drained:
+            return
+        if worker.retiring:  # a clean exit: nothing ran, nothing is held; replace it
+            self.recycled += 1
+            if not self.draining or not self.all_done():
+                self.zygote.send_bytes(encode(Tag.SPAWN, worker.slot))
             return
         self.crashes += 1
         code = self.wait_exit_code(worker.pid)
@@ -825,6 +852,7 @@ class Coordinator:
                 other.break_dead_holder(worker.pid, slot)
         self.slab.break_dead_holder(worker.pid)
         self.header.break_dead_holder(worker.pid)
+        self.release_orphans()
         self.collect()
         outcomes = []
         for handle in slot.take_running():
@@ -853,6 +881,37 @@ class Coordinator:
                 status, data = _ERROR, dump_exception(error)
             outcomes.append((future, status, data))
         self.settle(outcomes)
+
+    def release_orphans(self) -> None:
+        """After a death: free locks the dead worker took but died before recording."""
+        locks = self.locks
+        if locks is None:
+            return
+        holders = [
+            *(s.holder_pid for s in self.slots),
+            self.slab.holder_pid,
+            self.header.holder_pid,
+        ]
+        for lock, holder_pid in zip(locks.all(), holders, strict=True):
+            if release_if_orphaned(lock, holder_pid, ORPHAN_WAIT):
+                logger.warning("mpsched: released a lock left taken by a dead worker")
+
+    def on_lock_stall(self, kind: str, index: int) -> None:
+        """Any thread of this process, while a guarded lock stays taken (``GuardedLock``): if
+        its recorded holder is a dead process, repair the lock (the same repair as after a
+        death, which may not have run yet: this thread may be the one that must run it)."""
+        structure: Any = (
+            self.slots[index] if kind == "slot" else self.slab if kind == "slab" else self.header
+        )
+        holder = structure.holder_pid()
+        if holder <= 0 or holder == os.getpid() or not pid_is_dead(holder):
+            return
+        with self.repair_lock:
+            if kind != "slot":
+                structure.break_dead_holder(holder)
+                return
+            owned = [q for q in self.slots if q.owner_pid() == holder]
+            structure.break_dead_holder(holder, owned[0] if owned else structure)
 
     def fail_child(self, handle: int, worker: WorkerHandle, code: int | None) -> None:
         """A child was running in the dead worker: settle it with the crash, wake its parent.
@@ -935,8 +994,11 @@ class Coordinator:
 
     def break_pool(self, exc: BaseException) -> None:
         """An internal error: fail every unfinished future with BrokenPoolError."""
-        error = BrokenPoolError(f"the pool broke: {exc!r}")
-        error.__cause__ = exc
+        if isinstance(exc, BrokenPoolError):  # already says what broke (e.g. the initializer)
+            error = exc
+        else:
+            error = BrokenPoolError(f"the pool broke: {exc!r}")
+            error.__cause__ = exc
         with self.lock:
             self.broken = exc  # under the lock: no submit can queue behind the sweep below
             self.draining = True
@@ -970,6 +1032,16 @@ def timeout_message(run: TaskRun) -> str:
     return f"the task ran longer than its timeout of {run.options.timeout} s" + (
         f" and was killed {run.options.timeout_grace} s later" if run.forced else ""
     )
+
+
+def pid_is_dead(pid: int) -> bool:
+    """True if ``pid`` has exited (a zombie counts as dead: it runs no more code)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"Z", b"X")
 
 
 def wait_stopped(pid: int) -> None:

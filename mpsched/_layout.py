@@ -52,10 +52,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+from collections.abc import Callable
+from typing import Any
 
 from mpsched._errors import InternalError
 from mpsched._payloads import BLOCK_BYTES, FTAB_DATA_BYTES, FTAB_MAX_FIDS, FunctionTable, Slab
-from mpsched._shm import AnonSegment, SemLockHandle, create_lock
+from mpsched._shm import AnonSegment, GuardedLock, SemLockHandle, create_lock
 from mpsched._shm_deque import SlotQueues, slot_bytes
 
 __all__ = (
@@ -189,6 +191,20 @@ class SegmentLocks:
     def all(self) -> tuple[SemLockHandle, ...]:
         return (*self.slots, self.slab, self.global_)
 
+    def guarded(self, on_stall: Callable[[str, int], None]) -> SegmentLocks:
+        """The same locks with bounded blocking waits (``GuardedLock``), for the coordinator's
+        process; ``on_stall(kind, index)`` names the lock: ("slot", k), ("slab", 0) or
+        ("global", 0)."""
+
+        def guard(lock: SemLockHandle, kind: str, index: int) -> Any:
+            return GuardedLock(lock, lambda: on_stall(kind, index))
+
+        return SegmentLocks(
+            slots=tuple(guard(lock, "slot", k) for k, lock in enumerate(self.slots)),
+            slab=guard(self.slab, "slab", 0),
+            global_=guard(self.global_, "global", 0),
+        )
+
     def unlink_names(self) -> None:
         """Coordinator, once the zygote has opened them: remove every name (idempotent)."""
         for lock in self.all():
@@ -252,6 +268,10 @@ class GlobalHeader:
         """Hint only: racy, clamped at 0."""
         n = self._w[_LIVE_CHILDREN]
         return n if n > 0 else 0
+
+    def holder_pid(self) -> int:
+        """Pid recorded as holding the global lock, 0 if none. Hint only: racy."""
+        return self._w[_HOLDER_PID]
 
     def break_dead_holder(self, dead_pid: int) -> bool:
         """The single breaker (coordinator) only: release the global lock if ``dead_pid`` died

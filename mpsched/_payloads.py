@@ -318,6 +318,10 @@ class Slab:
         top = min(max(self._w[_FREE_TOP], 0), self.capacity)
         return self._stack[:top].tolist()
 
+    def holder_pid(self) -> int:
+        """Pid recorded as holding the allocator lock, 0 if none. Hint only: racy."""
+        return self._w[_HOLDER_PID]
+
     def break_dead_holder(self, dead_pid: int) -> bool:
         """The single breaker (coordinator) only: release the allocator lock if ``dead_pid``
         died holding it; the free stack is consistent by the one-store commit."""

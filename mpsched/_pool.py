@@ -40,7 +40,7 @@ from mpsched._future import Future
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
 from mpsched._options import TaskOptions
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
-from mpsched._serialize import INLINE, FunctionCache, dumps_task_id, encode_call
+from mpsched._serialize import INLINE, FunctionCache, dumps, dumps_task_id, encode_call
 from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
@@ -60,6 +60,7 @@ MAP_PREFETCH_PER_WORKER = 4  # chunks in flight per worker (bounded read-ahead o
 MAP_GROWTH = 64  # chunks grow at most this much per measured chunk
 
 _INF = float("inf")
+_NO_COUNTERS = {"executed": 0, "stolen": 0}
 
 _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 # Fork start method: the control ends of live pools, which a new zygote must not keep open (the
@@ -91,6 +92,7 @@ class PoolStatistics:
     crashes: int
     respawns: int
     retried: int  # runs started again after their worker died (the retries option)
+    recycled: int  # workers replaced after max_tasks_per_worker tasks
     misfires: int  # recurring runs skipped by the misfire policy
     skipped_runs: int  # recurring due times dropped by the overlap policy "skip"/"coalesce"
     per_worker: tuple[WorkerStatistics, ...]
@@ -120,6 +122,13 @@ class Pool:
         recurring_after_shutdown: whether recurring tasks go on after ``shutdown`` (default
             False: they stop and their futures are cancelled). If True, ``shutdown(wait=True)``
             returns only once they are cancelled.
+        max_tasks_per_worker: None (default) or a positive int: a worker that has run this many
+            tasks (children not counted) exits cleanly and is replaced; what waits in its queues
+            stays in shared memory for the successor.
+        initializer, initargs: ``initializer(*initargs)`` runs once in each worker (and each
+            replacement) before it takes a task. If it raises, the pool breaks: every future and
+            later ``submit`` fail with ``BrokenPoolError``, whose cause is the initializer's
+            exception (no respawn loop).
     """
 
     _coordinator: Coordinator
@@ -137,6 +146,9 @@ class Pool:
         aging: float | None = None,
         timed_after_shutdown: bool = True,
         recurring_after_shutdown: bool = False,
+        max_tasks_per_worker: int | None = None,
+        initializer: Callable[..., Any] | None = None,
+        initargs: tuple[Any, ...] = (),
     ) -> None:
         if workers is None:
             workers = os.cpu_count() or 1
@@ -156,6 +168,20 @@ class Pool:
             raise ValueError(f"dispatch_window must be in 1..{DISPATCH_WINDOW_MAX}")
         if aging is not None:
             TaskOptions(timeout=aging)  # the same check: a finite positive number of seconds
+        if max_tasks_per_worker is not None and (
+            isinstance(max_tasks_per_worker, bool)
+            or not isinstance(max_tasks_per_worker, int)
+            or max_tasks_per_worker < 1
+        ):
+            raise ValueError(
+                f"max_tasks_per_worker must be a positive int or None, not {max_tasks_per_worker!r}"
+            )
+        if initializer is not None and not callable(initializer):
+            raise TypeError(f"initializer must be callable, not {type(initializer).__name__}")
+        self._worker_options = WorkerOptions(
+            max_tasks=max_tasks_per_worker or 0,
+            initializer=b"" if initializer is None else dumps((initializer, tuple(initargs))),
+        )
         self._workers = workers
         self._start_method = method
         self._window = dispatch_window
@@ -188,7 +214,8 @@ class Pool:
         self._wakeup = Wakeup()
         locks = create_locks(n)
         try:
-            self._views = attach(self._segment, layout, locks, init=True)
+            guarded = locks.guarded(self._on_lock_stall)
+            self._views = attach(self._segment, layout, guarded, init=True)
             self._wake_fds = [SharedFd(create_eventfd()) for _ in range(n)]
             self._functions = FunctionCache(self._views.functions.add)
             self._coordinator = Coordinator(
@@ -201,6 +228,7 @@ class Pool:
                 n,
                 self._window,
                 max(INFLIGHT_PER_WORKER, 4 * self._window) * n,
+                locks=guarded,
                 aging=self._aging,
                 timed_after_shutdown=self._timed_after_shutdown,
                 recurring_after_shutdown=self._recurring_after_shutdown,
@@ -220,6 +248,11 @@ class Pool:
         self._started = True
         _live_pools.add(self)
 
+    def _on_lock_stall(self, kind: str, index: int) -> None:
+        coordinator = getattr(self, "_coordinator", None)
+        if coordinator is not None:
+            coordinator.on_lock_stall(kind, index)
+
     def _start_zygote(self, layout: SegmentLayout, locks: SegmentLocks) -> Connection:
         ctx: Any = multiprocessing.get_context(self._start_method)
         parent_conn: Connection
@@ -233,7 +266,7 @@ class Pool:
             locks=locks,
             wake_fds=self._wake_fds,
             coordinator_pid=os.getpid(),
-            worker_options=WorkerOptions(),
+            worker_options=self._worker_options,
             close_fds=sorted(_coordinator_fds) if self._start_method == "fork" else [],
         )
         self._zygote = ctx.Process(
@@ -507,12 +540,19 @@ class Pool:
         _live_pools.discard(self)
 
     def statistics(self) -> PoolStatistics:
+        """A snapshot of the counters; after the pool ended, its final counters (the shared
+        memory is gone then: queue depths read 0, a worker that did not drain counts 0)."""
+        with self._shutdown_lock:  # the memory is not released while we read it
+            return self._statistics()
+
+    def _statistics(self) -> PoolStatistics:
         coord = self._coordinator
+        live = self._started
         per_worker = []
         for k, slot in enumerate(self._views.slots):
-            counters = coord.final_stats.get(k) or slot.counters()
+            counters = coord.final_stats.get(k) or (slot.counters() if live else _NO_COUNTERS)
             worker = coord.workers[k]
-            deque_, inbox = slot.depths()
+            deque_, inbox = slot.depths() if live else (0, 0)
             per_worker.append(
                 WorkerStatistics(
                     slot=k,
@@ -533,6 +573,7 @@ class Pool:
             crashes=coord.crashes,
             respawns=coord.respawns,
             retried=coord.retried,
+            recycled=coord.recycled,
             misfires=coord.misfires,
             skipped_runs=coord.skipped_runs,
             per_worker=tuple(per_worker),

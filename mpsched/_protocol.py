@@ -55,6 +55,8 @@ class Tag(enum.IntEnum):
     DRAIN = 14
     DRAINED = 15
     FATAL = 16
+    INIT_FAILED = 17  # worker -> coordinator: the pool's initializer raised (exception bytes)
+    RETIRING = 18  # worker -> coordinator: max_tasks_per_worker reached; it exits cleanly next
 
 
 class ResultStatus(enum.IntEnum):

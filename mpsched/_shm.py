@@ -295,6 +295,50 @@ class SemLockHandle:
         return f"<SemLockHandle {self.name!r} maxvalue={self.maxvalue}>"
 
 
+STALL_CHECK_INTERVAL = 0.1  # s; a guarded lock that does not come free is checked this often
+
+
+class GuardedLock:
+    """A lock whose blocking waits are bounded: every ``STALL_CHECK_INTERVAL`` that the lock
+    stays taken, ``on_stall()`` runs (the coordinator checks whether the recorded holder died,
+    and repairs the lock if so), then the wait goes on. Used in the coordinator's process only:
+    there a wait behind a dead worker would stop the very thread that must detect its death.
+    Non-blocking and timed acquires go straight through."""
+
+    __slots__ = ("_acquire", "on_stall", "release")
+
+    def __init__(self, lock: SemLockHandle, on_stall: Callable[[], None]) -> None:
+        self._acquire = lock.acquire
+        self.release = lock.release
+        self.on_stall = on_stall
+
+    def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
+        if not block or timeout is not None:
+            return self._acquire(block, timeout)
+        acquire = self._acquire
+        while not acquire(True, STALL_CHECK_INTERVAL):
+            self.on_stall()
+        return True
+
+
+def release_if_orphaned(lock: Any, holder_pid: Callable[[], int], wait: float) -> bool:
+    """Coordinator, after a worker died: if ``lock`` stays taken for ``wait`` seconds with no
+    holder recorded, release it and return True.
+
+    Every critical section records its holder's pid as its first store after the acquire, so a
+    lock held with no pid recorded for that long was taken by a process that died before that
+    store: it changed nothing yet, and releasing it is safe. (A live process preempted for
+    ``wait`` seconds in that one-store window would be the exception; ``wait`` is chosen far
+    above any scheduling delay.)"""
+    if lock.acquire(True, wait):
+        lock.release()
+        return False
+    if holder_pid() != 0:
+        return False
+    lock.release()
+    return True
+
+
 def _new_name() -> str:
     return f"/{SEM_PREFIX}-{os.getpid()}-{secrets.token_hex(_NAME_RANDOM_BYTES)}"
 

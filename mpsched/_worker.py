@@ -94,6 +94,10 @@ class WorkerOptions:
     # Results; poke the coordinator after this many unannounced ones (and whenever idle). The
     # coordinator also sweeps done rings on a timer, which bounds how long any result waits.
     result_batch: int = 32
+    # Top-level tasks a worker runs before it retires and is replaced (0: no limit).
+    max_tasks: int = 0
+    # The pool's initializer and its arguments, pickled (b"": none); run once per worker.
+    initializer: bytes = b""
 
 
 # The Worker of this process, set by worker_main; None outside workers.
@@ -265,6 +269,7 @@ class Worker:
         self.depth = 0  # tasks running in this process (join-helping nests them)
         self.contexts: list[TaskContext] = []  # current_task(): the innermost is last
         self.unannounced = 0  # results in the done ring since the last poke
+        self.top_level_done = 0  # for max_tasks (children do not count)
         self.draining = False
         self.pid = os.getpid()
         self.stash_counter = 0
@@ -274,15 +279,20 @@ class Worker:
         self.poller.register(conn.fileno(), select.POLLIN)
 
     # ------------------------------------------------------------------ main loop
-    def main_loop(self) -> None:
+    def main_loop(self) -> bool:
+        """Run until drained (returns False) or retired by ``max_tasks`` (returns True)."""
+        max_tasks = self.options.max_tasks
         while not self.draining:
             handle = self.find_work()
             if handle >= 0:
                 self.run(handle)
                 if self.abandoned:
                     self.release_abandoned()
+                if max_tasks and self.top_level_done >= max_tasks:
+                    return True
             else:
                 self.idle(None)
+        return False
 
     def find_work(self) -> int:
         handle = self.me.pop_or_take(True)
@@ -347,6 +357,7 @@ class Worker:
         del out
         if parent < 0:
             self.me.complete(handle)
+            self.top_level_done += 1
             self.unannounced += 1
             if self.unannounced >= self.options.result_batch:
                 self.poke()
@@ -550,10 +561,15 @@ def worker_main(
     global _current
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the coordinator
     worker = Worker(slot, views, wake_fds, conn, options)
+    if options.initializer and not run_initializer(conn, slot, options.initializer):
+        return 0  # the coordinator breaks the pool with the initializer's error
     _current = worker
     worker.me.bind_owner()
     try:
-        worker.main_loop()
+        if worker.main_loop():  # retired: its queues stay in shared memory for the successor
+            worker.poke()
+            conn.send_bytes(encode(Tag.RETIRING, slot))
+            return 0
         worker.poke()
         conn.send_bytes(encode(Tag.DRAINED, slot, worker.statistics()))
         return 0
@@ -566,3 +582,14 @@ def worker_main(
         return 70  # EX_SOFTWARE: an mpsched bug
     finally:
         _current = None
+
+
+def run_initializer(conn: Connection, slot: int, initializer: bytes) -> bool:
+    """Run the pool's initializer; on error, report it (INIT_FAILED) and return False."""
+    try:
+        fn, args = pickle.loads(initializer)
+        fn(*args)
+    except BaseException as exc:  # user code: report any error, never die silently
+        conn.send_bytes(encode(Tag.INIT_FAILED, slot, dump_exception(exc)))
+        return False
+    return True

@@ -168,3 +168,33 @@ def read_pid(started: str) -> int:
 def boom_cancelled() -> None:
     """Raise TaskCancelled although nobody asked: that is an error, not a cancel."""
     raise mpsched.TaskCancelled("unprompted")
+
+
+_initialized: list[Any] = []
+
+
+def remember(*args: Any) -> None:
+    """A pool initializer: record its arguments in this worker process."""
+    _initialized.append(args)
+
+
+def initialized() -> list[Any]:
+    return list(_initialized)
+
+
+def failing_initializer(message: str) -> None:
+    raise OSError(message)
+
+
+def die_holding_lock(which: str, record_pid: bool) -> None:
+    """Take one of the pool's cross-process locks and die with it held, with or without the
+    holder pid recorded (the second is the window between acquire and the pid store)."""
+    from mpsched import _worker
+
+    worker = _worker._current
+    assert worker is not None
+    structure: Any = worker.me if which == "slot" else worker.slab
+    assert structure._acquire(True, 5.0)
+    if record_pid:
+        structure._w[0 if which == "slot" else 1] = os.getpid()  # HOLDER_PID word
+    os._exit(3)

@@ -34,3 +34,18 @@ def test_sigkill_of_a_worker_fails_only_its_running_task(
         stats = pool.statistics()
         assert stats.crashes == 1
         assert stats.respawns == 1  # a replacement was asked for: the pool keeps its size
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("which", ["slot", "slab"])
+@pytest.mark.parametrize("record_pid", [True, False], ids=["pid-recorded", "died-before-pid"])
+def test_a_worker_dying_with_a_lock_held_stalls_nobody(which: str, record_pid: bool) -> None:
+    """The lock is repaired: by its recorded dead holder's pid, or, when the worker died between
+    the acquire and the pid store, as an orphan after ORPHAN_WAIT. Then the pool goes on."""
+    with Pool(2) as pool:
+        doomed = pool.submit(tasks.die_holding_lock, which, record_pid)
+        with pytest.raises(WorkerCrashedError, match="exit code 3"):
+            doomed.result(timeout=30)
+        futures = [pool.submit(tasks.fib, 8) for _ in range(200)]
+        assert [f.result(timeout=30) for f in futures] == [21] * 200
+        assert pool.statistics().crashes == 1

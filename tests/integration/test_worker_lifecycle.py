@@ -1,0 +1,69 @@
+"""Worker lifecycle options: initializer/initargs and max_tasks_per_worker (crash-safety issue)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpsched import BrokenPoolError, Pool
+
+from . import tasks
+
+START_METHODS = ["forkserver", "spawn", "fork"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_initializer_runs_once_in_each_worker(start_method: str) -> None:
+    with Pool(2, start_method=start_method, initializer=tasks.remember, initargs=(1, "a")) as pool:
+        seen = [pool.submit(tasks.initialized).result(timeout=20) for _ in range(20)]
+    assert all(s == [(1, "a")] for s in seen)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_failing_initializer_breaks_the_pool_with_its_error_and_no_respawn_loop(
+    start_method: str,
+) -> None:
+    pool = Pool(
+        2, start_method=start_method, initializer=tasks.failing_initializer, initargs=("no db",)
+    )
+    try:  # the pool may already be broken when submit runs (fork starts fast): both are fine
+        future = pool.submit(tasks.ident, 1)
+    except BrokenPoolError as exc:
+        error: BaseException = exc
+    else:
+        with pytest.raises(BrokenPoolError) as info:
+            future.result(timeout=20)
+        error = info.value
+    chain = []
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__
+    assert any("initializer" in str(e) for e in chain)
+    assert any(isinstance(e, OSError) and "no db" in str(e) for e in chain)
+    with pytest.raises(BrokenPoolError):
+        pool.submit(tasks.ident, 2)
+    pool.shutdown(wait=True)
+    assert pool.statistics().respawns == 0
+
+
+def test_bad_lifecycle_settings_fail_at_construction() -> None:
+    with pytest.raises(ValueError, match="max_tasks_per_worker"):
+        Pool(1, max_tasks_per_worker=0)
+    with pytest.raises(TypeError, match="initializer"):
+        Pool(1, initializer="setup")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_max_tasks_per_worker_recycles_workers_and_loses_nothing() -> None:
+    with Pool(2, max_tasks_per_worker=10, initializer=tasks.remember, initargs=("x",)) as pool:
+        futures = [pool.submit(tasks.pid_of, i) for i in range(200)]
+        pids = [f.result(timeout=30) for f in futures]
+        nested = [pool.submit(tasks.fib, 10) for _ in range(20)]
+        assert [f.result(timeout=30) for f in nested] == [55] * 20
+        stats = pool.statistics()
+    per_pid = {pid: pids.count(pid) for pid in set(pids)}
+    assert max(per_pid.values()) <= 10
+    assert len(per_pid) >= 20
+    assert stats.recycled >= 19
+    assert stats.crashes == 0
