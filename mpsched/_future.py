@@ -41,6 +41,8 @@ _CANCELLED_STATES = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED))
 class _Owner(Protocol):
     def cancel(self, future: Future) -> bool: ...
 
+    def help_wait(self, future: Future) -> None: ...
+
 
 class _Finishing:
     """The owner of a future whose outcome is being set: too late to cancel. (With no owner
@@ -48,6 +50,9 @@ class _Finishing:
 
     def cancel(self, future: Future) -> bool:
         return False
+
+    def help_wait(self, future: Future) -> None:
+        return None
 
 
 FINISHING: _Owner = _Finishing()
@@ -122,6 +127,14 @@ class Future(concurrent.futures.Future[Any]):
 
     def running(self) -> bool:
         return self._state == RUNNING
+
+    def result(self, timeout: float | None = None) -> Any:
+        """As ``concurrent.futures.Future.result``; while the pool is lightly loaded, the
+        caller first collects results itself for a short while (``Coordinator.help_wait``)."""
+        owner = self._owner
+        if owner is not None and self._state == PENDING:
+            owner.help_wait(self)
+        return super().result(timeout)
 
     def set_result(self, result: Any) -> None:
         if not self._settle_fast("_result", result):

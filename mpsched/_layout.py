@@ -44,7 +44,9 @@ Global header (int64 words):
     # 152    40   (spare)
     # 192     8   run_state        coordinator         engine-defined pool state, read by workers
     # 200     8   injected_total   coordinator         handles injected (statistics)
-    # 208    48   counter0..5      engine-defined      reserved for engine counters
+    # 208     8   collector        coordinator process a user thread collects done rings itself
+    #                                                  (help_wait): idle workers skip the poke
+    # 216    40   counter1..5      engine-defined      reserved for engine counters
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ __all__ = (
 )
 
 LAYOUT_MAGIC = 0x6D70_7363_6864_6731  # "mpschdg1"
-LAYOUT_VERSION = 2  # bump whenever any layout table in _layout, _shm_deque or _payloads changes
+LAYOUT_VERSION = 3  # bump whenever any layout table in _layout, _shm_deque or _payloads changes
 HEADER_BYTES = 256
 PAGE = 4096  # bytes; region alignment (see "Regions start on page boundaries")
 
@@ -100,7 +102,7 @@ class GlobalField(enum.IntEnum):
     LIVE_CHILDREN = 18
     RUN_STATE = 24
     INJECTED_TOTAL = 25
-    COUNTER0 = 26
+    COLLECTOR = 26
 
 
 _SLEEPERS = int(GlobalField.SLEEPERS)  # plain ints: IntEnum lookups on every use cost more

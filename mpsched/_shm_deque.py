@@ -736,6 +736,10 @@ class SlotQueues:
         """Pid of the owner (``bind_owner``), 0 if none."""
         return self._w[OWNER_PID]
 
+    def run_depth(self) -> int:
+        """Tasks the owner is running now (join-helping nests them). Hint only: racy."""
+        return self._w[RUN_DEPTH]
+
     def running(self) -> list[int]:
         """Handles on the owner's run_stack, outermost first.
 

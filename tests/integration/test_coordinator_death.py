@@ -17,18 +17,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEATH_DEADLINE = 2.0  # seconds, from the issue
 
 SCRIPT = """
-import json, sys
+import json, sys, time
 import mpsched
 from tests.integration import tasks
 
 if __name__ == "__main__":
     pool = mpsched.Pool(2, start_method=sys.argv[1])
-    pids = set()
-    for _ in range(500):  # until both workers have answered (each serves its own inbox)
-        pids.add(pool.submit(tasks.pid_of).result())
-        if len(pids) == 2:
-            break
     busy = [pool.submit(tasks.spin, 60.0) for _ in range(4)]  # workers are mid-task when killed
+    while True:  # until both workers have started (the coordinator knows their pids)
+        pids = [w.pid for w in pool.statistics().per_worker]
+        if all(pids):
+            break
+        time.sleep(0.01)
     print(json.dumps({"workers": sorted(pids), "zygote": pool._zygote.pid}), flush=True)
     busy[0].result()
 """
