@@ -972,14 +972,26 @@ class Coordinator:
             if release_if_orphaned(lock, holder_pid, ORPHAN_WAIT):
                 logger.warning("mpsched: released a lock left taken by a dead worker")
 
-    def on_lock_stall(self, kind: str, index: int) -> None:
+    def on_lock_stall(self, kind: str, index: int, lock: Any, waited: float) -> None:
         """Any thread of this process, while a guarded lock stays taken (``GuardedLock``): if
         its recorded holder is a dead process, repair the lock (the same repair as after a
-        death, which may not have run yet: this thread may be the one that must run it)."""
+        death, which may not have run yet: this thread may be the one that must run it); if no
+        holder is recorded for ``ORPHAN_WAIT`` while one of our workers is dead, release it as
+        an orphan (``_shm.release_if_orphaned`` has the argument)."""
         structure: Any = (
             self.slots[index] if kind == "slot" else self.slab if kind == "slab" else self.header
         )
         holder = structure.holder_pid()
+        if holder == 0 and waited >= ORPHAN_WAIT and self.some_worker_died():
+            with self.repair_lock:  # one repair: a second stalled thread finds it free
+                if structure.holder_pid() != 0:
+                    return
+                if lock.acquire(False):  # it came free meanwhile: give it back
+                    lock.release()
+                    return
+                lock.release()
+                logger.warning("mpsched: released a lock left taken by a dead worker")
+            return
         if holder <= 0 or holder == os.getpid() or not pid_is_dead(holder):
             return
         with self.repair_lock:
@@ -988,6 +1000,11 @@ class Coordinator:
                 return
             owned = [q for q in self.slots if q.owner_pid() == holder]
             structure.break_dead_holder(holder, owned[0] if owned else structure)
+
+    def some_worker_died(self) -> bool:
+        """Whether a worker process we know of has exited (its pidfd is readable)."""
+        pidfds = [w.pidfd for w in self.workers if w is not None and w.pidfd >= 0]
+        return bool(pidfds) and bool(select.select(pidfds, [], [], 0)[0])
 
     def fail_child(self, handle: int, worker: WorkerHandle, code: int | None) -> None:
         """A child was running in the dead worker: settle it with the crash, wake its parent.

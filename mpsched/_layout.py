@@ -193,13 +193,13 @@ class SegmentLocks:
     def all(self) -> tuple[SemLockHandle, ...]:
         return (*self.slots, self.slab, self.global_)
 
-    def guarded(self, on_stall: Callable[[str, int], None]) -> SegmentLocks:
+    def guarded(self, on_stall: Callable[[str, int, Any, float], None]) -> SegmentLocks:
         """The same locks with bounded blocking waits (``GuardedLock``), for the coordinator's
-        process; ``on_stall(kind, index)`` names the lock: ("slot", k), ("slab", 0) or
-        ("global", 0)."""
+        process; ``on_stall(kind, index, lock, waited)`` names the lock: ("slot", k),
+        ("slab", 0) or ("global", 0)."""
 
         def guard(lock: SemLockHandle, kind: str, index: int) -> Any:
-            return GuardedLock(lock, lambda: on_stall(kind, index))
+            return GuardedLock(lock, lambda g, waited: on_stall(kind, index, g, waited))
 
         return SegmentLocks(
             slots=tuple(guard(lock, "slot", k) for k, lock in enumerate(self.slots)),

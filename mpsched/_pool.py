@@ -248,10 +248,10 @@ class Pool:
         self._started = True
         _live_pools.add(self)
 
-    def _on_lock_stall(self, kind: str, index: int) -> None:
+    def _on_lock_stall(self, kind: str, index: int, lock: Any, waited: float) -> None:
         coordinator = getattr(self, "_coordinator", None)
         if coordinator is not None:
-            coordinator.on_lock_stall(kind, index)
+            coordinator.on_lock_stall(kind, index, lock, waited)
 
     def _start_zygote(self, layout: SegmentLayout, locks: SegmentLocks) -> Connection:
         ctx: Any = multiprocessing.get_context(self._start_method)

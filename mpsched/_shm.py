@@ -307,17 +307,19 @@ class GuardedLock:
 
     __slots__ = ("_acquire", "on_stall", "release")
 
-    def __init__(self, lock: SemLockHandle, on_stall: Callable[[], None]) -> None:
+    def __init__(self, lock: SemLockHandle, on_stall: Callable[[Any, float], None]) -> None:
         self._acquire = lock.acquire
         self.release = lock.release
-        self.on_stall = on_stall
+        self.on_stall = on_stall  # on_stall(this lock, seconds waited so far)
 
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
         if not block or timeout is not None:
             return self._acquire(block, timeout)
         acquire = self._acquire
+        waited = 0.0
         while not acquire(True, STALL_CHECK_INTERVAL):
-            self.on_stall()
+            waited += STALL_CHECK_INTERVAL
+            self.on_stall(self, waited)
         return True
 
 

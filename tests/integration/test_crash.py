@@ -44,8 +44,10 @@ def test_a_worker_dying_with_a_lock_held_stalls_nobody(which: str, record_pid: b
     the acquire and the pid store, as an orphan after ORPHAN_WAIT. Then the pool goes on."""
     with Pool(2) as pool:
         doomed = pool.submit(tasks.die_holding_lock, which, record_pid)
+        # Submitted at once: the coordinator may be dispatching into the dead worker's inbox
+        # (and so waiting for its lock) before it has even seen the death.
+        futures = [pool.submit(tasks.fib, 8) for _ in range(200)]
         with pytest.raises(WorkerCrashedError, match="exit code 3"):
             doomed.result(timeout=30)
-        futures = [pool.submit(tasks.fib, 8) for _ in range(200)]
         assert [f.result(timeout=30) for f in futures] == [21] * 200
         assert pool.statistics().crashes == 1
