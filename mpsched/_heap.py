@@ -42,6 +42,7 @@ until ``discard()`` drops it.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
@@ -130,7 +131,11 @@ class VersionedHeap:
     Arguments are trusted (``Scheduler`` validates them). Not thread-safe: one caller at a time.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, remember: int = 0) -> None:
+        """``remember``: if > 0, keep the records of at most this many ids that reached a
+        terminal state (oldest forgotten first, as ``discard`` does); 0 keeps them all."""
+        self._remember = remember
+        self._finished: collections.deque[Hashable] = collections.deque()
         # Invariant: every live record appears once in _heap (stale entries may appear too).
         self._heap: list[HeapEntry] = []
         # Invariant: _records[r.task_id] is r for every record; the only path to a record.
@@ -235,6 +240,8 @@ class VersionedHeap:
             rec.state = CANCELLED
             found = True
             self._maybe_prune()
+            if self._remember and not rec.running:
+                self._note_finished(task_id)
         if rec.running:
             rec.cancel_requested = True
             found = True
@@ -259,6 +266,11 @@ class VersionedHeap:
         rec.state = CANCELLED
         if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
             self._prune()
+        if self._remember:  # _note_finished, inlined
+            finished = self._finished
+            finished.append(task_id)
+            if len(finished) > self._remember:
+                self._note_finished(finished.pop())
         return fn
 
     def pop_due(self, now: float) -> Due | Wait | None:
@@ -322,6 +334,8 @@ class VersionedHeap:
         rec.cancel_requested = False
         if rec.version == due.version:
             rec.state = outcome
+            if self._remember:
+                self._note_finished(rec.task_id)
         elif rec.deferred:
             rec.deferred = False
             self._deferred -= 1
@@ -337,6 +351,12 @@ class VersionedHeap:
         return True
 
     # ----------------------------------------------------------------- internals
+    def _note_finished(self, task_id: Hashable) -> None:
+        finished = self._finished
+        finished.append(task_id)
+        while len(finished) > self._remember:
+            self.discard(finished.popleft())  # no-op if the id was scheduled again
+
     def _push(self, rec: _Record) -> None:
         heapq.heappush(self._heap, (rec.run_at, _negated(rec.priority), rec.seq, rec))
         self._in_heap += 1

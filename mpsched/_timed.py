@@ -20,7 +20,6 @@ id never seen).
 
 from __future__ import annotations
 
-import collections
 import math
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -61,10 +60,12 @@ class Recurrence:
 
 class Timetable:
     def __init__(self) -> None:
-        self.heap = VersionedHeap()
+        self.heap = VersionedHeap(remember=FINISHED_IDS_KEPT)
         self.handed: dict[Hashable, Future] = {}  # by id: the version out of the heap
         self.recurring: dict[Hashable, Recurrence] = {}
-        self._finished: collections.deque[Hashable] = collections.deque()
+        # cancel_pending(task_id) -> Future | None: cancel the version of ``task_id`` waiting
+        # in the heap, if any, and return its future (bound: a measured path, no extra frame).
+        self.cancel_pending: Callable[[Hashable], Any] = self.heap.withdraw
 
     def busy(self) -> bool:
         """True while a version waits in the heap or is handed out (drain must wait)."""
@@ -84,20 +85,7 @@ class Timetable:
     def withdraw_pending(self, future: Future) -> bool:
         """Cancel ``future``'s version if it still waits in the heap."""
         due = future._due
-        if due is None or self.heap.withdraw(due[0], due[1]) is None:
-            return False
-        self._remember_finished(due[0])
-        return True
-
-    def cancel_pending(self, task_id: Hashable) -> Future | None:
-        """Cancel the version of ``task_id`` waiting in the heap, if any; returns its future."""
-        future: Future | None = self.heap.withdraw(task_id)
-        if future is not None:
-            finished = self._finished
-            finished.append(task_id)
-            if len(finished) > FINISHED_IDS_KEPT:
-                self._forget_oldest()
-        return future
+        return due is not None and self.heap.withdraw(due[0], due[1]) is not None
 
     def release_due(self, now: float, on_due: Callable[[Future, int], None]) -> float | None:
         """Hand out every version due at ``now``, in key order, to ``on_due(future, priority)``.
@@ -121,20 +109,7 @@ class Timetable:
         task_id = due.task_id
         if self.handed.get(task_id) is future:
             del self.handed[task_id]
-        state = self.heap.finish(due, error, cancelled=cancelled)
-        if state.is_terminal:
-            self._remember_finished(task_id)
-
-    def _remember_finished(self, task_id: Hashable) -> None:
-        finished = self._finished
-        finished.append(task_id)
-        if len(finished) > FINISHED_IDS_KEPT:
-            self._forget_oldest()
-
-    def _forget_oldest(self) -> None:
-        finished = self._finished
-        while len(finished) > FINISHED_IDS_KEPT:
-            self.heap.discard(finished.popleft())  # no-op if the id was scheduled again
+        self.heap.finish(due, error, cancelled=cancelled)
 
     def state(self, task_id: Hashable, claimed: Callable[[Future], bool]) -> TaskState | None:
         state = self.heap.state(task_id)
