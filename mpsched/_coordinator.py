@@ -39,6 +39,7 @@ import signal
 import threading
 import time
 from collections.abc import Hashable
+from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
@@ -1161,13 +1162,18 @@ def resolve(future: Future, status: int, data: bytes) -> None:
     future._owner = FINISHING
     if future.done():  # cancelled meanwhile: a race the claim decided; nothing to report
         return
-    try:
-        if status == _OK:
-            future.set_result(pickle.loads(data))
-        elif status == _CANCELLED:
-            future._mark_cancelled()
-        else:
+    if status == _OK:
+        try:  # user code runs here (__setstate__, __reduce__): SystemExit included
+            value = pickle.loads(data)
+        except BaseException as exc:
+            error = RuntimeError(f"the task's result could not be unpickled: {exc!r}")
+            with contextlib.suppress(Exception):
+                future.set_exception(error)
+            return
+        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+            future.set_result(value)
+    elif status == _CANCELLED:
+        future._mark_cancelled()
+    else:
+        with contextlib.suppress(InvalidStateError):
             future.set_exception(load_exception(data))
-    except Exception as exc:
-        with contextlib.suppress(Exception):
-            future.set_exception(RuntimeError(f"the task's result could not be unpickled: {exc!r}"))

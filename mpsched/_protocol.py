@@ -109,25 +109,39 @@ class RemoteTraceback(Exception):
 
 
 def dump_exception(exc: BaseException) -> bytes:
-    """Pickle ``exc`` with its traceback text; an exception that cannot be pickled is replaced
-    by a RuntimeError that says so and carries its repr."""
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    """Pickle ``exc`` with its traceback text. An exception that cannot be pickled (its
+    ``__reduce__`` may even raise SystemExit) is replaced by a RuntimeError that says so and
+    carries its repr, or its type name if the repr fails too: a hostile exception never takes
+    the worker down."""
+    try:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except BaseException:  # user code (__str__) ran in there
+        tb = f"{type(exc).__qualname__} (its traceback could not be formatted)"
     tb = f'\n"""\n{tb}"""'
     try:
         return pickle.dumps((exc, tb), PICKLE_PROTOCOL)
-    except Exception as pickling_error:
+    except BaseException as pickling_error:
         substitute = RuntimeError(
-            f"the task raised {exc!r}, which could not be pickled to send it back "
-            f"({pickling_error!r})"
+            f"the task raised {_safe_repr(exc)}, which could not be pickled to send it back "
+            f"({_safe_repr(pickling_error)})"
         )
         return pickle.dumps((substitute, tb), PICKLE_PROTOCOL)
+
+
+def _safe_repr(obj: object) -> str:
+    try:
+        return repr(obj)
+    except BaseException:
+        return f"<{type(obj).__qualname__} object (repr failed)>"
 
 
 def load_exception(data: bytes) -> BaseException:
     """Rebuild an exception made by ``dump_exception`` with the remote traceback as its cause."""
     try:
         exc, tb = pickle.loads(data)
-    except Exception as unpickling_error:
-        return RuntimeError(f"the task's exception could not be unpickled: {unpickling_error!r}")
+    except BaseException as unpickling_error:  # user code (__setstate__, __reduce__) ran
+        return RuntimeError(
+            f"the task's exception could not be unpickled: {_safe_repr(unpickling_error)}"
+        )
     exc.__cause__ = RemoteTraceback(tb)
     return exc  # type: ignore[no-any-return]
