@@ -77,6 +77,8 @@ _RESULT_NBYTES = int(BlockField.RESULT_NBYTES)
 _OK = int(ResultStatus.OK)
 _CANCELLED = int(ResultStatus.CANCELLED)
 _CHILD_DONE = int(ChildState.DONE)
+_CHILD_QUEUED = int(ChildState.QUEUED)
+_PARENT = int(BlockField.PARENT)
 _CHILD_ABANDONED = int(ChildState.ABANDONED)
 _ERROR = int(ResultStatus.ERROR)
 _CANCEL_REQUESTED = int(TopState.CANCEL_REQUESTED)
@@ -88,6 +90,9 @@ _NO_LOW = 2**63  # inbox_low of an inbox with nothing low in it
 
 DRAIN_TIMEOUT = 10.0  # seconds a worker gets to answer DRAIN before it is killed
 RESULT_SWEEP_INTERVAL = 0.005  # seconds between done-ring sweeps while tasks are in flight
+# While draining with nothing in flight, the loop re-checks the drain condition this often: the
+# last children may finish without waking it (a child's DONE wakes its parent, not the loop).
+DRAIN_POLL_INTERVAL = 0.05  # seconds
 # A poll timeout shorter than this is waited with select() on the epoll fd: epoll rounds its
 # timeout up to whole milliseconds, which would make every timed task ~0.5 ms late on average.
 FINE_WAIT = 0.002  # seconds
@@ -423,6 +428,8 @@ class Coordinator:
         when idle, or after its next task, so a result followed on the same worker by a long
         task would otherwise wait for that task to end."""
         timeout = RESULT_SWEEP_INTERVAL if self.by_handle else math.inf
+        if self.draining and not self.by_handle:  # the drain's condition is polled too
+            timeout = DRAIN_POLL_INTERVAL
         if self.aging is not None and self.ready:
             timeout = min(timeout, self.aging / 4)
         with self.lock:  # sleep_until under the lock: see schedule()
@@ -443,8 +450,18 @@ class Coordinator:
             not self.ready
             and not self.by_handle
             and not self.timetable.busy()
-            and self.header.live_children() == 0
+            and (self.header.live_children() == 0 or self.children_phantom())
         )
+
+    def children_phantom(self) -> bool:
+        """After a crash, ``live_children`` may count a child that never was: a worker that
+        died inside ``mpsched.submit`` after counting the child and before pushing it. The
+        count is then not trusted when the pool is provably quiescent: every slot has a worker,
+        each announced sleep with empty rings and an empty run stack. Nothing can spawn then:
+        a push needs a running task, and a sleeper wakes only when something is pushed."""
+        if not self.crashes or any(w is None for w in self.workers):
+            return False
+        return all(s.is_sleeping() and s.is_empty() and not s.run_depth() for s in self.slots)
 
     def release_due(self) -> None:
         """Move the timetable's due versions to the ready queue (and age the ready queue)."""
@@ -957,7 +974,43 @@ class Coordinator:
                 error = WorkerCrashedError(crash_message(worker, code), code)
                 status, data = _ERROR, dump_exception(error)
             outcomes.append((future, status, data))
+        self.orphan_children(worker.slot)
         self.settle(outcomes)
+
+    def orphan_children(self, k: int) -> None:
+        """The worker of slot ``k`` died: nobody will collect the children its tasks spawned.
+        Each such child block (parent ``k``, in use) is settled so that its block is freed:
+        a child still queued or running elsewhere is marked ABANDONED under slot ``k``'s lock
+        (its executor frees it when it finishes, as for a dropped ChildFuture); one already
+        DONE, or one never published (the worker died inside ``mpsched.submit``, between the
+        alloc and the push: in no ring and on no run stack), is freed now.
+
+        Snapshots: queued handles first, then run stacks, so that a child moving from a ring to
+        a run stack between the two is seen in one of them; a child only moves forward (ring ->
+        run stack -> DONE), and DONE is decided under slot ``k``'s lock by the exchange."""
+        slab = self.slab
+        free = set(slab.free_indices())
+        reachable = {h for slot in self.slots for h in slot.queued()}
+        reachable.update(h for slot in self.slots for h in slot.running())
+        parent_slot = self.slots[k]
+        to_free = []
+        for handle in range(slab.capacity):
+            if handle in free or slab.get_word(handle, _PARENT) != k:
+                continue
+            state = slab.get_word(handle, _STATE)
+            if state == _CHILD_DONE:
+                to_free.append(handle)
+            elif state == _CHILD_QUEUED and handle not in reachable:
+                to_free.append(handle)  # never published
+            elif state == _CHILD_QUEUED:
+                previous = parent_slot.exchange_block_state(slab, handle, _CHILD_ABANDONED)
+                if previous == _CHILD_DONE:  # it finished meanwhile: nobody else will free it
+                    parent_slot.exchange_block_state(slab, handle, 0)
+                    to_free.append(handle)
+        for handle in to_free:
+            slab.set_word(handle, _STATE, 0)
+        if to_free:
+            slab.free_tasks(to_free)
 
     def release_orphans(self) -> None:
         """After a death: free locks the dead worker took but died before recording."""

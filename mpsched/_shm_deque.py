@@ -535,6 +535,26 @@ class SlotQueues:
             self._release()
         return True
 
+    def queued(self) -> list[int]:
+        """Coordinator only: every handle queued in the deque and the inbox (not claimed),
+        one lock round; nothing is removed."""
+        w = self._w
+        if not self._acquire(False):
+            self._acquire_contended()
+        try:
+            w[HOLDER_PID] = _pid
+            out = []
+            for ring, mask, front, back in (
+                (self._deque, self._dmask, w[DEQUE_FRONT], w[DEQUE_BACK]),
+                (self._inbox, self._imask, w[INBOX_FRONT], w[INBOX_BACK]),
+            ):
+                for lo, hi in _segments(front, back, mask):
+                    out += [h for h in ring[lo:hi].tolist() if h != TOMBSTONE]
+        finally:
+            w[HOLDER_PID] = 0
+            self._release()
+        return out
+
     def in_inbox(self, handle: int) -> bool:
         """Whether ``handle`` still waits in the inbox (unclaimed), under the lock."""
         w = self._w
