@@ -79,6 +79,8 @@ _CANCELLED = int(ResultStatus.CANCELLED)
 _CHILD_DONE = int(ChildState.DONE)
 _CHILD_QUEUED = int(ChildState.QUEUED)
 _PARENT = int(BlockField.PARENT)
+_UID = int(BlockField.UID)
+_UID_PID_SHIFT = 31  # a child's uid is (spawning worker's pid << 31) | counter (_worker.next_uid)
 _CHILD_ABANDONED = int(ChildState.ABANDONED)
 _ERROR = int(ResultStatus.ERROR)
 _CANCEL_REQUESTED = int(TopState.CANCEL_REQUESTED)
@@ -974,10 +976,10 @@ class Coordinator:
                 error = WorkerCrashedError(crash_message(worker, code), code)
                 status, data = _ERROR, dump_exception(error)
             outcomes.append((future, status, data))
-        self.orphan_children(worker.slot)
+        self.orphan_children(worker.slot, worker.pid)
         self.settle(outcomes)
 
-    def orphan_children(self, k: int) -> None:
+    def orphan_children(self, k: int, pid: int) -> None:
         """The worker of slot ``k`` died: nobody will collect the children its tasks spawned.
         Each such child block (parent ``k``, in use) is settled so that its block is freed:
         a child still queued or running elsewhere is marked ABANDONED under slot ``k``'s lock
@@ -995,7 +997,14 @@ class Coordinator:
         parent_slot = self.slots[k]
         to_free = []
         for handle in range(slab.capacity):
-            if handle in free or slab.get_word(handle, _PARENT) != k:
+            # A child's uid holds its spawner's pid, and free_children clears it: a block that
+            # a live worker is reusing (its parent and state words still stale, or half
+            # rewritten) never carries the dead worker's pid.
+            if (
+                handle in free
+                or slab.get_word(handle, _UID) >> _UID_PID_SHIFT != pid
+                or slab.get_word(handle, _PARENT) != k
+            ):
                 continue
             state = slab.get_word(handle, _STATE)
             if state == _CHILD_DONE:
@@ -1007,10 +1016,8 @@ class Coordinator:
                 if previous == _CHILD_DONE:  # it finished meanwhile: nobody else will free it
                     parent_slot.exchange_block_state(slab, handle, 0)
                     to_free.append(handle)
-        for handle in to_free:
-            slab.set_word(handle, _STATE, 0)
         if to_free:
-            slab.free_tasks(to_free)
+            slab.free_children(to_free)
 
     def release_orphans(self) -> None:
         """After a death: free locks the dead worker took but died before recording."""
@@ -1074,8 +1081,7 @@ class Coordinator:
         previous = self.slots[parent].exchange_block_state(slab, handle, _CHILD_DONE)
         self.header.add_live_children(-1)
         if previous == _CHILD_ABANDONED:
-            slab.set_word(handle, _STATE, 0)
-            slab.free_tasks([handle])
+            slab.free_children([handle])
         elif self.slots[parent].clear_sleeping():
             os.eventfd_write(self.wake_fds[parent], 1)
 

@@ -414,6 +414,17 @@ class Slab:
         w = self._w
         return w[base + _RESULT_STATUS], self._gather(index, w[base + _RESULT_NBYTES], _NEXT_RESULT)
 
+    def free_children(self, indices: Sequence[int]) -> None:
+        """``free_tasks`` for child-task blocks, first clearing their ``state`` and ``uid``
+        words: a free block, and one just allocated and not yet written, then never looks like
+        a live child of anyone (the coordinator looks for a dead worker's children by uid)."""
+        w = self._w
+        for index in indices:
+            base = self._blocks_word + index * self._block_words
+            w[base + _STATE] = 0
+            w[base + _UID] = 0
+        self.free_tasks(indices)
+
     def free_tasks(self, indices: Sequence[int]) -> None:
         """Free task blocks with both of their chains, in one lock round."""
         every = list(indices)

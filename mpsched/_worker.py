@@ -401,7 +401,7 @@ class Worker:
         self.header.add_live_children(1)
         if not self.me.push(handle):  # deque full
             self.header.add_live_children(-1)
-            slab.free_tasks([handle])
+            slab.free_children([handle])
             return self.run_inline(payload)
         if self.header.sleepers():
             self.wake_one_sleeper()
@@ -450,8 +450,7 @@ class Worker:
         return status, load_exception(data)
 
     def free_child(self, handle: int) -> None:
-        self.slab.set_word(handle, _STATE, 0)
-        self.slab.free_tasks([handle])
+        self.slab.free_children([handle])
 
     def release_abandoned(self) -> None:
         """At a safe point (no lock held): children nobody waits for go to their executor."""

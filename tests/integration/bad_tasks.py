@@ -1,0 +1,170 @@
+"""Bad input for the crash/bad-input matrix (``test_bad_input.py``): objects that fail or exit
+when pickled or unpickled (after CPython's test_concurrent_futures/test_deadlock.py), and tasks
+that exit, crash, recurse, fork or start threads. Module-level, so workers import them."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import threading
+from typing import Any
+
+import mpsched
+
+BIG = 200 * 1024 * 1024  # bytes: the "200 MB" argument and results
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+def _exit_now(code: int) -> None:
+    os._exit(code)
+
+
+class ErrorAtPickle:
+    """Pickling raises a PicklingError."""
+
+    def __reduce__(self) -> Any:
+        raise pickle.PicklingError("error at pickle")
+
+
+class ExitAtPickle:
+    """Pickling raises SystemExit (a BaseException, not an Exception)."""
+
+    def __reduce__(self) -> Any:
+        raise SystemExit("exit at pickle")
+
+
+class ErrorAtUnpickle:
+    """Pickles fine; unpickling raises a ValueError."""
+
+    def __reduce__(self) -> Any:
+        return _raise, (ValueError("error at unpickle"),)
+
+
+class ExitAtUnpickle:
+    """Pickles fine; unpickling raises SystemExit."""
+
+    def __reduce__(self) -> Any:
+        return _raise, (SystemExit("exit at unpickle"),)
+
+
+class InterruptAtUnpickle:
+    """Pickles fine; unpickling raises KeyboardInterrupt."""
+
+    def __reduce__(self) -> Any:
+        return _raise, (KeyboardInterrupt("interrupt at unpickle"),)
+
+
+class CrashAtUnpickle:
+    """Pickles fine; unpickling ends the process with ``os._exit(7)``."""
+
+    def __reduce__(self) -> Any:
+        return _exit_now, (7,)
+
+
+class TwoArgError(Exception):
+    """Pickles (as ``(cls, args)``) but cannot be unpickled: ``__init__`` needs two arguments
+    and ``args`` holds one (the classic custom-exception mistake)."""
+
+    def __init__(self, what: str, extra: int) -> None:
+        super().__init__(f"{what} ({extra})")
+
+
+class HostileError(Exception):
+    """Cannot be pickled, and even its ``repr()`` and ``str()`` raise."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("HostileError cannot be pickled")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("HostileError has no repr")
+
+    def __str__(self) -> str:
+        raise RuntimeError("HostileError has no str")
+
+
+class ExitAtPickleError(Exception):
+    """An exception whose pickling raises SystemExit."""
+
+    def __reduce__(self) -> Any:
+        raise SystemExit("exit while pickling the exception")
+
+
+def return_instance(cls: type) -> Any:
+    return cls()
+
+
+def raise_error(kind: str) -> None:
+    """Raise an exception that does not travel well (``kind`` selects it)."""
+    if kind == "unpicklable-arg":
+        raise ValueError(threading.Lock())
+    if kind == "two-arg":
+        raise TwoArgError("bad exception", 2)
+    if kind == "hostile":
+        raise HostileError
+    if kind == "exit-at-pickle":
+        raise ExitAtPickleError("boom")
+    raise AssertionError(kind)
+
+
+def recurse(n: int = 0) -> int:
+    return recurse(n + 1) + 1
+
+
+def exit_process(code: int) -> None:
+    os._exit(code)
+
+
+def segfault() -> None:
+    faulthandler.disable()  # no traceback dump on stderr (pytest enables it; fork inherits it)
+    faulthandler._sigsegv()  # type: ignore[attr-defined]
+
+
+def fork_and_reap() -> tuple[int, int]:
+    """Fork; the child ``_exit(0)``s at once; the parent reaps it. Returns (its exit code, this
+    worker's pid)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), os.getpid()
+
+
+_lingering: list[threading.Thread] = []
+
+
+def start_threads(n: int, leave_one_blocked: bool) -> list[int]:
+    """Run ``n`` threads to completion (each sums a range) and return their results; with
+    ``leave_one_blocked``, also leave a non-daemon thread blocked for good in this worker."""
+    results = [0] * n
+
+    def work(i: int) -> None:
+        results[i] = sum(range(i * 1000))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if leave_one_blocked:
+        forever = threading.Event()
+        t = threading.Thread(target=forever.wait, name="lingering", daemon=False)
+        t.start()
+        _lingering.append(t)
+    return results
+
+
+def big_result_of_child(n: int) -> int:
+    """A child returns ``n`` bytes to this task (through the coordinator's stash)."""
+    return len(mpsched.submit(make_zeros, n).result())
+
+
+def make_zeros(n: int) -> bytes:
+    return bytes(n)
+
+
+def size_of(data: bytes) -> int:
+    return len(data)

@@ -1,0 +1,339 @@
+"""Crash and bad-input matrix, in the style of CPython's test_concurrent_futures/test_deadlock.py.
+
+Each case is one row of a table: what goes wrong (in the caller, in a worker, or in the
+coordinator) and the error the caller must see. Every case runs on a fresh 2-worker pool, is
+bounded by timeouts (a hang fails the case, it never stalls the run), and ends by checking that
+the pool still runs a normal task and then shuts down. Cases whose outcome depends on how the
+workers were started (crashes, replacements, fork and threads inside a task) run under every
+start method (the ``ctx`` fixture); the pickling and payload cases do not depend on it and run
+under the default one.
+
+Expected outcomes, in short: nothing that can be pickled badly in the caller reaches the pool
+(the error is raised by ``submit``); anything that goes wrong inside a task, including its
+result or exception failing to travel, fails that task's future with a clear error and leaves
+the worker alive; a worker that dies fails its running task with ``WorkerCrashedError`` (exit
+code or signal in the message) and is replaced; nothing is ever lost or hung.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from mpsched import Pool, PoolClosedError, TaskPicklingError, WorkerCrashedError
+
+from . import bad_tasks as bt
+from . import tasks
+
+WORKERS = 2
+CASE_TIMEOUT = 20.0  # s; each future of a case must end within this (a hang fails the case)
+SHUTDOWN_TIMEOUT = 30.0  # s; the pool must shut down within this after each case
+REPLACEMENT_TIMEOUT = 20.0  # s; a dead worker must be replaced within this
+POLL = 0.005  # s; period of the statistics() polls while waiting for the replacement
+SUBMITTERS = 4  # threads submitting while the pool shuts down
+_CRASHED_PID = re.compile(r"\(pid (\d+), slot \d+\)")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row: call ``fn(*args)`` in the pool; its future must raise ``error`` (a regex
+    ``match`` on the message) or, with ``error=None``, return a value accepted by ``check``."""
+
+    name: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+    error: type[BaseException] | None = None
+    match: str | None = None
+    check: Callable[[Any], bool] = field(default=lambda value: True)
+    make_args: Callable[[], tuple[Any, ...]] | None = None  # instead of args: built at the run
+    exitcode: int | None = None  # a worker died with this: it must be replaced
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@contextlib.contextmanager
+def bounded_pool(start_method: str | None) -> Iterator[Pool]:
+    """A pool that must shut down (draining its work) within SHUTDOWN_TIMEOUT."""
+    pool = Pool(WORKERS, start_method=start_method)
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=False)
+        finished = pool.await_termination(SHUTDOWN_TIMEOUT)
+    assert finished, f"the pool did not shut down within {SHUTDOWN_TIMEOUT} s"
+
+
+def assert_pool_works(pool: Pool) -> None:
+    assert pool.submit(tasks.add, 2, 3).result(CASE_TIMEOUT) == 5
+    assert list(pool.map(tasks.ident, range(50), timeout=CASE_TIMEOUT)) == list(range(50))
+
+
+def wait_replaced(pool: Pool, dead_pid: int) -> None:
+    """Until every slot has a live worker other than ``dead_pid`` (bounded poll)."""
+    deadline = time.monotonic() + REPLACEMENT_TIMEOUT
+    while True:
+        pids = [w.pid for w in pool.statistics().per_worker]
+        if all(pids) and dead_pid not in pids:
+            return
+        assert time.monotonic() < deadline, f"worker {dead_pid} not replaced: {pids}"
+        time.sleep(POLL)
+
+
+def run_case(case: Case, start_method: str | None) -> None:
+    with bounded_pool(start_method) as pool:
+        args = case.args if case.make_args is None else case.make_args()
+        future = pool.submit(case.fn, *args)
+        del args
+        if case.error is None:
+            value = future.result(CASE_TIMEOUT)
+            assert case.check(value), f"{case}: unexpected result {str(value)[:200]}"
+        else:
+            with pytest.raises(case.error, match=case.match) as info:
+                future.result(CASE_TIMEOUT)
+            assert future.done()
+        if case.exitcode is not None:
+            assert isinstance(info.value, WorkerCrashedError)
+            assert info.value.exitcode == case.exitcode
+            found = _CRASHED_PID.search(str(info.value))
+            assert found, str(info.value)
+            wait_replaced(pool, int(found.group(1)))  # the future fails before the respawn
+        assert_pool_works(pool)
+        stats = pool.statistics()
+        crashes = 0 if case.exitcode is None else 1
+        assert (stats.crashes, stats.respawns) == (crashes, crashes), f"{case}: {stats}"
+
+
+def _unpicklable_function() -> Callable[[], Any]:
+    lock = threading.Lock()
+    return lambda: lock  # cloudpickle would pickle the closure's lock: it cannot
+
+
+# ------------------------------------------------------------------ errors raised by submit
+SUBMIT_CASES = [
+    Case("unpicklable argument", tasks.ident, (threading.Lock(),), TaskPicklingError, "pickle"),
+    Case("unpicklable function", _unpicklable_function(), (), TaskPicklingError, "pickle"),
+    Case("argument whose pickling raises", tasks.ident, (bt.ErrorAtPickle(),), TaskPicklingError),
+    # Pickling runs in the caller's thread: a SystemExit raised there reaches the caller as is.
+    Case("argument whose pickling exits", tasks.ident, (bt.ExitAtPickle(),), SystemExit),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", SUBMIT_CASES, ids=str)
+def test_a_call_that_cannot_be_pickled_fails_at_submit(case: Case) -> None:
+    with bounded_pool(None) as pool:
+        assert case.error is not None
+        with pytest.raises(case.error, match=case.match):
+            pool.submit(case.fn, *case.args)
+        assert pool.statistics().submitted == 0
+        assert_pool_works(pool)
+
+
+# ------------------------------------------------------------------ tasks that exit or crash
+def _fork_ok(value: tuple[int, int]) -> bool:
+    return value[0] == 0  # the forked child's exit code, reaped by the task
+
+
+WORKER_CASES = [
+    Case("sys.exit(3) in a task", tasks.exit_task, (3,), SystemExit, "3"),
+    Case("KeyboardInterrupt in a task", tasks.raise_keyboard_interrupt, (), KeyboardInterrupt),
+    Case("recursion too deep", bt.recurse, (), RecursionError, "maximum recursion depth"),
+    Case("os._exit(3)", bt.exit_process, (3,), WorkerCrashedError, r"exit code 3\b", exitcode=3),
+    Case("segfault", bt.segfault, (), WorkerCrashedError, r"SIGSEGV\(-11\)", exitcode=-11),
+    Case(
+        "argument whose unpickling kills the worker",
+        tasks.ident,
+        (bt.CrashAtUnpickle(),),
+        WorkerCrashedError,
+        r"exit code 7\b",
+        exitcode=7,
+    ),
+    Case("task forks and reaps its child", bt.fork_and_reap, (), check=_fork_ok),
+    Case(
+        "task runs threads",
+        bt.start_threads,
+        (4, False),
+        check=lambda v: v == [sum(range(i * 1000)) for i in range(4)],
+    ),
+    Case(
+        "task leaves a non-daemon thread blocked",
+        bt.start_threads,
+        (2, True),
+        check=lambda v: v == [0, sum(range(1000))],
+    ),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", WORKER_CASES, ids=str)
+def test_a_task_that_exits_crashes_forks_or_starts_threads(case: Case, ctx: Any) -> None:
+    run_case(case, ctx.get_start_method())
+
+
+# ------------------------------------------------------------------ results and exceptions
+PICKLING_CASES = [
+    Case("unpicklable result", tasks.unpicklable_result, (), TaskPicklingError, "pickle"),
+    Case(
+        "result whose pickling raises",
+        bt.return_instance,
+        (bt.ErrorAtPickle,),
+        TaskPicklingError,
+        "error at pickle",
+    ),
+    Case(
+        "result whose pickling exits",
+        bt.return_instance,
+        (bt.ExitAtPickle,),
+        SystemExit,
+        "exit at pickle",
+    ),
+    Case(
+        "result that cannot be unpickled",
+        bt.return_instance,
+        (bt.ErrorAtUnpickle,),
+        RuntimeError,
+        "result could not be unpickled.*error at unpickle",
+    ),
+    Case(
+        "result whose unpickling exits",
+        bt.return_instance,
+        (bt.ExitAtUnpickle,),
+        RuntimeError,
+        "result could not be unpickled.*exit at unpickle",
+    ),
+    Case(
+        "result whose unpickling raises KeyboardInterrupt",
+        bt.return_instance,
+        (bt.InterruptAtUnpickle,),
+        RuntimeError,
+        "result could not be unpickled.*interrupt at unpickle",
+    ),
+    Case(
+        "argument that cannot be unpickled",
+        tasks.ident,
+        (bt.ErrorAtUnpickle(),),
+        ValueError,
+        "error at unpickle",
+    ),
+    Case(
+        "argument whose unpickling exits",
+        tasks.ident,
+        (bt.ExitAtUnpickle(),),
+        SystemExit,
+        "exit at unpickle",
+    ),
+    Case(
+        "exception with an unpicklable argument",
+        bt.raise_error,
+        ("unpicklable-arg",),
+        RuntimeError,
+        r"ValueError.*could not be pickled",
+    ),
+    Case(
+        "exception that cannot be unpickled",
+        bt.raise_error,
+        ("two-arg",),
+        RuntimeError,
+        r"exception could not be unpickled.*TwoArgError",
+    ),
+    Case(
+        "exception that cannot be pickled, nor repr()'d, nor str()'d",
+        bt.raise_error,
+        ("hostile",),
+        RuntimeError,
+        r"HostileError.*could not be pickled",
+    ),
+    Case(
+        "exception whose pickling exits",
+        bt.raise_error,
+        ("exit-at-pickle",),
+        RuntimeError,
+        r"ExitAtPickleError.*could not be pickled",
+    ),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", PICKLING_CASES, ids=str)
+def test_a_result_or_exception_that_does_not_travel_fails_its_future_only(case: Case) -> None:
+    run_case(case, None)
+
+
+# ------------------------------------------------------------------ 200 MB payloads
+BIG_CASES = [
+    Case(
+        "200 MB argument",
+        bt.size_of,
+        make_args=lambda: (bytes(bt.BIG),),
+        check=lambda v: v == bt.BIG,
+    ),
+    Case(
+        "200 MB result",
+        bt.make_zeros,
+        (bt.BIG,),
+        check=lambda v: len(v) == bt.BIG and v.count(0) == bt.BIG,
+    ),
+    Case(
+        "200 MB result of a child", bt.big_result_of_child, (bt.BIG,), check=lambda v: v == bt.BIG
+    ),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", BIG_CASES, ids=str)
+def test_a_200_mb_payload_works(case: Case) -> None:
+    run_case(case, None)
+
+
+# ------------------------------------------------------------------ submit during shutdown
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cancel_futures", [False, True])
+def test_submit_from_other_threads_during_shutdown(ctx: Any, cancel_futures: bool) -> None:
+    """Threads keep submitting while the pool shuts down: each submit either returns a future
+    that ends (with its result; or cancelled, with ``cancel_futures``) or raises
+    PoolClosedError. Nothing hangs and no future is lost."""
+    pool = Pool(WORKERS, start_method=ctx.get_start_method())
+    submitted: list[list[tuple[int, Any]]] = [[] for _ in range(SUBMITTERS)]
+    outcome: list[BaseException | None] = [None] * SUBMITTERS
+    all_submitting = threading.Barrier(SUBMITTERS + 1)
+
+    def submitter(k: int) -> None:
+        mine = submitted[k]
+        try:
+            mine.append((0, pool.submit(tasks.ident, (k, 0))))
+            all_submitting.wait(CASE_TIMEOUT)
+            for i in range(1, 10**9):
+                mine.append((i, pool.submit(tasks.ident, (k, i))))
+        except BaseException as exc:
+            outcome[k] = exc
+
+    threads = [threading.Thread(target=submitter, args=(k,)) for k in range(SUBMITTERS)]
+    for t in threads:
+        t.start()
+    try:
+        all_submitting.wait(CASE_TIMEOUT)  # every thread is in its submit loop
+        pool.shutdown(wait=False, cancel_futures=cancel_futures)
+        assert pool.await_termination(SHUTDOWN_TIMEOUT), "shutdown did not finish"
+    finally:
+        for t in threads:
+            t.join(CASE_TIMEOUT)
+    assert not any(t.is_alive() for t in threads), "a submitter is stuck in submit()"
+    for k in range(SUBMITTERS):
+        assert isinstance(outcome[k], PoolClosedError), f"submitter {k}: {outcome[k]!r}"
+        assert len(submitted[k]) >= 1
+        for i, future in submitted[k]:
+            assert future.done(), f"future {(k, i)} was lost"
+            if future.cancelled():
+                assert cancel_futures, f"future {(k, i)} cancelled"
+            else:
+                assert future.result() == (k, i)
+    with pytest.raises(PoolClosedError):
+        pool.submit(tasks.ident, 1)

@@ -1,0 +1,134 @@
+"""A worker killed at the worst moments of mpsched's own code (found by tests/stress/test_chaos.py,
+reproduced here deterministically, see ``window_tasks``): inside a shared lock, with its pid
+recorded as the holder or not yet; inside ``mpsched.submit``; with orphaned children queued.
+
+In each, the pool must fail only the dead worker's task, replace the worker, keep running tasks,
+leak no slab block, and shut down. Every wait is bounded: a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import threading
+import time
+
+import pytest
+
+from mpsched import Pool, WorkerCrashedError
+from mpsched import _pool as mpsched_pool
+
+from . import tasks
+from . import window_tasks as wt
+
+TIMEOUT = 20.0  # s; every future, wait and shutdown here must end within this
+POLL = 0.002  # s; period of the bounded polls of shared-memory words
+
+
+def wait_dead(pid: int) -> None:
+    """Until process ``pid`` has exited (its pidfd turns readable), at most TIMEOUT."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # exited and reaped already
+    try:
+        readable, _, _ = select.select([fd], [], [], TIMEOUT)
+        assert readable, f"process {pid} did not die"
+    finally:
+        os.close(fd)
+
+
+def shut_down(pool: Pool) -> None:
+    """Shut the pool down; fail (instead of hanging) if even ``shutdown(wait=False)`` blocks,
+    as it does when the coordinator thread is stuck holding its lock."""
+    stopper = threading.Thread(target=pool.shutdown, kwargs={"wait": False}, daemon=True)
+    stopper.start()
+    stopper.join(TIMEOUT)
+    ended = not stopper.is_alive() and pool.await_termination(TIMEOUT)
+    if not ended:  # take it down by force, and keep the interpreter's exit from hanging on it
+        pool._zygote.kill()
+        if not pool.await_termination(TIMEOUT):
+            mpsched_pool._live_pools.discard(pool)
+    assert not stopper.is_alive(), "shutdown() is stuck: the coordinator holds its lock"
+    assert ended, "the pool did not shut down"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("record_pid", [True, False], ids=["holder-recorded", "holder-unrecorded"])
+def test_a_worker_killed_inside_its_slot_lock_does_not_hang_the_pool(
+    tmp_path: object, record_pid: bool
+) -> None:
+    """The worker dies holding its slot lock while the coordinator has not seen the death yet
+    (a helper process keeps the worker's socket open): the coordinator, dispatching a new task
+    into that slot, must get past the lock instead of waiting forever. ``holder-unrecorded``:
+    the death came between ``acquire`` and ``holder_pid = pid``."""
+    started = os.path.join(str(tmp_path), "started")
+    release = os.path.join(str(tmp_path), "release")
+    os.mkfifo(started)
+    os.mkfifo(release)
+    pool = Pool(1)
+    released = False
+    stuck = False  # the coordinator waits forever for the dead worker's lock
+    try:
+        dier = pool.submit(wt.die_holding_own_slot_lock, started, release, record_pid)
+        with open(started, "rb") as fifo:
+            pid = int(fifo.read())
+        wait_dead(pid)
+        probe = pool.submit(tasks.add, 1, 2)  # dispatched into the dead worker's inbox
+        slot = pool._views.slots[0]
+        deadline = time.monotonic() + TIMEOUT
+        while slot.inbox_depth() == 0:  # the coordinator got past the lock
+            stuck = time.monotonic() > deadline
+            assert not stuck, "the coordinator is stuck on the dead worker's lock"
+            time.sleep(POLL)
+        with open(release, "wb") as fifo:  # now the coordinator sees the death
+            fifo.write(b"x")
+        released = True
+        with pytest.raises(WorkerCrashedError, match=r"SIGKILL\(-9\)"):
+            dier.result(TIMEOUT)
+        assert probe.result(TIMEOUT) == 3  # run by the replacement
+        assert pool.submit(tasks.pid_of).result(TIMEOUT) != pid
+        stats = pool.statistics()
+        assert (stats.crashes, stats.respawns) == (1, 1)
+    finally:
+        if stuck:  # undo the damage by hand (the lock is the dead worker's), or nothing ends
+            pool._views.slots[0]._release()
+        if not released:  # let the helper go, whatever happened (it holds the read end)
+            with contextlib.suppress(OSError):
+                fd = os.open(release, os.O_WRONLY | os.O_NONBLOCK)
+                os.write(fd, b"x")
+                os.close(fd)
+        shut_down(pool)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_inside_submit_leaks_nothing_and_does_not_hang_shutdown() -> None:
+    """Killed after writing a child's block and counting it as live, before pushing it: the
+    block must be freed (nobody will run that child), and the drain at shutdown must not wait
+    for it forever."""
+    pool = Pool(1)
+    try:
+        slab = pool._views.slab
+        with pytest.raises(WorkerCrashedError, match=r"exit code 1\b"):
+            pool.submit(wt.die_inside_submit).result(TIMEOUT)
+        assert pool.submit(tasks.add, 2, 2).result(TIMEOUT) == 4
+        assert slab.free_count() == slab.capacity, "the unpushed child's block leaked"
+    finally:
+        shut_down(pool)
+
+
+@pytest.mark.timeout(60)
+def test_the_blocks_of_a_dead_parents_children_are_freed() -> None:
+    """A parent dies with 5 children queued on its deque; the replacement runs them (before the
+    next task: the deque comes first), and nobody is left to collect them: their blocks must be
+    freed all the same."""
+    pool = Pool(1)
+    try:
+        slab = pool._views.slab
+        with pytest.raises(WorkerCrashedError, match=r"exit code 3\b"):
+            pool.submit(wt.spawn_then_die, 5).result(TIMEOUT)
+        assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
+        assert slab.free_count() == slab.capacity, "orphaned children's blocks leaked"
+    finally:
+        shut_down(pool)

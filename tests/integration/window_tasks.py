@@ -1,0 +1,65 @@
+"""Tasks that die at a chosen point of mpsched's own code (``test_crash_windows.py``).
+
+A SIGKILL can land between any two bytecodes of a worker. These tasks reproduce, on purpose and
+deterministically, the deaths that the chaos test (tests/stress/test_chaos.py) hits at random:
+inside a shared lock, inside ``mpsched.submit``, and in a parent with children still queued.
+They reach into the worker's internals (``mpsched._worker._current``): white-box by design.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+from typing import Any
+
+import mpsched
+from mpsched import _worker
+from mpsched._shm_deque import HOLDER_PID
+
+HELPER_MAX_S = 120.0  # s; the helper of die_holding_own_slot_lock exits by then in any case
+
+
+def _current() -> Any:
+    worker = _worker._current
+    assert worker is not None, "not in a worker"
+    return worker
+
+
+def die_holding_own_slot_lock(started: str, release: str, record_pid: bool) -> None:
+    """Die holding this worker's slot lock, with its pid recorded as the holder (as inside any
+    SlotQueues method) or not (``record_pid=False``: killed right after ``acquire``, before
+    ``holder_pid = pid``). A forked helper keeps the worker's socket open until the test opens
+    the FIFO ``release``, so the coordinator sees the death (EOF) only then: meanwhile it must
+    get past the lock the dead worker holds. Writes the worker's pid into the FIFO ``started``
+    once the lock is held."""
+    worker = _current()
+    gate = os.open(release, os.O_RDONLY | os.O_NONBLOCK)  # open before the test writes to it
+    if os.fork() == 0:  # the helper: holds the worker's fds (its socket included) until released
+        try:
+            select.select([gate], [], [], HELPER_MAX_S)
+        finally:
+            os._exit(0)
+    os.close(gate)
+    queues = worker.me
+    queues._acquire()
+    if record_pid:
+        queues._w[HOLDER_PID] = os.getpid()
+    with open(started, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_inside_submit() -> None:
+    """Die in ``mpsched.submit`` after the child was counted as live, before it was pushed."""
+    worker = _current()
+    worker.me.push = lambda handle: os._exit(1)
+    mpsched.submit(abs, -1)
+
+
+def spawn_then_die(children: int) -> None:
+    """Spawn ``children`` children (queued on this worker's deque), then die before joining
+    them: they are orphans."""
+    futures = [mpsched.submit(abs, -i) for i in range(children)]
+    assert futures
+    os._exit(3)
