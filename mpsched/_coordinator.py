@@ -99,9 +99,9 @@ DRAIN_POLL_INTERVAL = 0.05  # seconds
 # timeout up to whole milliseconds, which would make every timed task ~0.5 ms late on average.
 FINE_WAIT = 0.002  # seconds
 STOP_WAIT = 0.2  # seconds a SIGSTOPped worker gets to show as stopped before a forced cancel
-# After a worker died: a lock still taken this long with no holder recorded is released (its
-# taker died between the acquire and the pid store; see _shm.release_if_orphaned). Holders keep
-# locks for microseconds, so a second is far beyond any live holder's preemption.
+# A lock still taken this long with no holder recorded is released (its taker never reached the
+# pid store: it died, or an exception hit it in between; see _shm.release_if_orphaned). Holders
+# keep locks for microseconds, so a second is far beyond any live holder's preemption.
 ORPHAN_WAIT = 1.0  # seconds
 # help_wait: how long a caller of result() collects done rings itself before it blocks; a
 # round trip of a tiny task takes well under this. After HELP_MISSES_MAX misses in a row (long
@@ -422,6 +422,8 @@ class Coordinator:
             if self.draining and self.all_done():
                 self.drain_workers()
                 return
+            if self.draining and self.by_handle and self.quiescent():
+                self.cancel_lost()
 
     def wait(self) -> list[int]:
         """The loop's one blocking point: until an fd is readable or the next due time.
@@ -455,15 +457,47 @@ class Coordinator:
             and (self.header.live_children() == 0 or self.children_phantom())
         )
 
+    def quiescent(self) -> bool:
+        """Every slot has a worker that announced sleep with empty rings, an empty run stack
+        and an empty done ring: no task runs or waits anywhere in shared memory, and none can
+        appear but through this thread (or a user thread's direct dispatch: callers hold
+        ``self.lock`` or check again under it)."""
+        if any(w is None for w in self.workers):
+            return False
+        return all(
+            s.is_sleeping() and s.is_empty() and not s.run_depth() and not s.done_depth()
+            for s in self.slots
+        )
+
+    def cancel_lost(self) -> None:
+        """Draining, with dispatched tasks left although the pool is quiescent: they were lost
+        by an exception (a Ctrl-C's KeyboardInterrupt) that hit a user thread inside an inject
+        or a cancel, between the bookkeeping here and the shared-memory step. Such a task is in
+        no ring and on no run stack, so it never ran and never will: cancel it, so that the
+        drain (and the interpreter's exit) cannot wait for it forever."""
+        with self.lock:
+            if not self.quiescent():
+                return
+            lost = list(self.by_handle.items())
+            self.by_handle.clear()
+            for handle, future in lost:
+                self.watched.pop(handle, None)
+                future._handle = -1
+                future._withdrawn = True
+            self.slab.free_tasks([h for h, _ in lost])
+        logger.warning("mpsched: cancelled %d task(s) lost by an interrupt", len(lost))
+        for _, future in lost:
+            if future._due is not None:
+                with self.lock:
+                    self.timetable.end(future, None, cancelled=True)
+            future._mark_cancelled()
+
     def children_phantom(self) -> bool:
         """After a crash, ``live_children`` may count a child that never was: a worker that
         died inside ``mpsched.submit`` after counting the child and before pushing it. The
-        count is then not trusted when the pool is provably quiescent: every slot has a worker,
-        each announced sleep with empty rings and an empty run stack. Nothing can spawn then:
-        a push needs a running task, and a sleeper wakes only when something is pushed."""
-        if not self.crashes or any(w is None for w in self.workers):
-            return False
-        return all(s.is_sleeping() and s.is_empty() and not s.run_depth() for s in self.slots)
+        count is then not trusted when the pool is provably quiescent: nothing can spawn then
+        (a push needs a running task, and a sleeper wakes only when something is pushed)."""
+        return self.crashes > 0 and self.quiescent()
 
     def release_due(self) -> None:
         """Move the timetable's due versions to the ready queue (and age the ready queue)."""
@@ -1037,13 +1071,16 @@ class Coordinator:
         """Any thread of this process, while a guarded lock stays taken (``GuardedLock``): if
         its recorded holder is a dead process, repair the lock (the same repair as after a
         death, which may not have run yet: this thread may be the one that must run it); if no
-        holder is recorded for ``ORPHAN_WAIT`` while one of our workers is dead, release it as
-        an orphan (``_shm.release_if_orphaned`` has the argument)."""
+        holder is recorded for ``ORPHAN_WAIT``, release it as an orphan
+        (``_shm.release_if_orphaned`` has the argument)."""
         structure: Any = (
             self.slots[index] if kind == "slot" else self.slab if kind == "slab" else self.header
         )
         holder = structure.holder_pid()
-        if holder == 0 and waited >= ORPHAN_WAIT and self.some_worker_died():
+        # No holder recorded for that long: its taker never reached the pid store (it died,
+        # or it is a thread of this process that an exception such as a Ctrl-C's
+        # KeyboardInterrupt hit between the acquire and the store): it changed nothing.
+        if holder == 0 and waited >= ORPHAN_WAIT:
             with self.repair_lock:  # one repair: a second stalled thread finds it free
                 if structure.holder_pid() != 0:
                     return
@@ -1061,11 +1098,6 @@ class Coordinator:
                 return
             owned = [q for q in self.slots if q.owner_pid() == holder]
             structure.break_dead_holder(holder, owned[0] if owned else structure)
-
-    def some_worker_died(self) -> bool:
-        """Whether a worker process we know of has exited (its pidfd is readable)."""
-        pidfds = [w.pidfd for w in self.workers if w is not None and w.pidfd >= 0]
-        return bool(pidfds) and bool(select.select(pidfds, [], [], 0)[0])
 
     def fail_child(self, handle: int, worker: WorkerHandle, code: int | None) -> None:
         """A child was running in the dead worker: settle it with the crash, wake its parent.
@@ -1106,6 +1138,13 @@ class Coordinator:
             future._mark_cancelled()
         if cancel_futures:
             self.cancel_everything_unclaimed()
+
+    def abort_running(self) -> None:
+        """Any thread (an interrupted ``with`` block, after ``begin_shutdown``): stop every
+        running task by killing its worker (``kill_running``, in the coordinator thread)."""
+        with self.lock:
+            self.requests.extend((future, True) for future in self.by_handle.values())
+        self.wakeup()
 
     def cancel_everything_unclaimed(self) -> None:
         with self.lock:

@@ -583,9 +583,14 @@ class Pool:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
-        # Leaving on Ctrl-C (or another non-Exception interrupt) means "stop": what no worker
-        # has claimed is cancelled instead of run to the end; running tasks finish.
+        # Leaving on Ctrl-C (or another non-Exception interrupt) means "stop now": what no
+        # worker has claimed is cancelled, and running tasks are stopped too (their workers are
+        # killed, as by cancel(force=True); their futures end cancelled), so that the exit
+        # cannot wait on a long task. Workers ignore SIGINT, so none prints a traceback.
         interrupted = exc_type is not None and not issubclass(exc_type, Exception)
+        if interrupted and self._started:
+            self.shutdown(wait=False, cancel_futures=True)
+            self._coordinator.abort_running()
         self.shutdown(wait=True, cancel_futures=interrupted)
 
     def __repr__(self) -> str:
