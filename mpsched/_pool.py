@@ -328,7 +328,7 @@ class Pool:
             fid = self._functions.fid(fn)
             payload = encode_call(fid, None if fid != INLINE else fn, args, kwargs)
             future = Future(self._coordinator, next(self._uids), payload)
-            if options is not None:
+            if options is not None and not options.is_plain:
                 future._run = TaskRun(options)
             self._submitted += 1
             wake = self._coordinator.submit(future)
@@ -393,7 +393,7 @@ class Pool:
             uid = next(self._uids)
             future = Future(coordinator, uid, call, priority)
             recurrence = None
-            if options is not None:
+            if options is not None and not options.is_plain:
                 if options.every is not None:
                     public = Future(coordinator, uid)
                     recurrence = Recurrence(task_id, pickled_id, priority, call, options, public)

@@ -132,9 +132,6 @@ class Timetable:
         self.recurring.clear()
         return stopped
 
-    def recurrence_of(self, task_id: Hashable) -> Recurrence | None:
-        return self.recurring.get(task_id)
-
 
 class TaskRun:
     """The options of one task and their running state (coordinator thread and lock)."""
