@@ -545,3 +545,47 @@ def arm_watchdog(seconds: int) -> None:
 def dump_json(path: Path, payload: Mapping[str, Any]) -> None:
     """Write the raw numbers."""
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+
+
+def machine_info(dists: Sequence[str]) -> dict[str, Any]:
+    """What the numbers were measured on: Python, platform, CPUs, the versions of ``dists``."""
+    import importlib.metadata as md
+    import multiprocessing
+    import platform
+
+    versions: dict[str, str | None] = {}
+    for dist in dists:
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            versions[dist] = None
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": multiprocessing.cpu_count(),
+        "versions": versions,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def parse_workload_args(
+    doc: str | None, workloads: Sequence[str], min_repeats: int, argv: Sequence[str] | None
+) -> Any:
+    """The command line shared by the workload benchmarks: ``--quick``, ``--repeats N``,
+    ``--only a,b`` (checked against ``workloads``; all by default), ``--json PATH``, ``-v``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0] if doc else None)
+    p.add_argument("--quick", action="store_true", help="small sizes, 3 repeats (smoke run)")
+    p.add_argument("--repeats", type=int, help=f"repeats per workload (>= {min_repeats})")
+    p.add_argument("--only", help="comma-separated workloads: " + ",".join(workloads))
+    p.add_argument("--json", type=Path, metavar="PATH", help="dump the raw numbers here")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every sample to stderr")
+    args = p.parse_args(argv)
+    if args.repeats is not None and args.repeats < min_repeats:
+        p.error(f"--repeats must be >= {min_repeats}")
+    args.only = [k.strip() for k in args.only.split(",")] if args.only else list(workloads)
+    unknown = sorted(set(args.only) - set(workloads))
+    if unknown:
+        p.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(workloads)}")
+    return args

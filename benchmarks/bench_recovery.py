@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import platform
 import signal
 import sys
 import tempfile
@@ -274,24 +273,6 @@ def evaluate_targets(workload: Workload) -> list[TargetResult]:
     return out
 
 
-def machine_info() -> dict[str, Any]:
-    import importlib.metadata as md
-
-    versions = {}
-    for dist in ("psutil", "loky"):
-        try:
-            versions[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            versions[dist] = None
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": multiprocessing.cpu_count(),
-        "versions": versions,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument(
@@ -334,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         common.dump_json(
             args.json,
             {
-                "machine": machine_info(),
+                "machine": common.machine_info(("psutil", "loky")),
                 "repeats": args.repeats,
                 "mpsched": status or "available",
                 "workloads": {"recovery": workload.to_json()},

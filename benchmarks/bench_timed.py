@@ -29,12 +29,10 @@ prints FAIL.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import math
 import multiprocessing
-import platform
 import sched
 import shutil
 import statistics
@@ -1140,49 +1138,12 @@ def evaluate_targets(ws: Mapping[str, Workload]) -> list[TargetResult]:
     return out
 
 
-def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on."""
-    import importlib.metadata as md
-
-    versions = {}
-    for dist in ("psutil", "loky", "pebble", "apscheduler", "cloudpickle"):
-        try:
-            versions[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            versions[dist] = None
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": multiprocessing.cpu_count(),
-        "versions": versions,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
 # --------------------------------------------------------------------------- main
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Command line."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--quick", action="store_true", help="small sizes, 3 repeats (smoke run)")
-    p.add_argument("--repeats", type=int, help=f"repeats per workload (>= {MIN_REPEATS})")
-    p.add_argument("--only", help="comma-separated workloads: " + ",".join(BENCHES))
-    p.add_argument("--json", type=Path, metavar="PATH", help="dump the raw numbers here")
-    p.add_argument("-v", "--verbose", action="store_true", help="log every sample to stderr")
-    args = p.parse_args(argv)
-    if args.repeats is not None and args.repeats < MIN_REPEATS:
-        p.error(f"--repeats must be >= {MIN_REPEATS}")
-    args.only = [k.strip() for k in args.only.split(",")] if args.only else list(BENCHES)
-    unknown = sorted(set(args.only) - set(BENCHES))
-    if unknown:
-        p.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(BENCHES)}")
-    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the selected workloads, print tables and targets; 0 unless a result was wrong."""
-    args = parse_args(argv)
+    args = common.parse_workload_args(__doc__, list(BENCHES), MIN_REPEATS, argv)
     sizes = QUICK if args.quick else DEFAULT
     if args.repeats is not None:
         sizes = replace(sizes, repeats=args.repeats)
@@ -1209,7 +1170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         common.dump_json(
             args.json,
             {
-                "machine": machine_info(),
+                "machine": common.machine_info(
+                    ("psutil", "loky", "pebble", "apscheduler", "cloudpickle")
+                ),
                 "sizes": asdict(sizes),
                 "mpsched": status or "available",
                 "ns_per_iteration": run.ns_per_iteration_cache,

@@ -52,7 +52,7 @@ from mpsched._errors import (
     WorkerCrashedError,
 )
 from mpsched._future import FINISHING, Future
-from mpsched._layout import GlobalField, SegmentLocks, SegmentViews
+from mpsched._layout import SegmentLocks, SegmentViews
 from mpsched._options import TaskOptions, is_misfire, next_run_at
 from mpsched._payloads import BlockField
 from mpsched._protocol import (
@@ -85,7 +85,6 @@ _CHILD_ABANDONED = int(ChildState.ABANDONED)
 _ERROR = int(ResultStatus.ERROR)
 _CANCEL_REQUESTED = int(TopState.CANCEL_REQUESTED)
 _STATE = int(BlockField.STATE)
-_COLLECTOR = GlobalField.COLLECTOR
 _DRAIN = encode(Tag.DRAIN)
 _FAILED = RuntimeError("the task failed")  # stands for any error in Timetable.end
 _NO_LOW = 2**63  # inbox_low of an inbox with nothing low in it
@@ -316,9 +315,6 @@ class Coordinator:
     def cancel(self, future: Future) -> bool:
         """Any thread (``Future.cancel``): withdraw a task no worker has claimed. True if it
         will never run."""
-        run = future._run
-        if run is not None and run.recurrence is not None and run.recurrence.future is future:
-            return self.cancel_id(run.recurrence.task_id, force=False)
         with self.lock:
             if not self.withdraw(future):
                 return False
@@ -552,7 +548,7 @@ class Coordinator:
     def take_ready(self, n: int) -> tuple[list[Future], int]:
         """Under ``self.lock``: up to ``n`` due tasks, minus recurring runs that misfired."""
         batch, lowest = self.ready.take(n)
-        if any(f._run is not None and f._run.recurrence is not None for f in batch):
+        if self.timetable.recurring:
             batch = [f for f in batch if not self.misfired(f)]
         return batch, lowest
 
@@ -600,17 +596,19 @@ class Coordinator:
                     slab.write(handle, b"", uid=future._uid, state=0)
                     slab.set_word(handle, _NBYTES, -self.stash_put(payload))
                 run = future._run
-                if run is None or not run.retries_left:
-                    future._payload = b""  # kept only to run the task again after a crash
+                if run is None:
+                    future._payload = b""
+                else:  # a task taken back keeps its watch: only new ones are registered
+                    if not run.retries_left:
+                        future._payload = b""  # kept only to run the task again after a crash
+                    if run.options.timeout is not None:
+                        self.watched[handle] = future
                 future._handle = handle
                 self.by_handle[handle] = future  # before the inject: a result may come at once
         handles = []
         for future in batch:
             future._slot = k
             handles.append(future._handle)
-            run = future._run
-            if run is not None and run.options.timeout is not None:
-                self.watched[future._handle] = future
         slot = self.slots[k]
         queued_before = slot.inbox_depth()
         injected, was_sleeping = slot.inject_wake(handles)
@@ -718,7 +716,7 @@ class Coordinator:
         header = self.header
         # Idle workers skip their poke meanwhile: a poke would wake the coordinator thread,
         # which would then take the GIL from this thread for a loop pass (measured: +150 us).
-        header.set(_COLLECTOR, 1)
+        header.set_collector(True)
         try:
             deadline = time.perf_counter() + HELP_SPIN
             while not future.done():
@@ -730,7 +728,7 @@ class Coordinator:
             else:
                 self.help_misses = 0
         finally:
-            header.set(_COLLECTOR, 0)
+            header.set_collector(False)
         if not future.done():  # a worker may have skipped its poke: the loop must sweep
             self.wakeup()
 
@@ -770,12 +768,19 @@ class Coordinator:
     def settle(self, outcomes: list[tuple[Future, int, bytes]]) -> None:
         """Resolve futures; tasks with an id or options first update the timetable (so that a
         caller woken by ``result()`` sees the final ``state()``)."""
-        special = [o for o in outcomes if o[0]._due is not None or o[0]._run is not None]
-        if special:
-            self.end_runs(special)
-            if threading.get_ident() != self.thread_id:
-                self.wakeup()  # a user thread collected: the loop may have new due times
-        for future, status, data in outcomes:
+        special = []
+        for outcome in outcomes:
+            future = outcome[0]
+            if future._due is None and future._run is None:
+                resolve(*outcome)
+            else:
+                special.append(outcome)
+        if not special:
+            return
+        self.end_runs(special)
+        if threading.get_ident() != self.thread_id:
+            self.wakeup()  # a user thread collected: the loop may have new due times
+        for future, status, data in special:
             run = future._run
             if run is None:
                 resolve(future, status, data)
@@ -1026,7 +1031,7 @@ class Coordinator:
         run stack -> DONE), and DONE is decided under slot ``k``'s lock by the exchange."""
         slab = self.slab
         free = set(slab.free_indices())
-        reachable = {h for slot in self.slots for h in slot.queued()}
+        reachable = {h for slot in self.slots for h in slot.drain(remove=False)}
         reachable.update(h for slot in self.slots for h in slot.running())
         parent_slot = self.slots[k]
         to_free = []

@@ -236,10 +236,8 @@ class VersionedHeap:
             return False
         found = False
         if rec.state is PENDING:
-            self._drop_pending(rec)
-            rec.state = CANCELLED
+            self._cancel_pending(rec)
             found = True
-            self._maybe_prune()
             if self._remember and not rec.running:
                 self._note_finished(task_id)
         if rec.running:
@@ -255,22 +253,9 @@ class VersionedHeap:
         if rec is None or rec.state is not PENDING or (version and rec.version != version):
             return None
         fn = rec.fn
-        # _drop_pending and _maybe_prune, inlined: cancelling many ids is a measured path.
-        if rec.deferred:
-            rec.deferred = False
-            self._deferred -= 1
-        else:
-            self._in_heap -= 1
-        rec.seq = NOT_IN_HEAP
-        rec.fn = None
-        rec.state = CANCELLED
-        if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
-            self._prune()
-        if self._remember:  # _note_finished, inlined
-            finished = self._finished
-            finished.append(task_id)
-            if len(finished) > self._remember:
-                self._note_finished(finished.pop())
+        self._cancel_pending(rec)
+        if self._remember:
+            self._note_finished(task_id)
         return fn
 
     def pop_due(self, now: float) -> Due | Wait | None:
@@ -360,6 +345,12 @@ class VersionedHeap:
     def _push(self, rec: _Record) -> None:
         heapq.heappush(self._heap, (rec.run_at, _negated(rec.priority), rec.seq, rec))
         self._in_heap += 1
+
+    def _cancel_pending(self, rec: _Record) -> None:
+        """The pending version of ``rec`` becomes CANCELLED (its heap entry goes stale)."""
+        self._drop_pending(rec)
+        rec.state = CANCELLED
+        self._maybe_prune()
 
     def _drop_pending(self, rec: _Record) -> None:
         """Make the pending version of ``rec`` not live (its heap entry, if any, goes stale)."""

@@ -108,6 +108,7 @@ class GlobalField(enum.IntEnum):
 _SLEEPERS = int(GlobalField.SLEEPERS)  # plain ints: IntEnum lookups on every use cost more
 _HOLDER_PID = int(GlobalField.HOLDER_PID)
 _LIVE_CHILDREN = int(GlobalField.LIVE_CHILDREN)
+_COLLECTOR = int(GlobalField.COLLECTOR)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +262,14 @@ class GlobalHeader:
         """Hint only: racy, clamped at 0."""
         n = self._w[_SLEEPERS]
         return n if n > 0 else 0  # not max(): a builtin call costs ~100 ns here
+
+    def collector(self) -> bool:
+        """Whether a user thread collects done rings itself (``help_wait``). Hint only."""
+        return self._w[_COLLECTOR] != 0
+
+    def set_collector(self, on: bool) -> None:
+        """Coordinator's process only (its single writer)."""
+        self._w[_COLLECTOR] = 1 if on else 0
 
     def add_live_children(self, delta: int) -> int:
         """Add ``delta`` to ``live_children`` under the global lock; return the new value."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import itertools
 import multiprocessing
 import os
@@ -395,9 +396,14 @@ class Pool:
             recurrence = None
             if options is not None and not options.is_plain:
                 if options.every is not None:
-                    public = Future(coordinator, uid)
-                    recurrence = Recurrence(task_id, pickled_id, priority, call, options, public)
-                    public._run = TaskRun(options, recurrence)
+                    recurrence = Recurrence(
+                        task_id,
+                        pickled_id,
+                        priority,
+                        call,
+                        options,
+                        functools.partial(coordinator.cancel_id, task_id, False),
+                    )
                 future._run = TaskRun(options, recurrence, run_at)
             self._submitted += 1
             wake = coordinator.schedule(task_id, run_at, priority, future, pickled_id, recurrence)

@@ -54,7 +54,10 @@ class ReadyQueue:
         return level
 
     def append(self, item: Future, priority: int) -> None:
-        self._level(priority).append(item)
+        level = self._levels.get(priority)  # the common case inline: one call per submit
+        if level is None:
+            level = self._level(priority)
+        level.append(item)
         self.size += 1
 
     def putback(self, items: Iterable[Future]) -> None:

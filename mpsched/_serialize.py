@@ -27,7 +27,7 @@ from __future__ import annotations
 import pickle
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from mpsched._protocol import PICKLE_PROTOCOL
 
@@ -90,7 +90,7 @@ def encode_call(
         ) from exc
 
 
-Call = tuple[int, Any, tuple[Any, ...], dict[str, Any], "tuple[Any, int] | None"]
+Call = tuple[int, Any, tuple[Any, ...], dict[str, Any], "tuple[Any, int] | Literal[False]"]
 _LEN_BYTES = 4  # little-endian length of the pickled task id, at the very end
 _VERSION_BYTES = 8  # little-endian version number, before it
 
@@ -113,9 +113,12 @@ def dumps_task_id(task_id: Any) -> bytes:
 
 
 def decode_call(data: bytes | memoryview) -> Call:
-    fid, fn, args, kwargs, has_meta = _loads(data)  # stops at the call's STOP opcode
-    if not has_meta:
-        return fid, fn, args, kwargs, None
+    """``(fid, fn, args, kwargs, meta)``; ``meta`` is ``(task_id, version)``, or False for a
+    call without one (the decoded tuple itself: no second tuple on the per-task path)."""
+    call: Call = _loads(data)  # stops at the call's STOP opcode
+    if not call[4]:
+        return call
+    fid, fn, args, kwargs, _ = call
     end = len(data) - _LEN_BYTES
     n = int.from_bytes(data[end:], "little")
     version = int.from_bytes(data[end - _VERSION_BYTES : end], "little")

@@ -535,26 +535,6 @@ class SlotQueues:
             self._release()
         return True
 
-    def queued(self) -> list[int]:
-        """Coordinator only: every handle queued in the deque and the inbox (not claimed),
-        one lock round; nothing is removed."""
-        w = self._w
-        if not self._acquire(False):
-            self._acquire_contended()
-        try:
-            w[HOLDER_PID] = _pid
-            out = []
-            for ring, mask, front, back in (
-                (self._deque, self._dmask, w[DEQUE_FRONT], w[DEQUE_BACK]),
-                (self._inbox, self._imask, w[INBOX_FRONT], w[INBOX_BACK]),
-            ):
-                for lo, hi in _segments(front, back, mask):
-                    out += [h for h in ring[lo:hi].tolist() if h != TOMBSTONE]
-        finally:
-            w[HOLDER_PID] = 0
-            self._release()
-        return out
-
     def in_inbox(self, handle: int) -> bool:
         """Whether ``handle`` still waits in the inbox (unclaimed), under the lock."""
         w = self._w
@@ -817,9 +797,10 @@ class SlotQueues:
         self._w[OWNER_PID] = 0
         return handles
 
-    def drain(self, include_deque: bool = True) -> list[int]:
+    def drain(self, include_deque: bool = True, remove: bool = True) -> list[int]:
         """Coordinator only: claim everything queued, one lock round (the inbox only, to take
-        injected tasks back for re-ordering: the same race against claims as a cancel).
+        injected tasks back for re-ordering: the same race against claims as a cancel); with
+        ``remove=False``, only list it (a snapshot; nothing is claimed).
 
         Returns:
             The deque's handles front to back (if included), then the inbox's live handles in
@@ -837,7 +818,8 @@ class SlotQueues:
             for ring, mask, front_word, back in rings:
                 for lo, hi in _segments(w[front_word], back, mask):
                     out += [h for h in ring[lo:hi].tolist() if h != TOMBSTONE]
-                w[front_word] = back  # commit of this ring
+                if remove:
+                    w[front_word] = back  # commit of this ring
         finally:
             w[HOLDER_PID] = 0
             self._release()

@@ -36,9 +36,21 @@ _PENDING = TaskState.PENDING
 
 
 class Recurrence:
-    """A recurring id: the call it repeats and the future that reports its end."""
+    """A recurring id: the call it repeats and the future that reports its end.
 
-    __slots__ = ("active", "call", "future", "options", "pickled_id", "priority", "task_id")
+    It is also that future's owner: ``future.cancel()`` stops the recurrence through ``stop``
+    (``Coordinator.cancel_id``, bound by the pool), as ``pool.cancel(task_id)`` does."""
+
+    __slots__ = (
+        "active",
+        "call",
+        "future",
+        "options",
+        "pickled_id",
+        "priority",
+        "stop",
+        "task_id",
+    )
 
     def __init__(
         self,
@@ -47,15 +59,22 @@ class Recurrence:
         priority: int,
         call: bytes,
         options: TaskOptions,
-        future: Future,
+        stop: Callable[[], bool],
     ) -> None:
         self.task_id = task_id
         self.pickled_id = pickled_id
         self.priority = priority
         self.call = call  # the encoded call; each run appends its own meta (with_meta)
         self.options = options
-        self.future = future  # public: ends when the recurrence ends (cancel, error, shutdown)
-        self.active = True
+        self.stop = stop
+        self.future = Future(self)  # public: ends when the recurrence ends (cancel, error,
+        self.active = True  # shutdown)
+
+    def cancel(self, future: Future) -> bool:
+        return self.stop()
+
+    def help_wait(self, future: Future) -> None:
+        return None  # no task behind this future to collect
 
 
 class Timetable:

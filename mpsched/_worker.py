@@ -49,10 +49,10 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Literal
 
 from mpsched._errors import InternalError, TaskCancelled
-from mpsched._layout import GlobalField, SegmentViews
+from mpsched._layout import SegmentViews
 from mpsched._payloads import BlockField
 from mpsched._protocol import (
     ChildState,
@@ -89,7 +89,6 @@ _RESULT_STATUS = int(BlockField.RESULT_STATUS)
 _RESULT_NBYTES = int(BlockField.RESULT_NBYTES)
 _POKE = encode(Tag.RESULTS)
 _CANCEL_REQUESTED = int(TopState.CANCEL_REQUESTED)
-_COLLECTOR = GlobalField.COLLECTOR
 
 
 @dataclass(frozen=True)
@@ -139,7 +138,8 @@ def current_task() -> TaskContext:
     worker = _current
     if worker is None or not worker.contexts:
         raise RuntimeError("mpsched.current_task() only works inside a task running in a pool")
-    return worker.contexts[-1]
+    handle, meta = worker.contexts[-1]
+    return TaskContext(worker.slot, worker.slab, handle, meta)
 
 
 class TaskContext:
@@ -155,11 +155,11 @@ class TaskContext:
     __slots__ = ("_handle", "_slab", "task_id", "version", "worker_id")
 
     def __init__(
-        self, worker_id: int, slab: Any, handle: int, meta: tuple[Any, int] | None
+        self, worker_id: int, slab: Any, handle: int, meta: tuple[Any, int] | Literal[False]
     ) -> None:
         self.worker_id = worker_id
-        self.task_id: Any = None if meta is None else meta[0]
-        self.version: int = 0 if meta is None else meta[1]
+        self.task_id: Any = meta[0] if meta else None
+        self.version: int = meta[1] if meta else 0
         self._slab = slab
         self._handle = handle  # -1 for a child: nobody can cancel a child by id
 
@@ -272,7 +272,9 @@ class Worker:
         self.fid_of: dict[Callable[..., Any], int] = {}  # reverse of fn_cache, for children
         self.abandoned: list[int] = []  # children whose futures were dropped (see __del__)
         self.depth = 0  # tasks running in this process (join-helping nests them)
-        self.contexts: list[TaskContext] = []  # current_task(): the innermost is last
+        # current_task()'s raw material, innermost last: (top-level handle or -1, meta). The
+        # TaskContext object is built only when a task asks for it, not for every task.
+        self.contexts: list[tuple[int, Any]] = []
         self.unannounced = 0  # results in the done ring since the last poke
         self.top_level_done = 0  # for max_tasks (children do not count)
         self.draining = False
@@ -334,28 +336,29 @@ class Worker:
         else:
             data = self.fetch(-nbytes)
         self.depth += 1
-        context = None
+        contexts = self.contexts
+        pushed = False
         try:
             fid, fn, args, kwargs, meta = decode_call(data)
             del data
             if fid != INLINE:
                 fn = self.load_function(fid)
-            context = TaskContext(self.slot, slab, handle if parent < 0 else -1, meta)
-            self.contexts.append(context)
+            contexts.append((handle if parent < 0 else -1, meta))
+            pushed = True
             value = fn(*args, **kwargs)
             del fn, args, kwargs
             status, out = _OK, dumps(value)
             del value
         except TaskCancelled as exc:
             # Cancelled only if asked to: a TaskCancelled raised unprompted is an error.
-            requested = context is not None and context.cancel_requested
+            requested = parent < 0 and slab.get_word(handle, _STATE) == _CANCEL_REQUESTED
             status, out = (_CANCELLED if requested else _ERROR), dump_exception(exc)
         except BaseException as exc:  # user code: any exception is the task's outcome
             status, out = _ERROR, dump_exception(exc)
         finally:
             self.depth -= 1
-            if context is not None:
-                self.contexts.pop()
+            if pushed:
+                contexts.pop()
         if not slab.write_result(handle, status, out):
             slab.set_word(handle, _RESULT_STATUS, status)
             slab.set_word(handle, _RESULT_NBYTES, -self.stash(out))
@@ -501,7 +504,7 @@ class Worker:
         ``awaited`` is the block of a child being joined (its DONE also ends the sleep).
         """
         header = self.header
-        if not header.get(_COLLECTOR):  # else a user thread is reading the done rings itself
+        if not header.collector():  # else a user thread is reading the done rings itself
             self.poke()
         me = self.me
         if awaited is None:
