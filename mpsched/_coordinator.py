@@ -46,8 +46,10 @@ from multiprocessing.reduction import recv_handle
 from typing import Any
 
 from mpsched._errors import (
+    POOL_CLOSED_MESSAGE,
     BrokenPoolError,
     InternalError,
+    PoolClosedError,
     ProtocolError,
     WorkerCrashedError,
 )
@@ -66,7 +68,7 @@ from mpsched._protocol import (
     load_exception,
 )
 from mpsched._ready import ReadyQueue
-from mpsched._serialize import with_meta
+from mpsched._serialize import with_version
 from mpsched._shm import SharedFd, release_if_orphaned
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun, Timetable
@@ -185,8 +187,9 @@ class Coordinator:
         self.workers: list[WorkerHandle | None] = [None] * n_workers
         self.by_fd: dict[int, WorkerHandle] = {}
         self.exit_codes: dict[int, int] = {}  # pid -> exit code, from the zygote
-        self.draining = False
+        self.draining = False  # set once shutdown began: no task may come in after it
         self.broken: BaseException | None = None
+        self.submitted = 0
         self.next_slot = 0
         self.stash_counter = 0
         self.crashes = 0
@@ -220,24 +223,36 @@ class Coordinator:
 
     # ------------------------------------------------------------------ user-thread API
     def check_usable(self) -> None:
-        """Under ``self.lock``."""
+        """Under ``self.lock``: may a new task come in? (Not once the pool broke or began to
+        shut down: the drain must not see a task arrive after it began.)"""
         if self.broken is not None:
             raise BrokenPoolError(f"the pool is broken: {self.broken!r}") from self.broken
+        if self.draining:
+            raise PoolClosedError(POOL_CLOSED_MESSAGE)
 
     def submit(self, future: Future) -> bool:
-        """Any thread (the caller checked the pool is open): when the pool is idle (nothing
-        queued or in flight), hand the task to a worker at once, one thread hop less on the
-        latency path; otherwise queue it for the coordinator, which dispatches in batches with
-        at most one wake-up per batch (a burst injected task by task would pay one eventfd
-        write per task to workers that keep falling asleep). Returns True if the coordinator
-        loop must be woken."""
-        with self.lock:
-            self.check_usable()
+        """Any thread: when the pool is idle (nothing queued or in flight), hand the task to a
+        worker at once, one thread hop less on the latency path; otherwise queue it for the
+        coordinator, which dispatches in batches with at most one wake-up per batch (a burst
+        injected task by task would pay one eventfd write per task to workers that keep
+        falling asleep). Returns True if the coordinator loop must be woken.
+
+        Raises:
+            PoolClosedError, BrokenPoolError: see ``check_usable``.
+        """
+        lock = self.lock
+        lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+        try:
+            if self.broken is not None or self.draining:
+                self.check_usable()
+            self.submitted += 1
             if not self.ready and not self.by_handle and self.dispatch_one(future):
                 return future._run is not None  # a timeout needs the loop's watch
             if self.aging is not None:
                 future._due_at = time.monotonic()
             self.ready.append(future, future._priority)
+        finally:
+            lock.release()
         return True
 
     def dispatch_one(self, future: Future) -> bool:
@@ -265,30 +280,33 @@ class Coordinator:
         run_at: float,
         priority: int,
         future: Future,
-        pickled_id: bytes,
         recurrence: Recurrence | None = None,
     ) -> bool:
-        """Any thread: add a version of ``task_id`` (``future`` holds its call, encoded with
-        ``has_meta``; ``pickled_id`` is ``dumps_task_id(task_id)``). The version handed out
-        earlier, if no worker has claimed it, and the pending one are superseded: cancelled,
-        never run.
+        """Any thread: add a version of ``task_id`` (``future`` holds its call, encoded with its
+        meta). The version handed out earlier, if no worker has claimed it, and the pending one
+        are superseded: cancelled, never run.
         Returns True if the loop must be woken (the new task is due before it would wake)."""
         superseded: list[Future] = []
         timetable = self.timetable
-        with self.lock:
-            if self.broken is not None:
+        lock = self.lock
+        lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+        try:
+            if self.broken is not None or self.draining:
                 self.check_usable()
-            if task_id in timetable.heap:  # an id seen before: supersede what it has
+            self.submitted += 1
+            if timetable.known(task_id):  # an id seen before: supersede what it has
                 self.supersede(task_id, recurrence, superseded)
             if recurrence is not None:
                 timetable.recurring[task_id] = recurrence
             version = timetable.schedule(task_id, run_at, priority, future)
-            future._payload = with_meta(future._payload, pickled_id, version)
+            future._payload = with_version(future._payload, version)
             if self.next_due is None or run_at < self.next_due:
                 self.next_due = run_at
             wake = run_at < self.sleep_until
             if wake:
                 self.sleep_until = run_at
+        finally:
+            lock.release()
         for old_future in superseded:
             old_future._mark_cancelled()
         return wake
@@ -350,7 +368,9 @@ class Coordinator:
         timetable = self.timetable
         rec = handed = None
         wake = False
-        with self.lock:
+        lock = self.lock
+        lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+        try:
             pending = timetable.cancel_pending(task_id)
             if timetable.recurring:
                 rec = timetable.recurring.pop(task_id, None)
@@ -364,6 +384,8 @@ class Coordinator:
                     self.requests.append((handed, force))
                     wake = True
                     handed = None
+        finally:
+            lock.release()
         if pending is not None:
             pending._mark_cancelled()
         if rec is not None:
@@ -855,7 +877,7 @@ class Coordinator:
         future = Future(self, run_future._uid, rec.call, rec.priority)
         future._run = TaskRun(options, rec, run_at)
         version = self.timetable.schedule(rec.task_id, run_at, rec.priority, future)
-        future._payload = with_meta(rec.call, rec.pickled_id, version)
+        future._payload = with_version(rec.call, version)
         self.note_due(run_at)
 
     # ------------------------------------------------------------------ messages

@@ -18,6 +18,9 @@ class PoolClosedError(MpschedError, RuntimeError):
     """Work was submitted to a pool that is shutting down or has shut down."""
 
 
+POOL_CLOSED_MESSAGE = "the pool is shutting down or shut down: it takes no new tasks"
+
+
 class BrokenPoolError(MpschedError, RuntimeError):
     """The pool cannot be used any more because of an internal failure (see ``__cause__``)."""
 

@@ -36,12 +36,12 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from mpsched._coordinator import Coordinator
-from mpsched._errors import PoolClosedError
+from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
 from mpsched._future import Future
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
 from mpsched._options import TaskOptions
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
-from mpsched._serialize import INLINE, FunctionCache, dumps, dumps_task_id, encode_call
+from mpsched._serialize import INLINE, FunctionCache, dumps, encode_call
 from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
@@ -190,10 +190,8 @@ class Pool:
         self._timed_after_shutdown = bool(timed_after_shutdown)
         self._recurring_after_shutdown = bool(recurring_after_shutdown)
         self._uids = itertools.count(1)
-        self._submit_lock = threading.Lock()
         self._shutdown_lock = threading.Lock()
         self._closed = False
-        self._submitted = 0
         self._started = False
         self._start()
 
@@ -282,6 +280,9 @@ class Pool:
     def _teardown(self) -> None:
         """Undo what start-up made (after a failed start, or at release): processes, fds and
         memory, so nothing leaks."""
+        functions = getattr(self, "_functions", None)
+        if functions is not None:
+            functions.close()
         coordinator = getattr(self, "_coordinator", None)
         if coordinator is not None:
             for worker in coordinator.workers:
@@ -323,17 +324,14 @@ class Pool:
     ) -> Future:
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
-        with self._submit_lock:
-            if self._closed:
-                raise PoolClosedError("cannot submit to a pool that is shutting down")
-            fid = self._functions.fid(fn)
-            payload = encode_call(fid, None if fid != INLINE else fn, args, kwargs)
-            future = Future(self._coordinator, next(self._uids), payload)
-            if options is not None and not options.is_plain:
-                future._run = TaskRun(options)
-            self._submitted += 1
-            wake = self._coordinator.submit(future)
-        if wake:
+        if self._closed:  # early, before pickling; the coordinator decides under its lock
+            raise PoolClosedError(POOL_CLOSED_MESSAGE)
+        fid = self._functions.fid(fn)
+        payload = encode_call(fid, None if fid != INLINE else fn, args, kwargs)
+        future = Future(self._coordinator, next(self._uids), payload)
+        if options is not None and not options.is_plain:
+            future._run = TaskRun(options)
+        if self._coordinator.submit(future):
             self._wakeup.wakeup()
         return future
 
@@ -381,33 +379,27 @@ class Pool:
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         try:
-            pickled_id = dumps_task_id(task_id)
-            hash(task_id)
+            hash(task_id)  # here, not under the coordinator's lock
         except Exception as exc:
             raise TypeError(f"task_id must be hashable and picklable: {exc!r}") from exc
+        if self._closed:  # early, before pickling; the coordinator decides under its lock
+            raise PoolClosedError(POOL_CLOSED_MESSAGE)
         coordinator = self._coordinator
-        with self._submit_lock:
-            if self._closed:
-                raise PoolClosedError("cannot schedule on a pool that is shutting down")
-            fid = self._functions.fid(fn)
-            call = encode_call(fid, None if fid != INLINE else fn, args, kwargs, True)
-            uid = next(self._uids)
-            future = Future(coordinator, uid, call, priority)
-            recurrence = None
-            if options is not None and not options.is_plain:
-                if options.every is not None:
-                    recurrence = Recurrence(
-                        task_id,
-                        pickled_id,
-                        priority,
-                        call,
-                        options,
-                        functools.partial(coordinator.cancel_id, task_id, False),
-                    )
-                future._run = TaskRun(options, recurrence, run_at)
-            self._submitted += 1
-            wake = coordinator.schedule(task_id, run_at, priority, future, pickled_id, recurrence)
-        if wake:
+        fid = self._functions.fid(fn)
+        call = encode_call(fid, None if fid != INLINE else fn, args, kwargs, (task_id,))
+        future = Future(coordinator, next(self._uids), call, priority)
+        recurrence = None
+        if options is not None and not options.is_plain:
+            if options.every is not None:
+                recurrence = Recurrence(
+                    task_id,
+                    priority,
+                    call,
+                    options,
+                    functools.partial(coordinator.cancel_id, task_id, False),
+                )
+            future._run = TaskRun(options, recurrence, run_at)
+        if coordinator.schedule(task_id, run_at, priority, future, recurrence):
             self._wakeup.wakeup()
         return future if recurrence is None else recurrence.future
 
@@ -470,7 +462,7 @@ class Pool:
         if chunksize is not None and (not isinstance(chunksize, int) or chunksize < 1):
             raise ValueError(f"chunksize must be a positive int or None, not {chunksize!r}")
         if self._closed:
-            raise PoolClosedError("cannot map on a pool that is shutting down")
+            raise PoolClosedError(POOL_CLOSED_MESSAGE)
         deadline = None if timeout is None else time.monotonic() + timeout
         return self._map(fn, zip(*iterables, strict=False), chunksize, deadline)
 
@@ -518,8 +510,7 @@ class Pool:
         """Refuse new work, let what was submitted finish (or cancel what no worker has
         claimed, with ``cancel_futures``), then stop the workers. A second call is a no-op,
         except that ``wait=True`` waits for the end."""
-        with self._submit_lock:
-            self._closed = True
+        self._closed = True  # the fast early check; the coordinator's draining flag decides
         if self._started:
             self._coordinator.begin_shutdown(cancel_futures)
             self._wakeup.wakeup()
@@ -571,7 +562,7 @@ class Pool:
             )
         return PoolStatistics(
             workers=self._workers,
-            submitted=self._submitted,
+            submitted=coord.submitted,
             completed=coord.completed,
             pending=len(coord.ready),
             scheduled=len(coord.timetable.heap),

@@ -5,11 +5,12 @@ worker), so an unpicklable function or argument fails there, at the call, with a
 (bpo-31699: a pickling error inside the pool machinery must never hang it). Decoded in the worker
 that claims the task.
 
-Payload = ``pickle.dumps((fid, fn, args, kwargs, has_meta))``, followed, if ``has_meta``, by the
-meta of a task scheduled with an id (``mpsched.current_task()`` reports it): the pickled task id,
-the version (8 bytes) and the task id's length (4 bytes). The coordinator appends the meta under
-its lock (``with_meta``), where the version number is known; everything that can fail or take
-time (pickling the call and the task id) happens before, in the caller. Then:
+Payload = ``pickle.dumps((fid, fn, args, kwargs, meta))``. ``meta`` is False for a plain call;
+for a task scheduled with an id (``mpsched.current_task()`` reports it) it is ``(task_id,)``, and
+the pickle is followed by the version number (8 bytes), which the coordinator appends under its
+lock (``with_version``), where the number is known. Everything that can fail or take time
+(pickling the call with its task id) happens before, in the caller, in one ``pickle.dumps``: a
+second one for the id alone cost a tenth of a ``Pool.schedule``. Then:
 
 * ``fid >= 0``: ``fn`` is None; the function lives in the pool's function table under ``fid``
   (pickled once per pool; pickling a function by reference is half the per-task pickle cost).
@@ -25,6 +26,7 @@ local functions and objects defined in ``__main__`` that a worker cannot import.
 from __future__ import annotations
 
 import pickle
+import threading
 import types
 from collections.abc import Callable
 from typing import Any, Literal
@@ -72,13 +74,17 @@ def encode_call(
     fn: Callable[..., Any] | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    has_meta: bool = False,
+    meta: tuple[Any] | Literal[False] = False,
 ) -> bytes:
-    call = (fid, fn, args, kwargs, has_meta)
+    """The payload of ``fn(*args, **kwargs)`` (``fn`` None: tabled under ``fid``); ``meta``
+    ``(task_id,)`` for a scheduled task, whose payload ``with_version`` then completes."""
+    call = (fid, fn, args, kwargs, meta)
     try:
         return _dumps(call, PICKLE_PROTOCOL)
     except Exception:
         pass
+    if meta:
+        check_task_id_picklable(meta[0])
     try:
         return _cloudpickle().dumps(call, PICKLE_PROTOCOL)  # type: ignore[no-any-return]
     except Exception as exc:
@@ -90,45 +96,34 @@ def encode_call(
         ) from exc
 
 
+def check_task_id_picklable(task_id: Any) -> None:
+    """TypeError unless plain pickle serializes ``task_id`` (ids are compared by equality in
+    the worker's ``current_task()``, so they must survive plain pickling)."""
+    try:
+        _dumps(task_id, PICKLE_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(f"task_id must be hashable and picklable: {exc!r}") from exc
+
+
 Call = tuple[int, Any, tuple[Any, ...], dict[str, Any], "tuple[Any, int] | Literal[False]"]
-_LEN_BYTES = 4  # little-endian length of the pickled task id, at the very end
-_VERSION_BYTES = 8  # little-endian version number, before it
+_VERSION_BYTES = 8  # little-endian version number, after the pickled call
 
 
-def with_meta(call: bytes, task_id: bytes, version: int) -> bytes:
-    """A payload: ``call`` (encoded with ``has_meta=True``), then the meta: the pickled task id
-    (``dumps_task_id``, done once outside the coordinator's lock) and the version number."""
-    return b"".join(
-        (
-            call,
-            task_id,
-            version.to_bytes(_VERSION_BYTES, "little"),
-            len(task_id).to_bytes(_LEN_BYTES, "little"),
-        )
-    )
-
-
-def dumps_task_id(task_id: Any) -> bytes:
-    return _dumps(task_id, PICKLE_PROTOCOL)
+def with_version(call: bytes, version: int) -> bytes:
+    """A scheduled task's payload: ``call`` (encoded with its ``meta``), then its version."""
+    return call + version.to_bytes(_VERSION_BYTES, "little")
 
 
 def decode_call(data: bytes | memoryview) -> Call:
     """``(fid, fn, args, kwargs, meta)``; ``meta`` is ``(task_id, version)``, or False for a
     call without one (the decoded tuple itself: no second tuple on the per-task path)."""
-    call: Call = _loads(data)  # stops at the call's STOP opcode
-    if not call[4]:
+    call: Call = _loads(data)  # stops at the call's STOP opcode, before the version
+    meta = call[4]
+    if not meta:
         return call
     fid, fn, args, kwargs, _ = call
-    end = len(data) - _LEN_BYTES
-    n = int.from_bytes(data[end:], "little")
-    version = int.from_bytes(data[end - _VERSION_BYTES : end], "little")
-    return (
-        fid,
-        fn,
-        args,
-        kwargs,
-        (_loads(data[end - _VERSION_BYTES - n : end - _VERSION_BYTES]), version),
-    )
+    version = int.from_bytes(data[len(data) - _VERSION_BYTES :], "little")
+    return (fid, fn, args, kwargs, (meta[0], version))
 
 
 def function_bytes(fn: Callable[..., Any]) -> bytes | None:
@@ -148,7 +143,8 @@ class FunctionCache:
     """Submitting side of the function table: ``fn -> fid`` for functions already tabled.
 
     ``table_add(bytes) -> fid`` writes to the shared table (-1 when full). One per submitting
-    process; not thread-safe by itself (callers hold their submit lock).
+    process; thread-safe: a hit is one dict read (atomic), a miss tables under ``_lock`` (so
+    submitters need no lock of their own around pickling).
     """
 
     def __init__(self, table_add: Callable[[bytes], int]) -> None:
@@ -156,16 +152,27 @@ class FunctionCache:
         # Keyed by the function object itself (strong reference: keeps its id from being reused).
         self._fids: dict[Any, int] = {}
         self._full = False
+        self._lock = threading.Lock()
 
     def fid(self, fn: Callable[..., Any]) -> int:
         fid = self._fids.get(fn) if type(fn) in _TABLED_TYPES else INLINE
         if fid is not None:
             return fid
-        if self._full:
-            return INLINE
-        data = function_bytes(fn)
-        fid = INLINE if data is None else self._table_add(data)
-        if data is not None and fid == INLINE:
-            self._full = True
-        self._fids[fn] = fid
+        with self._lock:
+            fid = self._fids.get(fn)
+            if fid is not None:  # another thread tabled it meanwhile
+                return fid
+            if self._full:
+                return INLINE
+            data = function_bytes(fn)
+            fid = INLINE if data is None else self._table_add(data)
+            if data is not None and fid == INLINE:
+                self._full = True
+            self._fids[fn] = fid
         return fid
+
+    def close(self) -> None:
+        """The table's memory is about to go: from now on a new function goes inline. (A
+        submitter racing a shutdown may still be here; the pool then refuses its task.)"""
+        with self._lock:
+            self._full = True

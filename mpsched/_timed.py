@@ -46,7 +46,6 @@ class Recurrence:
         "call",
         "future",
         "options",
-        "pickled_id",
         "priority",
         "stop",
         "task_id",
@@ -55,16 +54,14 @@ class Recurrence:
     def __init__(
         self,
         task_id: Hashable,
-        pickled_id: bytes,
         priority: int,
         call: bytes,
         options: TaskOptions,
         stop: Callable[[], bool],
     ) -> None:
         self.task_id = task_id
-        self.pickled_id = pickled_id
         self.priority = priority
-        self.call = call  # the encoded call; each run appends its own meta (with_meta)
+        self.call = call  # the encoded call; each run appends its own version (with_version)
         self.options = options
         self.stop = stop
         self.future = Future(self)  # public: ends when the recurrence ends (cancel, error,
@@ -82,6 +79,7 @@ class Timetable:
         self.heap = VersionedHeap(remember=FINISHED_IDS_KEPT)
         self.handed: dict[Hashable, Future] = {}  # by id: the version out of the heap
         self.recurring: dict[Hashable, Recurrence] = {}
+        self.known = self.heap.knows  # known(task_id): the id has a record (pending, ran, ...)
         # cancel_pending(task_id) -> Future | None: cancel the version of ``task_id`` waiting
         # in the heap, if any, and return its future (bound: a measured path, no extra frame).
         self.cancel_pending: Callable[[Hashable], Any] = self.heap.withdraw

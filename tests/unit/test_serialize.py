@@ -1,0 +1,103 @@
+"""Payload encoding (``_serialize``): calls with and without a task id, errors, function table."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mpsched._serialize import (
+    INLINE,
+    FunctionCache,
+    TaskPicklingError,
+    decode_call,
+    encode_call,
+    with_version,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+# Task ids include falsy ones (0, "", None, False): a payload must not mistake them for "no id".
+task_ids = st.one_of(
+    st.integers(),
+    st.text(max_size=20),
+    st.none(),
+    st.booleans(),
+    st.tuples(st.integers(), st.text(max_size=5)),
+)
+
+
+def test_plain_call_round_trips_without_meta() -> None:
+    data = encode_call(3, None, (1, "a"), {"k": 2})
+    assert decode_call(data) == (3, None, (1, "a"), {"k": 2}, False)
+
+
+@given(task_ids, st.integers(min_value=1, max_value=2**63 - 1))
+def test_scheduled_call_carries_its_id_and_version(task_id: Any, version: int) -> None:
+    payload = with_version(encode_call(INLINE, len, ([1, 2],), {}, (task_id,)), version)
+    fid, fn, args, kwargs, meta = decode_call(memoryview(payload))  # workers read views
+    assert (fid, fn, args, kwargs) == (INLINE, len, ([1, 2],), {})
+    assert meta == (task_id, version)
+
+
+def test_one_call_many_versions() -> None:
+    """A recurrence encodes its call once and appends each run's version."""
+    call = encode_call(0, None, (), {}, ("tick",))
+    assert [decode_call(with_version(call, v))[4] for v in (1, 2, 300)] == [
+        ("tick", 1),
+        ("tick", 2),
+        ("tick", 300),
+    ]
+
+
+def test_unpicklable_task_id_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="task_id must be hashable and picklable"):
+        encode_call(0, None, (), {}, (threading.Lock(),))
+
+
+def test_unpicklable_argument_names_the_arguments() -> None:
+    with pytest.raises(TaskPicklingError, match="cannot pickle the task's arguments"):
+        encode_call(0, None, (threading.Lock(),), {}, ("ok",))
+
+
+def test_lambda_goes_inline_by_value() -> None:
+    offset = 5
+    data = encode_call(INLINE, lambda x: x + offset, (1,), {})
+    fid, fn, args, _, _ = decode_call(data)
+    assert fid == INLINE
+    assert fn(*args) == 6
+
+
+def test_function_cache_tables_once_under_concurrency() -> None:
+    added: list[bytes] = []
+    barrier = threading.Barrier(8)
+
+    def table_add(data: bytes) -> int:
+        added.append(data)
+        return len(added) - 1
+
+    cache = FunctionCache(table_add)
+    fids: list[int] = []
+
+    def submitter() -> None:
+        barrier.wait()
+        fids.append(cache.fid(len))
+
+    threads = [threading.Thread(target=submitter) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(added) == 1
+    assert fids == [0] * 8
+
+
+def test_closed_function_cache_sends_new_functions_inline() -> None:
+    cache = FunctionCache(lambda data: 7)
+    assert cache.fid(len) == 7
+    cache.close()
+    assert cache.fid(len) == 7  # already tabled: its table entry stays valid
+    assert cache.fid(abs) == INLINE
