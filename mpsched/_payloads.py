@@ -89,9 +89,13 @@ import enum
 import os
 from array import array
 from collections.abc import Sequence
-from typing import Protocol
 
 from mpsched._errors import InternalError
+
+# typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Protocol
 
 __all__ = (
     "BLOCK_BYTES",
@@ -163,13 +167,15 @@ def _refresh_pid() -> None:
 os.register_at_fork(after_in_child=_refresh_pid)
 
 
-class LockLike(Protocol):
-    """A cross-process lock (``_shm.SemLockHandle``). Structurally the same protocol as
-    ``_shm_deque.LockLike``: leaf modules do not import each other."""
+if TYPE_CHECKING:  # structural types, for annotations only
 
-    def acquire(self, block: bool = ..., timeout: float | None = ..., /) -> bool: ...
+    class LockLike(Protocol):
+        """A cross-process lock (``_shm.SemLockHandle``). Structurally the same protocol as
+        ``_shm_deque.LockLike``: leaf modules do not import each other."""
 
-    def release(self) -> None: ...
+        def acquire(self, block: bool = ..., timeout: float | None = ..., /) -> bool: ...
+
+        def release(self) -> None: ...
 
 
 def _round_up(n: int, unit: int) -> int:

@@ -27,9 +27,13 @@ from __future__ import annotations
 import pickle
 import types
 from collections.abc import Callable
-from typing import Any, Literal
 
 from mpsched._protocol import PICKLE_PROTOCOL
+
+# typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Literal
 
 INLINE = -1  # fid of a payload that carries its function
 
@@ -90,7 +94,8 @@ def encode_call(
         ) from exc
 
 
-Call = tuple[int, Any, tuple[Any, ...], dict[str, Any], "tuple[Any, int] | Literal[False]"]
+if TYPE_CHECKING:
+    Call = tuple[int, Any, tuple[Any, ...], dict[str, Any], "tuple[Any, int] | Literal[False]"]
 _LEN_BYTES = 4  # little-endian length of the pickled task id, at the very end
 _VERSION_BYTES = 8  # little-endian version number, before it
 

@@ -50,18 +50,20 @@ import _multiprocessing  # type: ignore[import-not-found]  # private C module, n
 import mmap
 import os
 import re
-import secrets
 import weakref
 from collections.abc import Callable
 from multiprocessing import context, reduction
-from typing import Any, Literal, Protocol
 
 from mpsched._errors import InternalError
+
+# typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Literal, Protocol
 
 __all__ = (
     "SEM_PREFIX",
     "AnonSegment",
-    "Releasable",
     "SemLockHandle",
     "SharedFd",
     "create_eventfd",
@@ -91,10 +93,12 @@ _NAME_RANDOM_BYTES = 4
 _PRUNE_EVERY = 64
 
 
-class Releasable(Protocol):
-    """Anything with ``release()``: a memoryview, or an object owning views of the segment."""
+if TYPE_CHECKING:  # structural types, for annotations only
 
-    def release(self) -> None: ...
+    class Releasable(Protocol):
+        """Anything with ``release()``: a memoryview, or an object owning views of the segment."""
+
+        def release(self) -> None: ...
 
 
 def _dup_for_child(obj: object, fd: int) -> Any:
@@ -342,7 +346,9 @@ def release_if_orphaned(lock: Any, holder_pid: Callable[[], int], wait: float) -
 
 
 def _new_name() -> str:
-    return f"/{SEM_PREFIX}-{os.getpid()}-{secrets.token_hex(_NAME_RANDOM_BYTES)}"
+    # os.urandom, not secrets: importing secrets loads OpenSSL (hmac, hashlib), a few ms that
+    # the zygote would pay at start-up for a module only the coordinator uses.
+    return f"/{SEM_PREFIX}-{os.getpid()}-{os.urandom(_NAME_RANDOM_BYTES).hex()}"
 
 
 def create_semaphore(value: int = 0, maxvalue: int = SEM_VALUE_MAX) -> SemLockHandle:

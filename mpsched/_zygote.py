@@ -34,32 +34,45 @@ import select
 import signal
 import socket
 import sys
-import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
-from typing import Any
 
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach
 from mpsched._protocol import Tag, decode, encode
 from mpsched._shm import AnonSegment, SharedFd
-from mpsched._worker import worker_main  # loaded here once; every forked worker inherits it
+from mpsched._worker import WorkerOptions, worker_main  # loaded once; every worker inherits it
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-@dataclass
 class ZygoteConfig:
-    """Everything the zygote needs; pickled once when it is spawned (fds travel by DupFd)."""
+    """Everything the zygote needs; pickled once when it is spawned (fds travel by DupFd).
 
-    conn: Connection
-    segment: AnonSegment
-    layout: SegmentLayout
-    locks: SegmentLocks
-    wake_fds: list[SharedFd]
-    coordinator_pid: int
-    worker_options: Any  # _worker.WorkerOptions (kept opaque here)
-    close_fds: list[int]  # fork start method: coordinator-side fds inherited by accident
+    A plain class: a dataclass would make the zygote import dataclasses (and inspect, ast, dis),
+    ~10 ms on the start-up path of every pool.
+    """
+
+    def __init__(
+        self,
+        *,
+        conn: Connection,
+        segment: AnonSegment,
+        layout: SegmentLayout,
+        locks: SegmentLocks,
+        wake_fds: list[SharedFd],
+        coordinator_pid: int,
+        worker_options: WorkerOptions,
+        close_fds: list[int],
+    ) -> None:
+        self.conn = conn
+        self.segment = segment
+        self.layout = layout
+        self.locks = locks
+        self.wake_fds = wake_fds
+        self.coordinator_pid = coordinator_pid
+        self.worker_options = worker_options
+        self.close_fds = close_fds  # fork start method: coordinator-side fds inherited by accident
 
 
 def zygote_main(cfg: ZygoteConfig) -> None:
@@ -73,7 +86,7 @@ def zygote_main(cfg: ZygoteConfig) -> None:
         views = attach(cfg.segment, cfg.layout, cfg.locks)
         _Zygote(cfg, views).serve()
     except BaseException:
-        traceback.print_exc(file=sys.stderr)
+        _print_exc()
         code = 1
     finally:
         sys.stderr.flush()
@@ -89,6 +102,8 @@ class _Zygote:
         self.poller.register(self.conn.fileno(), select.POLLIN)
         self.children: dict[int, tuple[int, int]] = {}  # pidfd -> (slot, pid)
         self.stopping = False
+        # Looked up once, here: every worker calls it right after fork, on its start-up path.
+        self.prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def serve(self) -> None:
         self.conn.send_bytes(encode(Tag.READY))
@@ -130,7 +145,7 @@ class _Zygote:
     def _become_worker(self, slot: int, sock: socket.socket, zygote_pid: int) -> None:
         code = 1
         try:
-            _die_with_parent()
+            _die_with_parent(self.prctl)
             if os.getppid() != zygote_pid:  # the zygote died between fork and prctl
                 os._exit(1)
             for pidfd in self.children:
@@ -144,7 +159,7 @@ class _Zygote:
                 self.cfg.worker_options,
             )
         except BaseException:
-            traceback.print_exc(file=sys.stderr)
+            _print_exc()
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -169,8 +184,13 @@ class _Zygote:
         self.children.clear()
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(prctl: Callable[..., int]) -> None:
     """Ask the kernel to SIGKILL this process when its parent (the zygote) dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def _print_exc() -> None:
+    import traceback  # only on this path: a few ms at every zygote's start-up otherwise
+
+    traceback.print_exc(file=sys.stderr)
