@@ -8,8 +8,11 @@ Start-up, in order (the reasons are in docs/design.md):
   1. sweep semaphore names left by a process that died inside the start-up window;
   2. create the memfd segment (no name), the locks (named for now), one wake eventfd per slot;
   3. start the zygote through the start method; it opens the locks and maps the segment;
-  4. on READY, unlink every lock name: from here on nothing of the pool has a name;
-  5. the zygote forks the workers; the coordinator thread starts.
+     meanwhile queue one SPAWN per worker and start the coordinator thread (it waits);
+  4. on READY, unlink every lock name (from here on nothing of the pool has a name), let the
+     coordinator thread go and return: the workers are not waited for;
+  5. the zygote forks the workers; the coordinator thread registers each as its SPAWNED
+     comes. A task submitted before may wait in a starting worker's inbox.
 
 Lifecycle: RUNNING -> DRAINING (shutdown called: no new work; the coordinator drains) ->
 CLOSED (workers and zygote gone, resources released). ``shutdown`` is idempotent and may be
@@ -234,20 +237,36 @@ class Pool:
                 timed_after_shutdown=self._timed_after_shutdown,
                 recurring_after_shutdown=self._recurring_after_shutdown,
             )
-            # The SPAWN commands are queued at once; the zygote reads them after READY, and the
-            # first SPAWNED proves READY came (it opened the locks): then no name is needed.
-            self._coordinator.spawn_all(STARTUP_TIMEOUT)
+            # While the zygote starts up: queue every SPAWN (it reads them after READY) and
+            # start the coordinator thread (it waits for go), so that neither is on the path
+            # from READY to the first result.
+            self._coordinator.spawn_all()
+            self._thread = threading.Thread(
+                target=self._coordinator.run, name="mpsched-coordinator", daemon=True
+            )
+            self._thread.start()
+            # READY: the zygote opened the locks, so their names can go. The workers are not
+            # waited for: a first task waits in a starting worker's inbox (see dispatch_one).
+            self._coordinator.wait_ready(STARTUP_TIMEOUT)
         except BaseException:
-            self._teardown()
+            self._abort_start()
             raise
         finally:
             locks.unlink_names()  # from here on, nothing of the pool has a name
-        self._thread = threading.Thread(
-            target=self._coordinator.run, name="mpsched-coordinator", daemon=True
-        )
-        self._thread.start()
+        self._coordinator.go.set()
         self._started = True
         _live_pools.add(self)
+
+    def _abort_start(self) -> None:
+        """Start-up failed: end the waiting coordinator thread, then undo the rest."""
+        coordinator = getattr(self, "_coordinator", None)
+        if coordinator is not None:
+            coordinator.start_aborted = True
+            coordinator.go.set()
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread.ident is not None:
+            thread.join()
+        self._teardown()
 
     def _on_lock_stall(self, kind: str, index: int, lock: Any, waited: float) -> None:
         coordinator = getattr(self, "_coordinator", None)

@@ -43,6 +43,11 @@ from mpsched._protocol import Tag, decode, encode
 from mpsched._shm import AnonSegment, SharedFd
 from mpsched._worker import WorkerOptions, worker_main  # loaded once; every worker inherits it
 
+# typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -117,9 +122,8 @@ class _Zygote:
     def _on_command(self) -> None:
         try:
             frame = self.conn.recv_bytes()
-        except (EOFError, OSError):  # the coordinator is gone: take every worker with us
-            self._kill_all()
-            os._exit(0)
+        except (EOFError, OSError):
+            self._coordinator_gone()
         tag, fields = decode(frame)
         if tag is Tag.SPAWN:
             if not self.stopping:
@@ -135,12 +139,16 @@ class _Zygote:
             ours.close()
             self._become_worker(slot, theirs, zygote_pid)
         theirs.close()
-        self.conn.send_bytes(encode(Tag.SPAWNED, slot, pid))
-        send_handle(self.conn, ours.fileno(), self.cfg.coordinator_pid)
-        ours.close()
         pidfd = os.pidfd_open(pid)
         self.children[pidfd] = (slot, pid)
         self.poller.register(pidfd, select.POLLIN)
+        try:
+            self.conn.send_bytes(encode(Tag.SPAWNED, slot, pid))
+            send_handle(self.conn, ours.fileno(), self.cfg.coordinator_pid)
+        except OSError:  # EPIPE: the coordinator closed its end (it is gone, or gave up)
+            self._coordinator_gone()
+        finally:
+            ours.close()
 
     def _become_worker(self, slot: int, sock: socket.socket, zygote_pid: int) -> None:
         code = 1
@@ -172,6 +180,12 @@ class _Zygote:
         _, status = os.waitpid(pid, 0)
         with contextlib.suppress(OSError):
             self.conn.send_bytes(encode(Tag.EXITED, slot, pid, os.waitstatus_to_exitcode(status)))
+
+    def _coordinator_gone(self) -> NoReturn:
+        """EOF or EPIPE on the control socket: the coordinator is gone (or has given up on
+        us): take every worker with us and exit."""
+        self._kill_all()
+        os._exit(0)
 
     def _kill_all(self) -> None:
         for _, pid in self.children.values():
