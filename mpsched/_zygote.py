@@ -28,19 +28,17 @@ process behind, and the memfd and the unlinked semaphores vanish with their last
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import select
 import signal
 import socket
 import sys
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach
 from mpsched._protocol import Tag, decode, encode
-from mpsched._shm import AnonSegment, SharedFd
+from mpsched._shm import AnonSegment, SharedFd, death_signal_setter
 from mpsched._worker import WorkerOptions, worker_main  # loaded once; every worker inherits it
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
@@ -48,7 +46,9 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import NoReturn
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Looked up at import: every worker calls it right after fork, on its start-up path, and under
+# the fork start method the zygote inherits it from the pool's process (imported before).
+_set_death_signal = death_signal_setter()
 
 
 class ZygoteConfig:
@@ -107,8 +107,6 @@ class _Zygote:
         self.poller.register(self.conn.fileno(), select.POLLIN)
         self.children: dict[int, tuple[int, int]] = {}  # pidfd -> (slot, pid)
         self.stopping = False
-        # Looked up once, here: every worker calls it right after fork, on its start-up path.
-        self.prctl = ctypes.CDLL(None, use_errno=True).prctl
 
     def serve(self) -> None:
         self.conn.send_bytes(encode(Tag.READY))
@@ -153,7 +151,7 @@ class _Zygote:
     def _become_worker(self, slot: int, sock: socket.socket, zygote_pid: int) -> None:
         code = 1
         try:
-            _die_with_parent(self.prctl)
+            _set_death_signal(signal.SIGKILL)  # SIGKILL us when the zygote dies
             if os.getppid() != zygote_pid:  # the zygote died between fork and prctl
                 os._exit(1)
             for pidfd in self.children:
@@ -196,12 +194,6 @@ class _Zygote:
                 os.waitpid(pid, 0)
             os.close(pidfd)
         self.children.clear()
-
-
-def _die_with_parent(prctl: Callable[..., int]) -> None:
-    """Ask the kernel to SIGKILL this process when its parent (the zygote) dies."""
-    if prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 def _print_exc() -> None:

@@ -40,10 +40,11 @@ def test_leaf_modules_import_no_other_mpsched_module() -> None:
 
 
 # Imported by none of the modules the zygote loads: each costs the start-up of every pool (the
-# zygote imports them before it forks the first worker) from ~2 ms (typing, traceback) to ~10 ms
-# (dataclasses, with inspect, ast and dis).
+# zygote imports them before it forks the first worker) from ~2 ms (typing, traceback, ctypes)
+# to ~10 ms (dataclasses, with inspect, ast and dis).
 ZYGOTE_AVOIDS = {
     "typing",
+    "ctypes",
     "dataclasses",
     "inspect",
     "traceback",
