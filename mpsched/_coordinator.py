@@ -726,6 +726,7 @@ class Coordinator:
         (long tasks) it spins only now and then."""
         if (
             future._slot < 0
+            or future._slot in self.starting  # a fork away at least: spinning takes its CPU
             or self.ready  # queued work: the coordinator must go on dispatching anyway
             or len(self.by_handle) > self.n_workers
             or threading.get_ident() == self.thread_id

@@ -382,6 +382,7 @@ def attach(
     locks: SegmentLocks,
     *,
     init: bool = False,
+    fill_slab: bool = True,
     debug: bool = False,
 ) -> SegmentViews:
     """Build every view over ``segment``; each is registered with ``segment.track``.
@@ -389,6 +390,9 @@ def attach(
     Args:
         init: format every region and the header (the coordinator, once, before any child
             attaches); otherwise check the header against ``layout``.
+        fill_slab: with ``init``, False leaves the slab's free stack empty, to be filled by
+            ``views.slab.fill_free_stack()`` before the first allocation (attaching checks
+            only the slab's header).
         debug: pass ``debug=True`` to every ``SlotQueues`` (owner-pid checks).
 
     Raises:
@@ -430,6 +434,7 @@ def attach(
         layout.block_count,
         layout.block_bytes,
         init=init,
+        fill=fill_slab,
     )
     segment.track(slab)
     at = layout.ftab_offset

@@ -14,7 +14,8 @@ Protocol with the coordinator (one duplex Connection; see ``_protocol``):
     zygote -> READY                     after attaching
     coord  -> SPAWN(slot)               zygote forks, answers SPAWNED(slot, pid) and then sends
                                         the coordinator's end of the worker's socket pair as an
-                                        fd (``send_handle``)
+                                        fd (``send_handle``); one per worker is queued while
+                                        the zygote starts up
     zygote -> EXITED(slot, pid, code)   a worker exited (reaped here; its pidfd fired)
     coord  -> STOP                      spawn no more; exit once every worker has been reaped
 
@@ -69,6 +70,7 @@ class ZygoteConfig:
         coordinator_pid: int,
         worker_options: WorkerOptions,
         close_fds: list[int],
+        views: SegmentViews | None = None,
     ) -> None:
         self.conn = conn
         self.segment = segment
@@ -78,6 +80,9 @@ class ZygoteConfig:
         self.coordinator_pid = coordinator_pid
         self.worker_options = worker_options
         self.close_fds = close_fds  # fork start method: coordinator-side fds inherited by accident
+        # Fork start method: the workers' views, attached by the pool's process before the fork
+        # (inherited, never pickled), so that the zygote's path to its first fork is shorter.
+        self.views = views
 
 
 def zygote_main(cfg: ZygoteConfig) -> None:
@@ -88,7 +93,7 @@ def zygote_main(cfg: ZygoteConfig) -> None:
         for fd in cfg.close_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        views = attach(cfg.segment, cfg.layout, cfg.locks)
+        views = cfg.views if cfg.views is not None else attach(cfg.segment, cfg.layout, cfg.locks)
         _Zygote(cfg, views).serve()
     except BaseException:
         _print_exc()
