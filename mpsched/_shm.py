@@ -81,7 +81,8 @@ __all__ = (
 # sweep_stale_names() decide whether the creator is still alive.
 SEM_PREFIX = "mpsched"
 SHM_DIR = "/dev/shm"  # where glibc puts named semaphores, as "sem.<name without slash>"
-_SEM_FILE_RE = re.compile(r"^sem\." + SEM_PREFIX + r"-(\d+)-[0-9a-f]+$")
+# Compiled on first use (re caches it), not at import: only the coordinator sweeps.
+_SEM_FILE_PATTERN = r"^sem\." + SEM_PREFIX + r"-(\d+)-[0-9a-f]+$"
 
 # _multiprocessing.SemLock kinds (Modules/_multiprocessing/semaphore.c: enum {RECURSIVE_MUTEX,
 # SEMAPHORE}). We never use RECURSIVE_MUTEX: its release() from another process raises, and the
@@ -419,7 +420,7 @@ def sweep_stale_names(shm_dir: str = SHM_DIR) -> list[str]:
     except FileNotFoundError:
         return removed
     for entry in entries:
-        match = _SEM_FILE_RE.match(entry)
+        match = re.match(_SEM_FILE_PATTERN, entry)
         if match is None or _pid_alive(int(match.group(1))):
             continue
         name = "/" + entry[len("sem.") :]
