@@ -11,8 +11,7 @@ Called from: ``_pool`` starts ``zygote_main`` as the target of ``ctx.Process``. 
 process only; ``_spawn`` runs the worker (``_worker.worker_main``) in the forked child.
 
 Protocol with the coordinator (one duplex Connection; see ``_protocol``):
-    zygote -> READY                     after attaching and forking the first worker (its SPAWN
-                                        is queued by then; READY precedes its SPAWNED)
+    zygote -> READY                     after attaching
     coord  -> SPAWN(slot)               zygote forks, answers SPAWNED(slot, pid) and then sends
                                         the coordinator's end of the worker's socket pair as an
                                         fd (``send_handle``); one per worker is queued while
@@ -113,14 +112,9 @@ class _Zygote:
         self.poller.register(self.conn.fileno(), select.POLLIN)
         self.children: dict[int, tuple[int, int]] = {}  # pidfd -> (slot, pid)
         self.stopping = False
-        self.ready_sent = False
 
     def serve(self) -> None:
-        # READY goes out right after the first worker's fork (its SPAWN is queued by now):
-        # that worker then starts while the coordinator still waits, instead of competing for
-        # a CPU with the coordinator's reaction to READY (returning from Pool(), the submit).
-        self._on_command()
-        self._send_ready()  # the first command was not a SPAWN
+        self.conn.send_bytes(encode(Tag.READY))
         while not (self.stopping and not self.children):
             for fd, _ in self.poller.poll():
                 if fd == self.conn.fileno():
@@ -140,14 +134,6 @@ class _Zygote:
         elif tag is Tag.STOP:
             self.stopping = True
 
-    def _send_ready(self) -> None:
-        if not self.ready_sent:
-            self.ready_sent = True
-            try:
-                self.conn.send_bytes(encode(Tag.READY))
-            except OSError:
-                self._coordinator_gone()
-
     def _spawn(self, slot: int) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         zygote_pid = os.getpid()
@@ -159,7 +145,6 @@ class _Zygote:
         pidfd = os.pidfd_open(pid)
         self.children[pidfd] = (slot, pid)
         self.poller.register(pidfd, select.POLLIN)
-        self._send_ready()
         try:
             self.conn.send_bytes(encode(Tag.SPAWNED, slot, pid))
             send_handle(self.conn, ours.fileno(), self.cfg.coordinator_pid)
