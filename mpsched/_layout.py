@@ -9,8 +9,10 @@ segment so that ``AnonSegment.close()`` releases them first. It composes the lea
 
 Who calls what:
     coordinator: ``SegmentLayout(...)``, ``AnonSegment.create(layout.total_bytes)``,
-        ``create_locks(n_slots)``, ``attach(..., init=True)`` BEFORE starting the zygote;
-        ``locks.unlink_names()`` once the zygote has attached.
+        ``create_locks(n_slots)``, ``attach(..., init=True, fill_slab=False)`` BEFORE starting
+        the zygote, ``views.slab.fill_free_stack()`` while it starts (before any allocation);
+        ``locks.unlink_names()`` once the zygote has attached. Under the fork start method it
+        also attaches the zygote's views before the fork (the zygote inherits them).
     zygote / workers: ``attach(segment, layout, locks)`` (checks magic, version and sizes).
 
 Segment:
