@@ -9,7 +9,6 @@ leaves; only ``_pool`` knows about both sides. Public names come only from this 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
 from mpsched._errors import BrokenPoolError as BrokenPoolError
 from mpsched._errors import InvalidTransition as InvalidTransition
@@ -18,11 +17,15 @@ from mpsched._errors import PoolClosedError as PoolClosedError
 from mpsched._errors import SchedulerClosed as SchedulerClosed
 from mpsched._errors import TaskCancelled as TaskCancelled
 from mpsched._errors import WorkerCrashedError as WorkerCrashedError
-from mpsched._task import Due as Due
-from mpsched._task import TaskState as TaskState
-from mpsched._task import Wait as Wait
 
+# typing.TYPE_CHECKING without importing typing: the zygote imports this package and the
+# worker-side modules, and typing would add a few ms to every pool's start-up (the modules the
+# zygote imports use typing only in annotations). Type checkers treat any name TYPE_CHECKING
+# in a condition as true.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from mpsched._future import Future as Future
     from mpsched._options import TaskOptions as TaskOptions
     from mpsched._pool import Pool as Pool
@@ -31,15 +34,20 @@ if TYPE_CHECKING:
     from mpsched._pool import WorkerStatistics as WorkerStatistics
     from mpsched._scheduler import Scheduler as Scheduler
     from mpsched._serialize import TaskPicklingError as TaskPicklingError
+    from mpsched._task import Due as Due
+    from mpsched._task import TaskState as TaskState
+    from mpsched._task import Wait as Wait
     from mpsched._worker import ChildFuture as ChildFuture
     from mpsched._worker import TaskContext as TaskContext
     from mpsched._worker import current_task as current_task
     from mpsched._worker import submit as submit
 
 # Imported on first use: the zygote and the workers import this package too, and must not pay
-# for the coordinator's side (concurrent.futures, threads, the pool) on every start-up.
+# for the coordinator's side (concurrent.futures, threads, the pool, the scheduler's types and
+# the enum and named tuple classes they build) on every start-up.
 _LAZY = {
     "ChildFuture": "mpsched._worker",
+    "Due": "mpsched._task",
     "Future": "mpsched._future",
     "Pool": "mpsched._pool",
     "PoolStatistics": "mpsched._pool",
@@ -47,7 +55,9 @@ _LAZY = {
     "TaskContext": "mpsched._worker",
     "TaskOptions": "mpsched._options",
     "TaskPicklingError": "mpsched._serialize",
+    "TaskState": "mpsched._task",
     "TaskSubmitter": "mpsched._pool",
+    "Wait": "mpsched._task",
     "WorkerStatistics": "mpsched._pool",
     "current_task": "mpsched._worker",
     "submit": "mpsched._worker",

@@ -185,6 +185,8 @@ class Coordinator:
         self.stash: dict[int, bytes] = {}
         self.parked_fetches: dict[int, list[Connection]] = {}
         self.workers: list[WorkerHandle | None] = [None] * n_workers
+        # Slots whose worker was asked for (SPAWN) and not registered yet (SPAWNED not read).
+        self.starting: set[int] = set()
         self.by_fd: dict[int, WorkerHandle] = {}
         self.exit_codes: dict[int, int] = {}  # pid -> exit code, from the zygote
         self.draining = False  # set once shutdown began: no task may come in after it
@@ -205,21 +207,34 @@ class Coordinator:
         self.wakeup_fd = wakeup_fd
         self.epoll.register(wakeup_fd, select.EPOLLIN)
         self.epoll.register(zygote_conn.fileno(), select.EPOLLIN)
+        # The thread is started while the zygote starts up and waits for this before its loop
+        # (only the pool's thread reads the zygote's READY); start_aborted: it returns at once.
+        self.go = threading.Event()
+        self.start_aborted = False
         self.finished = threading.Event()
 
     # ------------------------------------------------------------------ start-up
-    def spawn_all(self, timeout: float) -> None:
-        """Before the thread starts: ask the zygote for every worker; wait for the first only
-        (the others are registered by the loop as they come, as ProcessPoolExecutor starts its
-        workers while the first task already runs). Tasks wait in an unstarted worker's inbox
-        or are stolen; they are not lost."""
+    def spawn_all(self) -> None:
+        """Before the loop runs: ask the zygote for every worker at once (it reads the SPAWNs
+        after READY). The loop registers each worker as its SPAWNED comes; until then a task
+        may already be injected into its inbox (``dispatch_one``), where the worker finds it
+        when it starts, or a peer steals it. Nothing waits for the round trip."""
         for slot in range(self.n_workers):
-            self.zygote.send_bytes(encode(Tag.SPAWN, slot))
-        deadline = time.monotonic() + timeout
-        while all(w is None for w in self.workers):
-            if not self.zygote.poll(max(0.0, deadline - time.monotonic())):
-                raise BrokenPoolError(f"the pool's zygote did not start within {timeout} s")
-            self.on_zygote_message(block=True)
+            self.spawn(slot)
+
+    def spawn(self, slot: int) -> None:
+        self.starting.add(slot)
+        self.zygote.send_bytes(encode(Tag.SPAWN, slot))
+
+    def wait_ready(self, timeout: float) -> None:
+        """Before the loop runs, in the pool's thread: wait for the zygote's READY (it has
+        opened the locks: their names may go; a zygote that cannot start fails the pool's
+        creation here)."""
+        if not self.zygote.poll(timeout):
+            raise BrokenPoolError(f"the pool's zygote did not start within {timeout} s")
+        tag = self.read_zygote()[0]
+        if tag is not Tag.READY:
+            raise ProtocolError(f"the zygote sent {tag.name} before READY")
 
     # ------------------------------------------------------------------ user-thread API
     def check_usable(self) -> None:
@@ -261,14 +276,17 @@ class Coordinator:
             return False
         n = self.n_workers
         slots = self.slots
-        # An awake worker first (it may still be spinning after its last task: no wake-up).
-        for awake_only in (True, False):
+        workers = self.workers
+        # An awake worker first (it may still be spinning after its last task: no wake-up), then
+        # any worker, then a worker still starting: it finds the task when it starts (right
+        # after the pool's creation, the first task does not wait for the SPAWNED round trip).
+        for rank in (0, 1, 2):
             for i in range(n):
                 k = (self.next_slot + i) % n
                 if (
-                    self.workers[k] is not None
+                    (workers[k] is not None if rank < 2 else k in self.starting)
                     and slots[k].inbox_depth() < self.window
-                    and not (awake_only and slots[k].is_sleeping())
+                    and not (rank == 0 and slots[k].is_sleeping())
                 ):
                     self.next_slot = (k + 1) % n
                     return self.inject(k, [future], future._priority) == 1
@@ -409,6 +427,10 @@ class Coordinator:
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         self.thread_id = threading.get_ident()
+        self.go.wait()
+        if self.start_aborted:  # the pool's creation failed: nothing to run or to clean here
+            self.finished.set()
+            return
         try:
             self.loop()
         except BaseException as exc:
@@ -726,6 +748,7 @@ class Coordinator:
         (long tasks) it spins only now and then."""
         if (
             future._slot < 0
+            or future._slot in self.starting  # a fork away at least: spinning takes its CPU
             or self.ready  # queued work: the coordinator must go on dispatching anyway
             or len(self.by_handle) > self.n_workers
             or threading.get_ident() == self.thread_id
@@ -824,6 +847,9 @@ class Coordinator:
                 return self.stash.pop(key)
         while key not in self.stash:
             worker = self.workers[slot]
+            if worker is None and slot in self.starting:  # its SPAWNED (and socket) is on the way
+                self.on_zygote_message(block=True)
+                continue
             if worker is None:
                 raise ProtocolError(f"stashed result {key} lost with worker {slot}")
             self.on_worker_message(worker, worker.conn.recv_bytes())
@@ -929,15 +955,10 @@ class Coordinator:
     def on_zygote_message(self, block: bool) -> None:
         if not block and not self.zygote.poll():
             return
-        try:
-            tag, fields = decode(self.zygote.recv_bytes())
-        except (EOFError, OSError) as exc:
-            raise BrokenPoolError(
-                "the pool's zygote process died (if this happened at start-up, its traceback "
-                "is above: e.g. the main module could not be imported under spawn)"
-            ) from exc
+        tag, fields = self.read_zygote()
         if tag is Tag.SPAWNED:
             slot, pid = fields
+            self.starting.discard(slot)
             fd = recv_handle(self.zygote)
             conn = Connection(fd)
             try:
@@ -954,10 +975,17 @@ class Coordinator:
                 self.retired_pids.discard(pid)
             else:
                 self.exit_codes[pid] = code
-        elif tag is Tag.READY:
-            pass
         else:
             raise ProtocolError(f"unexpected {tag.name} from the zygote")
+
+    def read_zygote(self) -> tuple[Tag, tuple[Any, ...]]:
+        try:
+            return decode(self.zygote.recv_bytes())
+        except (EOFError, OSError) as exc:
+            raise BrokenPoolError(
+                "the pool's zygote process died (if this happened at start-up, its traceback "
+                "is above: e.g. the main module could not be imported under spawn)"
+            ) from exc
 
     # ------------------------------------------------------------------ worker death
     def on_worker_gone(self, worker: WorkerHandle) -> None:
@@ -968,14 +996,14 @@ class Coordinator:
         if worker.retiring:  # a clean exit: nothing ran, nothing is held; replace it
             self.recycled += 1
             if not self.draining or not self.all_done():
-                self.zygote.send_bytes(encode(Tag.SPAWN, worker.slot))
+                self.spawn(worker.slot)
             return
         self.crashes += 1
         code = self.wait_exit_code(worker.pid)
         self.recover_slot(worker, code)
         if not self.draining or not self.all_done():
             self.respawns += 1
-            self.zygote.send_bytes(encode(Tag.SPAWN, worker.slot))
+            self.spawn(worker.slot)
 
     def forget_worker(self, worker: WorkerHandle) -> None:
         fd = worker.conn.fileno()
@@ -1189,20 +1217,31 @@ class Coordinator:
             future.cancel()  # wins only against a claim that has not happened
 
     def drain_workers(self) -> None:
-        """The handshake: DRAIN to every worker, read until DRAINED or EOF, then STOP."""
-        live = [w for w in self.workers if w is not None]
-        for worker in live:
-            with contextlib.suppress(OSError):
-                worker.conn.send_bytes(_DRAIN)
+        """The handshake: DRAIN to every worker, read until DRAINED or EOF, then STOP.
+
+        A worker still starting (its SPAWN was sent, so the zygote forks it before it reads
+        STOP) is waited for and drained too: STOP first would leave the zygote's SPAWNED
+        unread and that worker undrained."""
+        live: list[WorkerHandle] = []
         deadline = time.monotonic() + DRAIN_TIMEOUT
-        while any(self.workers[w.slot] is w for w in live):
+        while True:
+            for worker in self.workers:
+                if worker is not None and not any(worker is w for w in live):
+                    live.append(worker)
+                    with contextlib.suppress(OSError):
+                        worker.conn.send_bytes(_DRAIN)
+            if not self.starting and not any(self.workers[w.slot] is w for w in live):
+                break
             timeout = deadline - time.monotonic()
             if timeout <= 0:
                 break
             for fd, _ in self.epoll.poll(timeout):
                 if fd == self.zygote.fileno():
-                    with contextlib.suppress(BrokenPoolError):
+                    try:
                         self.on_zygote_message(block=False)
+                    except BrokenPoolError:  # the zygote is gone: no worker will start
+                        self.epoll.unregister(fd)
+                        self.starting.clear()
                 elif (readable := self.by_fd.get(fd)) is not None:
                     self.on_worker_readable(readable)
         for worker in live:

@@ -9,8 +9,10 @@ segment so that ``AnonSegment.close()`` releases them first. It composes the lea
 
 Who calls what:
     coordinator: ``SegmentLayout(...)``, ``AnonSegment.create(layout.total_bytes)``,
-        ``create_locks(n_slots)``, ``attach(..., init=True)`` BEFORE starting the zygote;
-        ``locks.unlink_names()`` once the zygote has attached.
+        ``create_locks(n_slots)``, ``attach(..., init=True, fill_slab=False)`` BEFORE starting
+        the zygote, ``views.slab.fill_free_stack()`` while it starts (before any allocation);
+        ``locks.unlink_names()`` once the zygote has attached. Under the fork start method it
+        also attaches the zygote's views before the fork (the zygote inherits them).
     zygote / workers: ``attach(segment, layout, locks)`` (checks magic, version and sizes).
 
 Segment:
@@ -51,16 +53,19 @@ Global header (int64 words):
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import os
 from collections.abc import Callable
-from typing import Any
 
 from mpsched._errors import InternalError
 from mpsched._payloads import BLOCK_BYTES, FTAB_DATA_BYTES, FTAB_MAX_FIDS, FunctionTable, Slab
 from mpsched._shm import AnonSegment, GuardedLock, SemLockHandle, create_lock
 from mpsched._shm_deque import SlotQueues, slot_bytes
+
+# typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = (
     "LAYOUT_VERSION",
@@ -111,22 +116,49 @@ _LIVE_CHILDREN = int(GlobalField.LIVE_CHILDREN)
 _COLLECTOR = int(GlobalField.COLLECTOR)
 
 
-@dataclasses.dataclass(frozen=True)
+# The records below are plain classes, not dataclasses: the zygote imports this module, and
+# dataclasses (with inspect, ast and dis) would add ~10 ms to the start-up of every pool.
+
+
 class SegmentLayout:
     """Sizes of a pool's shared structures and the offsets they imply (all in bytes)."""
 
-    n_slots: int
-    deque_capacity: int = 1024  # children per worker before push() fails and runs inline
-    inbox_capacity: int = 256  # coordinator hand-outs queued per worker
-    done_capacity: int = 1024  # finished top-level tasks per worker; >= the tasks in flight
-    block_count: int = 32768  # payload blocks: 32 MiB virtual at 1 KiB, sparse
-    block_bytes: int = BLOCK_BYTES
-    ftab_data_bytes: int = FTAB_DATA_BYTES
-    ftab_max_fids: int = FTAB_MAX_FIDS
+    __slots__ = _LAYOUT_FIELDS = (
+        "n_slots",
+        "deque_capacity",
+        "inbox_capacity",
+        "done_capacity",
+        "block_count",
+        "block_bytes",
+        "ftab_data_bytes",
+        "ftab_max_fids",
+    )
 
-    def __post_init__(self) -> None:
-        if self.n_slots <= 0:
-            raise ValueError(f"n_slots must be positive, got {self.n_slots}")
+    def __init__(
+        self,
+        n_slots: int,
+        deque_capacity: int = 1024,  # children per worker before push() fails and runs inline
+        inbox_capacity: int = 256,  # coordinator hand-outs queued per worker
+        done_capacity: int = 1024,  # finished top-level tasks per worker; >= the tasks in flight
+        block_count: int = 32768,  # payload blocks: 32 MiB virtual at 1 KiB, sparse
+        block_bytes: int = BLOCK_BYTES,
+        ftab_data_bytes: int = FTAB_DATA_BYTES,
+        ftab_max_fids: int = FTAB_MAX_FIDS,
+    ) -> None:
+        if n_slots <= 0:
+            raise ValueError(f"n_slots must be positive, got {n_slots}")
+        self.n_slots = n_slots
+        self.deque_capacity = deque_capacity
+        self.inbox_capacity = inbox_capacity
+        self.done_capacity = done_capacity
+        self.block_count = block_count
+        self.block_bytes = block_bytes
+        self.ftab_data_bytes = ftab_data_bytes
+        self.ftab_max_fids = ftab_max_fids
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._LAYOUT_FIELDS)
+        return f"SegmentLayout({fields})"
 
     @property
     def slot_bytes(self) -> int:
@@ -178,7 +210,6 @@ class SegmentLayout:
         }
 
 
-@dataclasses.dataclass(frozen=True)
 class SegmentLocks:
     """Every lock a pool's segment needs; each guards one thing only (gh-125451).
 
@@ -187,9 +218,20 @@ class SegmentLocks:
     words at once, and it takes just the victim's lock (its own words need none).
     """
 
-    slots: tuple[SemLockHandle, ...]  # one per worker slot: that slot's deque + inbox
-    slab: SemLockHandle  # the slab's free stack
-    global_: SemLockHandle  # the global header's counters (sleepers, live_children)
+    __slots__ = ("global_", "slab", "slots")
+
+    def __init__(
+        self,
+        slots: tuple[SemLockHandle, ...],  # one per worker slot: that slot's deque + inbox
+        slab: SemLockHandle,  # the slab's free stack
+        global_: SemLockHandle,  # the global header's counters (sleepers, live_children)
+    ) -> None:
+        self.slots = slots
+        self.slab = slab
+        self.global_ = global_
+
+    def __repr__(self) -> str:
+        return f"SegmentLocks(slots={self.slots!r}, slab={self.slab!r}, global_={self.global_!r})"
 
     def all(self) -> tuple[SemLockHandle, ...]:
         return (*self.slots, self.slab, self.global_)
@@ -310,14 +352,22 @@ class GlobalHeader:
         self._w.release()
 
 
-@dataclasses.dataclass(frozen=True)
 class SegmentViews:
     """Every view object over one pool segment, for the process that attached."""
 
-    header: GlobalHeader
-    slots: tuple[SlotQueues, ...]
-    slab: Slab
-    functions: FunctionTable
+    __slots__ = ("functions", "header", "slab", "slots")
+
+    def __init__(
+        self,
+        header: GlobalHeader,
+        slots: tuple[SlotQueues, ...],
+        slab: Slab,
+        functions: FunctionTable,
+    ) -> None:
+        self.header = header
+        self.slots = slots
+        self.slab = slab
+        self.functions = functions
 
     def release(self) -> None:
         """Release all views (``AnonSegment.close`` does this for tracked ones)."""
@@ -334,6 +384,7 @@ def attach(
     locks: SegmentLocks,
     *,
     init: bool = False,
+    fill_slab: bool = True,
     debug: bool = False,
 ) -> SegmentViews:
     """Build every view over ``segment``; each is registered with ``segment.track``.
@@ -341,6 +392,9 @@ def attach(
     Args:
         init: format every region and the header (the coordinator, once, before any child
             attaches); otherwise check the header against ``layout``.
+        fill_slab: with ``init``, False leaves the slab's free stack empty, to be filled by
+            ``views.slab.fill_free_stack()`` before the first allocation (attaching checks
+            only the slab's header).
         debug: pass ``debug=True`` to every ``SlotQueues`` (owner-pid checks).
 
     Raises:
@@ -382,6 +436,7 @@ def attach(
         layout.block_count,
         layout.block_bytes,
         init=init,
+        fill=fill_slab,
     )
     segment.track(slab)
     at = layout.ftab_offset

@@ -89,9 +89,13 @@ import enum
 import os
 from array import array
 from collections.abc import Sequence
-from typing import Protocol
 
 from mpsched._errors import InternalError
+
+# typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Protocol
 
 __all__ = (
     "BLOCK_BYTES",
@@ -163,13 +167,15 @@ def _refresh_pid() -> None:
 os.register_at_fork(after_in_child=_refresh_pid)
 
 
-class LockLike(Protocol):
-    """A cross-process lock (``_shm.SemLockHandle``). Structurally the same protocol as
-    ``_shm_deque.LockLike``: leaf modules do not import each other."""
+if TYPE_CHECKING:  # structural types, for annotations only
 
-    def acquire(self, block: bool = ..., timeout: float | None = ..., /) -> bool: ...
+    class LockLike(Protocol):
+        """A cross-process lock (``_shm.SemLockHandle``). Structurally the same protocol as
+        ``_shm_deque.LockLike``: leaf modules do not import each other."""
 
-    def release(self) -> None: ...
+        def acquire(self, block: bool = ..., timeout: float | None = ..., /) -> bool: ...
+
+        def release(self) -> None: ...
 
 
 def _round_up(n: int, unit: int) -> int:
@@ -192,6 +198,7 @@ class Slab:
         block_bytes: int = BLOCK_BYTES,
         *,
         init: bool = False,
+        fill: bool = True,
     ) -> None:
         """Attach to (with ``init=True``: format) a slab region.
 
@@ -200,7 +207,10 @@ class Slab:
             lock: the allocator lock, used for nothing else.
             block_count: N.
             block_bytes: B, a multiple of 64 larger than the 64-byte header.
-            init: fill the free stack (the creator, once, before others attach).
+            init: write the header and fill the free stack (the creator, once, before others
+                attach).
+            fill: with ``init``, False leaves the free stack empty (no block is free) for a
+                later ``fill_free_stack``.
 
         Raises:
             InternalError: not ``init`` and the header does not match.
@@ -225,18 +235,25 @@ class Slab:
         self._release = lock.release
         w = self._w
         if init:
-            self._stack[:] = array("q", range(block_count - 1, -1, -1))  # alloc() yields 0 first
             w[_S_BLOCK_COUNT] = block_count
             w[_S_BLOCK_BYTES] = block_bytes
             w[_HOLDER_PID] = 0
-            w[_FREE_TOP] = block_count
+            w[_FREE_TOP] = 0
             w[_S_MAGIC] = SLAB_MAGIC
+            if fill:
+                self.fill_free_stack()
         elif (w[_S_MAGIC], w[_S_BLOCK_COUNT], w[_S_BLOCK_BYTES]) != (
             SLAB_MAGIC,
             block_count,
             block_bytes,
         ):
             raise InternalError("slab header mismatch: wrong offset or layout")
+
+    def fill_free_stack(self) -> None:
+        """The creator, once, after ``init`` and before any allocation: every block is free.
+        ~0.5 ms for 4096 blocks (a Python int per word, and the stack's first page faults)."""
+        self._stack[:] = array("q", range(self.capacity - 1, -1, -1))  # alloc() yields 0 first
+        self._w[_FREE_TOP] = self.capacity
 
     # ---- allocation (allocator lock) ----
 

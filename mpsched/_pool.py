@@ -6,10 +6,15 @@ or queue and wakes the coordinator loop.
 
 Start-up, in order (the reasons are in docs/design.md):
   1. sweep semaphore names left by a process that died inside the start-up window;
-  2. create the memfd segment (no name), the locks (named for now), one wake eventfd per slot;
+  2. create the memfd segment (no name), the locks (named for now), one wake eventfd per slot,
+     and format the segment but for the slab's free stack;
   3. start the zygote through the start method; it opens the locks and maps the segment;
-  4. on READY, unlink every lock name: from here on nothing of the pool has a name;
-  5. the zygote forks the workers; the coordinator thread starts.
+     meanwhile build the coordinator, queue one SPAWN per worker, fill the free stack and
+     start the coordinator thread (it waits);
+  4. on READY, unlink every lock name (from here on nothing of the pool has a name), let the
+     coordinator thread go and return: the workers are not waited for;
+  5. the zygote forks the workers; the coordinator thread registers each as its SPAWNED
+     comes. A task submitted before may wait in a starting worker's inbox.
 
 Lifecycle: RUNNING -> DRAINING (shutdown called: no new work; the coordinator drains) ->
 CLOSED (workers and zygote gone, resources released). ``shutdown`` is idempotent and may be
@@ -213,14 +218,21 @@ class Pool:
         self._wakeup = Wakeup()
         locks = create_locks(n)
         try:
-            guarded = locks.guarded(self._on_lock_stall)
-            self._views = attach(self._segment, layout, guarded, init=True)
             self._wake_fds = [SharedFd(create_eventfd()) for _ in range(n)]
+            guarded = locks.guarded(self._on_lock_stall)
+            # Format the segment, which the zygote checks when it attaches; the bulk of it,
+            # the slab's free stack, is filled below while the zygote starts up.
+            self._views = attach(self._segment, layout, guarded, init=True, fill_slab=False)
+            zygote_conn = self._start_zygote(layout, locks)
+            # While the zygote starts up: build the coordinator, queue every SPAWN (the zygote
+            # reads them after READY), fill the free stack (no block is allocated before
+            # Pool() returns) and start the coordinator thread (it waits for go). None of it
+            # is then on the path to the first result.
             self._functions = FunctionCache(self._views.functions.add)
             self._coordinator = Coordinator(
                 self._views,
                 self._wake_fds,
-                self._start_zygote(layout, locks),
+                zygote_conn,
                 self._wakeup.fileno(),
                 self._wakeup.wakeup,
                 self._wakeup.clear,
@@ -232,20 +244,34 @@ class Pool:
                 timed_after_shutdown=self._timed_after_shutdown,
                 recurring_after_shutdown=self._recurring_after_shutdown,
             )
-            # The SPAWN commands are queued at once; the zygote reads them after READY, and the
-            # first SPAWNED proves READY came (it opened the locks): then no name is needed.
-            self._coordinator.spawn_all(STARTUP_TIMEOUT)
+            self._coordinator.spawn_all()
+            self._views.slab.fill_free_stack()
+            self._thread = threading.Thread(
+                target=self._coordinator.run, name="mpsched-coordinator", daemon=True
+            )
+            self._thread.start()
+            # READY: the zygote opened the locks, so their names can go. The workers are not
+            # waited for: a first task waits in a starting worker's inbox (see dispatch_one).
+            self._coordinator.wait_ready(STARTUP_TIMEOUT)
         except BaseException:
-            self._teardown()
+            self._abort_start()
             raise
         finally:
             locks.unlink_names()  # from here on, nothing of the pool has a name
-        self._thread = threading.Thread(
-            target=self._coordinator.run, name="mpsched-coordinator", daemon=True
-        )
-        self._thread.start()
+        self._coordinator.go.set()
         self._started = True
         _live_pools.add(self)
+
+    def _abort_start(self) -> None:
+        """Start-up failed: end the waiting coordinator thread, then undo the rest."""
+        coordinator = getattr(self, "_coordinator", None)
+        if coordinator is not None:
+            coordinator.start_aborted = True
+            coordinator.go.set()
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread.ident is not None:
+            thread.join()
+        self._teardown()
 
     def _on_lock_stall(self, kind: str, index: int, lock: Any, waited: float) -> None:
         coordinator = getattr(self, "_coordinator", None)
@@ -258,6 +284,7 @@ class Pool:
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         self._zygote_conn = parent_conn
         _coordinator_fds.add(parent_conn.fileno())
+        fork = self._start_method == "fork"
         cfg = ZygoteConfig(
             conn=child_conn,
             segment=self._segment,
@@ -266,7 +293,10 @@ class Pool:
             wake_fds=self._wake_fds,
             coordinator_pid=os.getpid(),
             worker_options=self._worker_options,
-            close_fds=sorted(_coordinator_fds) if self._start_method == "fork" else [],
+            close_fds=sorted(_coordinator_fds) if fork else [],
+            # Under fork the zygote inherits the workers' views: attaching here costs ~0.1 ms,
+            # in the zygote (copy-on-write faults after the fork) ~0.7 ms on the start-up path.
+            views=attach(self._segment, layout, locks) if fork else None,
         )
         self._zygote = ctx.Process(
             target=zygote_main, args=(cfg,), name="mpsched-zygote", daemon=True

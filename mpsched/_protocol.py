@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import enum
 import pickle
-import traceback
-from typing import Any
 
 from mpsched._errors import ProtocolError
+
+# typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 PICKLE_PROTOCOL = 5  # out-of-band capable; the newest every supported Python reads
 
@@ -114,6 +117,10 @@ def dump_exception(exc: BaseException) -> bytes:
     carries its repr, or its type name if the repr fails too: a hostile exception never takes
     the worker down."""
     try:
+        # Imported here: traceback (with linecache, tokenize, textwrap) costs a few ms, which a
+        # worker should pay at its first error, not every process at start-up.
+        import traceback
+
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     except BaseException:  # user code (__str__) ran in there
         tb = f"{type(exc).__qualname__} (its traceback could not be formatted)"

@@ -29,9 +29,13 @@ import pickle
 import threading
 import types
 from collections.abc import Callable
-from typing import Any, Literal
 
 from mpsched._protocol import PICKLE_PROTOCOL
+
+# typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Literal
 
 INLINE = -1  # fid of a payload that carries its function
 
@@ -105,7 +109,8 @@ def check_task_id_picklable(task_id: Any) -> None:
         raise TypeError(f"task_id must be hashable and picklable: {exc!r}") from exc
 
 
-Call = tuple[int, Any, tuple[Any, ...], dict[str, Any], "tuple[Any, int] | Literal[False]"]
+if TYPE_CHECKING:
+    Call = tuple[int, Any, tuple[Any, ...], dict[str, Any], "tuple[Any, int] | Literal[False]"]
 _VERSION_BYTES = 8  # little-endian version number, after the pickled call
 
 

@@ -11,7 +11,9 @@ What this module owns:
     * ``SharedFd`` and ``create_eventfd``: wake fds passed to a spawn/forkserver child.
     * ``sweep_stale_names``: removes semaphore names left by a creator that died inside the
       start-up window.
-    This is the ONLY module that touches private CPython API (``_multiprocessing``):
+    * ``death_signal_setter``: ``prctl(PR_SET_PDEATHSIG)`` for the zygote's workers.
+    This is the ONLY module that touches private CPython API (``_multiprocessing``; and
+    ``_ctypes`` for that one ``prctl`` call, see ``death_signal_setter``):
     ``SemLock(kind, value, maxvalue, name, unlink)``, ``SemLock._rebuild(handle, kind, maxvalue,
     name)`` and ``sem_unlink(name)``, as in 3.11's Modules/_multiprocessing/semaphore.c (the same
     calls ``multiprocessing.synchronize`` makes). If they change, only this file changes.
@@ -50,23 +52,26 @@ import _multiprocessing  # type: ignore[import-not-found]  # private C module, n
 import mmap
 import os
 import re
-import secrets
 import weakref
 from collections.abc import Callable
 from multiprocessing import context, reduction
-from typing import Any, Literal, Protocol
 
 from mpsched._errors import InternalError
+
+# typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Literal, Protocol
 
 __all__ = (
     "SEM_PREFIX",
     "AnonSegment",
-    "Releasable",
     "SemLockHandle",
     "SharedFd",
     "create_eventfd",
     "create_lock",
     "create_semaphore",
+    "death_signal_setter",
     "open_lock",
     "sweep_stale_names",
     "unlink_lock_name",
@@ -76,7 +81,8 @@ __all__ = (
 # sweep_stale_names() decide whether the creator is still alive.
 SEM_PREFIX = "mpsched"
 SHM_DIR = "/dev/shm"  # where glibc puts named semaphores, as "sem.<name without slash>"
-_SEM_FILE_RE = re.compile(r"^sem\." + SEM_PREFIX + r"-(\d+)-[0-9a-f]+$")
+# Compiled on first use (re caches it), not at import: only the coordinator sweeps.
+_SEM_FILE_PATTERN = r"^sem\." + SEM_PREFIX + r"-(\d+)-[0-9a-f]+$"
 
 # _multiprocessing.SemLock kinds (Modules/_multiprocessing/semaphore.c: enum {RECURSIVE_MUTEX,
 # SEMAPHORE}). We never use RECURSIVE_MUTEX: its release() from another process raises, and the
@@ -91,10 +97,12 @@ _NAME_RANDOM_BYTES = 4
 _PRUNE_EVERY = 64
 
 
-class Releasable(Protocol):
-    """Anything with ``release()``: a memoryview, or an object owning views of the segment."""
+if TYPE_CHECKING:  # structural types, for annotations only
 
-    def release(self) -> None: ...
+    class Releasable(Protocol):
+        """Anything with ``release()``: a memoryview, or an object owning views of the segment."""
+
+        def release(self) -> None: ...
 
 
 def _dup_for_child(obj: object, fd: int) -> Any:
@@ -342,7 +350,9 @@ def release_if_orphaned(lock: Any, holder_pid: Callable[[], int], wait: float) -
 
 
 def _new_name() -> str:
-    return f"/{SEM_PREFIX}-{os.getpid()}-{secrets.token_hex(_NAME_RANDOM_BYTES)}"
+    # os.urandom, not secrets: importing secrets loads OpenSSL (hmac, hashlib), a few ms that
+    # the zygote would pay at start-up for a module only the coordinator uses.
+    return f"/{SEM_PREFIX}-{os.getpid()}-{os.urandom(_NAME_RANDOM_BYTES).hex()}"
 
 
 def create_semaphore(value: int = 0, maxvalue: int = SEM_VALUE_MAX) -> SemLockHandle:
@@ -410,13 +420,39 @@ def sweep_stale_names(shm_dir: str = SHM_DIR) -> list[str]:
     except FileNotFoundError:
         return removed
     for entry in entries:
-        match = _SEM_FILE_RE.match(entry)
+        match = re.match(_SEM_FILE_PATTERN, entry)
         if match is None or _pid_alive(int(match.group(1))):
             continue
         name = "/" + entry[len("sem.") :]
         if unlink_lock_name(name):
             removed.append(name)
     return removed
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def death_signal_setter() -> Callable[[int], None]:
+    """For the zygote: a function that asks the kernel to send ``sig`` to the calling process
+    when its parent dies (``prctl(PR_SET_PDEATHSIG, sig)``). Look it up once; call it in each
+    child right after fork.
+
+    Through ``_ctypes``, the C core of ``ctypes`` (``dlopen``, ``dlsym``, ``call_function``,
+    which ``ctypes`` itself is built on): importing ``ctypes`` costs the zygote 2-4 ms on the
+    path of every pool's start-up, ``_ctypes`` ~0.5 ms. Integer arguments pass as C ints, as
+    through ``ctypes.CDLL``; errno is not captured (the call fails only for a bad signal).
+    """
+    import _ctypes
+
+    # dlopen(NULL): the program's global symbols, as ctypes.CDLL(None); the stub wants a path.
+    prctl = _ctypes.dlsym(_ctypes.dlopen(None), "prctl")  # type: ignore[arg-type]
+    call = _ctypes.call_function
+
+    def set_death_signal(sig: int) -> None:
+        if call(prctl, (PR_SET_PDEATHSIG, sig, 0, 0, 0)) != 0:
+            raise OSError(f"prctl(PR_SET_PDEATHSIG, {sig}) failed")
+
+    return set_death_signal
 
 
 def create_eventfd() -> int:

@@ -117,16 +117,18 @@ import enum
 import os
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
 
 from mpsched._errors import InternalError
+
+# typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Protocol
 
 __all__ = (
     "MAX_NESTING",
     "SLOT_MAGIC",
     "TOMBSTONE",
-    "BlockStates",
-    "LockLike",
     "SlotQueues",
     "StealResult",
     "slot_bytes",
@@ -175,20 +177,21 @@ def _refresh_pid() -> None:
 os.register_at_fork(after_in_child=_refresh_pid)
 
 
-class LockLike(Protocol):
-    """A cross-process lock: ``_shm.SemLockHandle``, or ``multiprocessing.Lock`` in tests."""
+if TYPE_CHECKING:  # structural types, for annotations only
 
-    def acquire(self, block: bool = ..., timeout: float | None = ..., /) -> bool: ...
+    class LockLike(Protocol):
+        """A cross-process lock: ``_shm.SemLockHandle``, or ``multiprocessing.Lock`` in tests."""
 
-    def release(self) -> None: ...
+        def acquire(self, block: bool = ..., timeout: float | None = ..., /) -> bool: ...
 
+        def release(self) -> None: ...
 
-class BlockStates(Protocol):
-    """Where block state words live (``_payloads.Slab``); a leaf does not import another."""
+    class BlockStates(Protocol):
+        """Where block state words live (``_payloads.Slab``); a leaf does not import another."""
 
-    def get_state(self, index: int, /) -> int: ...
+        def get_state(self, index: int, /) -> int: ...
 
-    def set_state(self, index: int, value: int, /) -> None: ...
+        def set_state(self, index: int, value: int, /) -> None: ...
 
 
 class StealResult(enum.IntEnum):

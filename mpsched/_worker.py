@@ -45,11 +45,8 @@ import select
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Literal
 
 from mpsched._errors import InternalError, TaskCancelled
 from mpsched._layout import SegmentViews
@@ -67,6 +64,11 @@ from mpsched._protocol import (
 from mpsched._serialize import INLINE, decode_call, dumps, encode_call
 from mpsched._shm import SharedFd
 from mpsched._shm_deque import MAX_NESTING, StealResult
+
+# typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Literal
 
 CHILD_QUEUED = int(ChildState.QUEUED)
 CHILD_DONE = int(ChildState.DONE)
@@ -91,17 +93,22 @@ _POKE = encode(Tag.RESULTS)
 _CANCEL_REQUESTED = int(TopState.CANCEL_REQUESTED)
 
 
-@dataclass(frozen=True)
 class WorkerOptions:
-    """Worker tunables, fixed per pool."""
+    """Worker tunables, fixed per pool. A plain class, not a dataclass: the zygote imports this
+    module, and dataclasses (with inspect, ast and dis) would add ~10 ms to every start-up."""
 
-    # Results; poke the coordinator after this many unannounced ones (and whenever idle). The
-    # coordinator also sweeps done rings on a timer, which bounds how long any result waits.
-    result_batch: int = 32
-    # Top-level tasks a worker runs before it retires and is replaced (0: no limit).
-    max_tasks: int = 0
-    # The pool's initializer and its arguments, pickled (b"": none); run once per worker.
-    initializer: bytes = b""
+    __slots__ = ("initializer", "max_tasks", "result_batch")
+
+    def __init__(
+        self, *, result_batch: int = 32, max_tasks: int = 0, initializer: bytes = b""
+    ) -> None:
+        # Results: poke the coordinator after this many unannounced ones (and whenever idle);
+        # the coordinator also sweeps done rings on a timer, which bounds any result's wait.
+        self.result_batch = result_batch
+        # Top-level tasks a worker runs before it retires and is replaced (0: no limit).
+        self.max_tasks = max_tasks
+        # The pool's initializer and its arguments, pickled (b"": none); run once per worker.
+        self.initializer = initializer
 
 
 # The Worker of this process, set by worker_main; None outside workers.
@@ -589,6 +596,8 @@ def worker_main(
         conn.send_bytes(encode(Tag.DRAINED, slot, worker.statistics()))
         return 0
     except BaseException:
+        import traceback  # here, not at the top: see _protocol.dump_exception
+
         text = traceback.format_exc()
         try:
             conn.send_bytes(encode(Tag.FATAL, slot, text))

@@ -14,7 +14,8 @@ Protocol with the coordinator (one duplex Connection; see ``_protocol``):
     zygote -> READY                     after attaching
     coord  -> SPAWN(slot)               zygote forks, answers SPAWNED(slot, pid) and then sends
                                         the coordinator's end of the worker's socket pair as an
-                                        fd (``send_handle``)
+                                        fd (``send_handle``); one per worker is queued while
+                                        the zygote starts up
     zygote -> EXITED(slot, pid, code)   a worker exited (reaped here; its pidfd fired)
     coord  -> STOP                      spawn no more; exit once every worker has been reaped
 
@@ -28,38 +29,60 @@ process behind, and the memfd and the unlinked semaphores vanish with their last
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import select
 import signal
 import socket
 import sys
-import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
-from typing import Any
 
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach
 from mpsched._protocol import Tag, decode, encode
-from mpsched._shm import AnonSegment, SharedFd
-from mpsched._worker import worker_main  # loaded here once; every forked worker inherits it
+from mpsched._shm import AnonSegment, SharedFd, death_signal_setter
+from mpsched._worker import WorkerOptions, worker_main  # loaded once; every worker inherits it
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
+
+# Looked up at import: every worker calls it right after fork, on its start-up path, and under
+# the fork start method the zygote inherits it from the pool's process (imported before).
+_set_death_signal = death_signal_setter()
 
 
-@dataclass
 class ZygoteConfig:
-    """Everything the zygote needs; pickled once when it is spawned (fds travel by DupFd)."""
+    """Everything the zygote needs; pickled once when it is spawned (fds travel by DupFd).
 
-    conn: Connection
-    segment: AnonSegment
-    layout: SegmentLayout
-    locks: SegmentLocks
-    wake_fds: list[SharedFd]
-    coordinator_pid: int
-    worker_options: Any  # _worker.WorkerOptions (kept opaque here)
-    close_fds: list[int]  # fork start method: coordinator-side fds inherited by accident
+    A plain class: a dataclass would make the zygote import dataclasses (and inspect, ast, dis),
+    ~10 ms on the start-up path of every pool.
+    """
+
+    def __init__(
+        self,
+        *,
+        conn: Connection,
+        segment: AnonSegment,
+        layout: SegmentLayout,
+        locks: SegmentLocks,
+        wake_fds: list[SharedFd],
+        coordinator_pid: int,
+        worker_options: WorkerOptions,
+        close_fds: list[int],
+        views: SegmentViews | None = None,
+    ) -> None:
+        self.conn = conn
+        self.segment = segment
+        self.layout = layout
+        self.locks = locks
+        self.wake_fds = wake_fds
+        self.coordinator_pid = coordinator_pid
+        self.worker_options = worker_options
+        self.close_fds = close_fds  # fork start method: coordinator-side fds inherited by accident
+        # Fork start method: the workers' views, attached by the pool's process before the fork
+        # (inherited, never pickled), so that the zygote's path to its first fork is shorter.
+        self.views = views
 
 
 def zygote_main(cfg: ZygoteConfig) -> None:
@@ -70,10 +93,10 @@ def zygote_main(cfg: ZygoteConfig) -> None:
         for fd in cfg.close_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        views = attach(cfg.segment, cfg.layout, cfg.locks)
+        views = cfg.views if cfg.views is not None else attach(cfg.segment, cfg.layout, cfg.locks)
         _Zygote(cfg, views).serve()
     except BaseException:
-        traceback.print_exc(file=sys.stderr)
+        _print_exc()
         code = 1
     finally:
         sys.stderr.flush()
@@ -102,9 +125,8 @@ class _Zygote:
     def _on_command(self) -> None:
         try:
             frame = self.conn.recv_bytes()
-        except (EOFError, OSError):  # the coordinator is gone: take every worker with us
-            self._kill_all()
-            os._exit(0)
+        except (EOFError, OSError):
+            self._coordinator_gone()
         tag, fields = decode(frame)
         if tag is Tag.SPAWN:
             if not self.stopping:
@@ -120,17 +142,21 @@ class _Zygote:
             ours.close()
             self._become_worker(slot, theirs, zygote_pid)
         theirs.close()
-        self.conn.send_bytes(encode(Tag.SPAWNED, slot, pid))
-        send_handle(self.conn, ours.fileno(), self.cfg.coordinator_pid)
-        ours.close()
         pidfd = os.pidfd_open(pid)
         self.children[pidfd] = (slot, pid)
         self.poller.register(pidfd, select.POLLIN)
+        try:
+            self.conn.send_bytes(encode(Tag.SPAWNED, slot, pid))
+            send_handle(self.conn, ours.fileno(), self.cfg.coordinator_pid)
+        except OSError:  # EPIPE: the coordinator closed its end (it is gone, or gave up)
+            self._coordinator_gone()
+        finally:
+            ours.close()
 
     def _become_worker(self, slot: int, sock: socket.socket, zygote_pid: int) -> None:
         code = 1
         try:
-            _die_with_parent()
+            _set_death_signal(signal.SIGKILL)  # SIGKILL us when the zygote dies
             if os.getppid() != zygote_pid:  # the zygote died between fork and prctl
                 os._exit(1)
             for pidfd in self.children:
@@ -144,7 +170,7 @@ class _Zygote:
                 self.cfg.worker_options,
             )
         except BaseException:
-            traceback.print_exc(file=sys.stderr)
+            _print_exc()
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -158,6 +184,12 @@ class _Zygote:
         with contextlib.suppress(OSError):
             self.conn.send_bytes(encode(Tag.EXITED, slot, pid, os.waitstatus_to_exitcode(status)))
 
+    def _coordinator_gone(self) -> NoReturn:
+        """EOF or EPIPE on the control socket: the coordinator is gone (or has given up on
+        us): take every worker with us and exit."""
+        self._kill_all()
+        os._exit(0)
+
     def _kill_all(self) -> None:
         for _, pid in self.children.values():
             with contextlib.suppress(ProcessLookupError):
@@ -169,8 +201,7 @@ class _Zygote:
         self.children.clear()
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent (the zygote) dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+def _print_exc() -> None:
+    import traceback  # only on this path: a few ms at every zygote's start-up otherwise
+
+    traceback.print_exc(file=sys.stderr)

@@ -1,4 +1,5 @@
-"""The codebase's own checks: the public API surface, the layering rule, mypy --strict and ruff."""
+"""The codebase's own checks: the public API surface, the layering rule, what the zygote imports,
+mypy --strict and ruff."""
 
 from __future__ import annotations
 
@@ -36,6 +37,32 @@ def test_leaf_modules_import_no_other_mpsched_module() -> None:
             module = node.module if isinstance(node, ast.ImportFrom) else None
             if module and module.startswith("mpsched"):
                 assert module in LEAF_MAY_IMPORT, f"{path.name} imports {module}"
+
+
+# Imported by none of the modules the zygote loads: each costs the start-up of every pool (the
+# zygote imports them before it forks the first worker) from ~2 ms (typing, traceback, ctypes)
+# to ~10 ms (dataclasses, with inspect, ast and dis).
+ZYGOTE_AVOIDS = {
+    "typing",
+    "ctypes",
+    "dataclasses",
+    "inspect",
+    "traceback",
+    "secrets",
+    "hashlib",
+    "concurrent.futures",
+    "mpsched._pool",
+    "mpsched._coordinator",
+    "mpsched._task",
+}
+
+
+def test_the_zygote_imports_no_heavy_module() -> None:
+    code = "import sys; before = set(sys.modules); import mpsched._zygote; "
+    code += "print(' '.join(sorted(set(sys.modules) - before)))"
+    result = _run([sys.executable, "-c", code])
+    assert result.returncode == 0, result.stderr
+    assert not set(result.stdout.split()) & ZYGOTE_AVOIDS
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:

@@ -1,5 +1,6 @@
 """SIGKILL of the coordinator's process: its zygote and workers are gone within 2 s, and
-nothing of the pool stays in /dev/shm."""
+nothing of the pool stays in /dev/shm. SIGKILL of the zygote: its workers go with it, even
+busy ones (PR_SET_PDEATHSIG), and the pool breaks."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
+
+import mpsched
+
+from . import tasks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEATH_DEADLINE = 2.0  # seconds, from the issue
@@ -60,3 +66,25 @@ def test_sigkill_of_the_coordinator_takes_everything_with_it(start_method: str) 
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
+def test_sigkill_of_the_zygote_takes_its_busy_workers_with_it(start_method: str) -> None:
+    pool = mpsched.Pool(2, start_method=start_method)
+    try:
+        busy = [pool.submit(tasks.spin, 60.0) for _ in range(2)]
+        deadline = time.monotonic() + 20.0
+        # Until both workers run a task: an idle worker would also exit on its socket's EOF.
+        while sum(slot.run_depth() for slot in pool._views.slots) < 2:
+            assert time.monotonic() < deadline, "the workers did not start their tasks"
+            time.sleep(0.01)
+        workers = [psutil.Process(w.pid) for w in pool.statistics().per_worker]
+        os.kill(pool._zygote.pid, signal.SIGKILL)
+        _, alive = psutil.wait_procs(workers, timeout=DEATH_DEADLINE)
+        assert not alive, f"still alive {DEATH_DEADLINE} s after the zygote died: {alive}"
+        for future in busy:
+            with pytest.raises(mpsched.BrokenPoolError):
+                future.result(timeout=20.0)
+    finally:
+        pool.shutdown(wait=True)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 
 from mpsched import BrokenPoolError, Pool
@@ -9,6 +14,21 @@ from mpsched import BrokenPoolError, Pool
 from . import tasks
 
 START_METHODS = ["forkserver", "spawn", "fork"]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# A main module that the spawned zygote cannot import (it is gone by then).
+UNSTARTABLE = """
+import os, threading
+from mpsched import BrokenPoolError, Pool
+
+if __name__ == "__main__":
+    os.remove(__file__)
+    try:
+        Pool(2, start_method="spawn")
+    except BrokenPoolError as exc:
+        print("BrokenPoolError:", exc, flush=True)
+    print("threads:", threading.active_count(), flush=True)
+"""
 
 
 @pytest.mark.timeout(60)
@@ -67,3 +87,33 @@ def test_max_tasks_per_worker_recycles_workers_and_loses_nothing() -> None:
     assert len(per_pid) >= 20
     assert stats.recycled >= 19
     assert stats.crashes == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["forkserver", "fork"])
+def test_a_pool_shut_down_at_once_drains_the_workers_still_starting(
+    start_method: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``Pool()`` returns before its workers have started (they register as they come): a
+    shutdown right away must still drain every one of them, and the zygote must not find its
+    coordinator gone while it reports a new worker (a traceback on stderr)."""
+    for _ in range(3):
+        with Pool(4, start_method=start_method) as pool:
+            pass
+        assert sorted(pool._coordinator.final_stats) == [0, 1, 2, 3]
+    assert capfd.readouterr().err == ""
+
+
+@pytest.mark.timeout(60)
+def test_a_zygote_that_cannot_start_fails_the_pool_creation(tmp_path: pathlib.Path) -> None:
+    """The coordinator thread already runs (it waits for the zygote's READY): a failed start
+    ends it too, and leaves no process (the no_leaks fixture) and no name in /dev/shm."""
+    script = tmp_path / "unstartable.py"
+    script.write_text(UNSTARTABLE)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=50
+    )
+    assert result.returncode == 0, result.stderr
+    assert "BrokenPoolError: the pool's zygote process died" in result.stdout
+    assert "threads: 1" in result.stdout

@@ -5,7 +5,6 @@ Multi-process tests run under fork, forkserver and spawn and order themselves wi
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import pickle
@@ -32,14 +31,15 @@ from mpsched._shm import AnonSegment, create_lock
 PIPE_TIMEOUT = 30.0  # seconds a child may take to answer
 SLAB_CHILDREN = 2
 SLAB_ROUNDS = 3000  # alloc/check/free rounds per child
-SMALL = SegmentLayout(
-    n_slots=2,
-    deque_capacity=16,
-    inbox_capacity=8,
-    done_capacity=8,
-    block_count=64,
-    ftab_data_bytes=256,
-)
+SMALL_SIZES = {
+    "n_slots": 2,
+    "deque_capacity": 16,
+    "inbox_capacity": 8,
+    "done_capacity": 8,
+    "block_count": 64,
+    "ftab_data_bytes": 256,
+}
+SMALL = SegmentLayout(**SMALL_SIZES)
 
 
 class Pool:
@@ -307,10 +307,10 @@ def test_attach_checks_the_global_header(pool: Pool) -> None:
     assert again.header.get(GlobalField.N_SLOTS) == 2
     pool.views.slots[0].inject([5])
     assert again.slots[0].take_inbox() == 5
-    other = dataclasses.replace(SMALL, deque_capacity=8)
+    other = SegmentLayout(**(SMALL_SIZES | {"deque_capacity": 8}))
     with pytest.raises(InternalError, match="does not match"):
         attach(pool.seg, other, pool.locks)
-    bigger = dataclasses.replace(SMALL, block_count=1 << 20)
+    bigger = SegmentLayout(**(SMALL_SIZES | {"block_count": 1 << 20}))
     with pytest.raises(InternalError, match="segment of"):
         attach(pool.seg, bigger, pool.locks)
     fewer = SegmentLocks(pool.locks.slots[:1], pool.locks.slab, pool.locks.global_)
