@@ -31,7 +31,7 @@ import sys
 import time
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -107,6 +107,47 @@ def wait_for_idle(max_wait_s: float) -> GateResult:
         waited = time.monotonic() - start
         if busy <= IDLE_BUSY_MAX_PCT or waited >= max_wait_s:
             return GateResult(busy_pct=busy, waited_s=waited, quiet=busy <= IDLE_BUSY_MAX_PCT)
+
+
+class GatedRun:
+    """Base of a benchmark's run context: its progress log, its idle gates within one waiting
+    budget for the whole run, and the summing loop's calibration (measured once, after a gate).
+
+    Subclasses (dataclasses) provide ``sizes`` (with ``idle_max_wait_s`` and ``idle_budget_s``),
+    ``gates_waited_s`` and ``ns_per_iteration_cache``.
+    """
+
+    sizes: Any
+    gates_waited_s: float
+    ns_per_iteration_cache: float | None
+
+    def log(self, message: str) -> None:
+        """Progress goes to stderr; the tables go to stdout."""
+        print(message, file=sys.stderr, flush=True)
+
+    def gate(self) -> GateResult:
+        """Wait for an idle machine, within what is left of the run's waiting budget.
+
+        On a machine that stays busy, the gates would otherwise add minutes; once the budget is
+        spent each gate samples one window, and the repeat is still marked when it is noisy.
+        """
+        left = max(0.0, self.sizes.idle_budget_s - self.gates_waited_s)
+        result = wait_for_idle(min(self.sizes.idle_max_wait_s, left))
+        self.gates_waited_s += result.waited_s
+        return result
+
+    def ns_per_iteration(self) -> float:
+        """The summing loop's speed in this process (once per run, on an idle machine)."""
+        if self.ns_per_iteration_cache is None:
+            from benchmarks._workloads import calibrate_ns_per_iteration
+
+            gate = self.gate()
+            self.ns_per_iteration_cache = calibrate_ns_per_iteration()
+            self.log(
+                f"calibration: {self.ns_per_iteration_cache:.2f} ns per loop iteration"
+                f"{'' if gate.quiet else ' (NOISY machine: sizes may be off)'}"
+            )
+        return self.ns_per_iteration_cache
 
 
 def _system_busy_cpu_s() -> float:
@@ -589,3 +630,46 @@ def parse_workload_args(
     if unknown:
         p.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(workloads)}")
     return args
+
+
+def start_workload_run(args: Any, quick: Any, default: Any) -> Any:
+    """The sizes of a workload benchmark's run (``quick`` with ``--quick``, ``--repeats``
+    applied; dataclasses with ``repeats`` and ``watchdog_s``), with its watchdog armed."""
+    sizes = quick if args.quick else default
+    if args.repeats is not None:
+        sizes = replace(sizes, repeats=args.repeats)
+    arm_watchdog(sizes.watchdog_s)
+    return sizes
+
+
+def finish_workload_run(
+    args: Any,
+    sizes: Any,
+    status: str | None,
+    run: GatedRun,
+    workloads: Mapping[str, Workload],
+    targets: Sequence[TargetResult],
+    started: float,
+    dists: Sequence[str],
+) -> int:
+    """The end of a workload benchmark (``parse_workload_args``): print the targets and the
+    total time, dump the raw numbers if ``--json`` asked, disarm the watchdog. Returns 0."""
+    elapsed = time.perf_counter() - started
+    print("== targets ==")
+    print(render_targets(targets))
+    print(f"\ntotal time: {elapsed:.0f} s ({'quick' if args.quick else 'default'} sizes)")
+    if args.json is not None:
+        dump_json(
+            args.json,
+            {
+                "machine": machine_info(dists),
+                "sizes": asdict(sizes),
+                "mpsched": status or "available",
+                "ns_per_iteration": run.ns_per_iteration_cache,
+                "workloads": {k: w.to_json() for k, w in workloads.items()},
+                "targets": [asdict(t) for t in targets],
+                "total_s": elapsed,
+            },
+        )
+    arm_watchdog(0)
+    return 0

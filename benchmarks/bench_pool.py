@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks import _common as common
@@ -87,6 +87,9 @@ FJ_MPSCHED = "mpsched nested (mpsched.submit + join)"
 FJ_DASK = "Dask distributed nested (worker_client)"
 FJ_SERIAL = "serial recursion, main process"
 START_METHODS = ("forkserver", "fork")
+
+# Distributions whose versions go into the machine info of --json.
+JSON_DISTS = ("psutil", "loky", "distributed", "cloudpickle")
 
 
 def startup_name(impl: str, method: str) -> str:
@@ -220,39 +223,13 @@ def warm_pool_run(
 
 
 @dataclass
-class Run:
+class Run(common.GatedRun):
     """Settings of this run and the loop calibration, measured once on first use."""
 
     sizes: Sizes
     verbose: bool
     ns_per_iteration_cache: float | None = None
     gates_waited_s: float = 0.0
-
-    def log(self, message: str) -> None:
-        """Progress goes to stderr; the tables go to stdout."""
-        print(message, file=sys.stderr, flush=True)
-
-    def gate(self) -> common.GateResult:
-        """Wait for an idle machine, within what is left of the run's waiting budget.
-
-        On a machine that stays busy, the gates would otherwise add minutes; once the budget is
-        spent each gate samples one window, and the repeat is still marked when it is noisy.
-        """
-        left = max(0.0, self.sizes.idle_budget_s - self.gates_waited_s)
-        result = common.wait_for_idle(min(self.sizes.idle_max_wait_s, left))
-        self.gates_waited_s += result.waited_s
-        return result
-
-    def ns_per_iteration(self) -> float:
-        """The summing loop's speed in this process (once per run, on an idle machine)."""
-        if self.ns_per_iteration_cache is None:
-            gate = self.gate()
-            self.ns_per_iteration_cache = wl.calibrate_ns_per_iteration()
-            self.log(
-                f"calibration: {self.ns_per_iteration_cache:.2f} ns per loop iteration"
-                f"{'' if gate.quiet else ' (NOISY machine: sizes may be off)'}"
-            )
-        return self.ns_per_iteration_cache
 
     def interleave(
         self, key: str, impls: Sequence[Impl]
@@ -716,10 +693,7 @@ def evaluate_targets(ws: Mapping[str, Workload]) -> list[TargetResult]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the selected workloads, print tables and targets; 0 unless a result was wrong."""
     args = common.parse_workload_args(__doc__, list(BENCHES), MIN_REPEATS, argv)
-    sizes = QUICK if args.quick else DEFAULT
-    if args.repeats is not None:
-        sizes = replace(sizes, repeats=args.repeats)
-    common.arm_watchdog(sizes.watchdog_s)
+    sizes = common.start_workload_run(args, QUICK, DEFAULT)
     # Users import mpsched from compiled bytecode, as the peers import the precompiled stdlib;
     # where PYTHONDONTWRITEBYTECODE is set, every fresh interpreter (start-up probes, the
     # forkserver's zygote) would otherwise recompile mpsched and pay ~0.1 s the peers do not.
@@ -739,25 +713,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         workloads[key] = BENCHES[key](run)
         print(render_workload(workloads[key], sizes.repeats), flush=True)
     targets = evaluate_targets(workloads)
-    elapsed = time.perf_counter() - started
-    print("== targets ==")
-    print(common.render_targets(targets))
-    print(f"\ntotal time: {elapsed:.0f} s ({'quick' if args.quick else 'default'} sizes)")
-    if args.json is not None:
-        common.dump_json(
-            args.json,
-            {
-                "machine": common.machine_info(("psutil", "loky", "distributed", "cloudpickle")),
-                "sizes": asdict(sizes),
-                "mpsched": status or "available",
-                "ns_per_iteration": run.ns_per_iteration_cache,
-                "workloads": {k: w.to_json() for k, w in workloads.items()},
-                "targets": [asdict(t) for t in targets],
-                "total_s": elapsed,
-            },
-        )
-    common.arm_watchdog(0)
-    return 0
+    return common.finish_workload_run(
+        args, sizes, status, run, workloads, targets, started, JSON_DISTS
+    )
 
 
 if __name__ == "__main__":

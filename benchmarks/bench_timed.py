@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures as cf
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -108,6 +108,9 @@ CANCEL_PEBBLE = "pebble ProcessPool future.cancel, behind 2 holders"
 PENDING_MPSCHED = "mpsched Pool.schedule, due in 1 h"
 PENDING_FUTURE = "reference: concurrent.futures.Future()"
 
+# Distributions whose versions go into the machine info of --json.
+JSON_DISTS = ("psutil", "loky", "pebble", "apscheduler", "cloudpickle")
+
 
 @dataclass(frozen=True)
 class Sizes:
@@ -151,7 +154,7 @@ def timed_api_status() -> str | None:
 
 
 @dataclass
-class Run:
+class Run(common.GatedRun):
     """Settings of this run and the loop calibration, measured once on first use."""
 
     sizes: Sizes
@@ -159,28 +162,6 @@ class Run:
     api_status: str | None  # timed_api_status() at start-up
     ns_per_iteration_cache: float | None = None
     gates_waited_s: float = 0.0
-
-    def log(self, message: str) -> None:
-        """Progress goes to stderr; the tables go to stdout."""
-        print(message, file=sys.stderr, flush=True)
-
-    def gate(self) -> common.GateResult:
-        """Wait for an idle machine, within what is left of the run's waiting budget."""
-        left = max(0.0, self.sizes.idle_budget_s - self.gates_waited_s)
-        result = common.wait_for_idle(min(self.sizes.idle_max_wait_s, left))
-        self.gates_waited_s += result.waited_s
-        return result
-
-    def ns_per_iteration(self) -> float:
-        """The summing loop's speed in this process (once per run, after an idle gate)."""
-        if self.ns_per_iteration_cache is None:
-            gate = self.gate()
-            self.ns_per_iteration_cache = wl.calibrate_ns_per_iteration()
-            self.log(
-                f"calibration: {self.ns_per_iteration_cache:.2f} ns per loop iteration"
-                f"{'' if gate.quiet else ' (NOISY machine: sizes may be off)'}"
-            )
-        return self.ns_per_iteration_cache
 
     def interleave(
         self, key: str, impls: Sequence[Impl], repeats: int | None = None
@@ -512,8 +493,23 @@ class BacklogShape:
         return wl.expected_sum(0, self.iterations)
 
 
-def check_backlog(label: str, backlog: Sequence[Any], shape: BacklogShape) -> dict[str, float]:
-    """After shutdown: every background future ended, each completed one with the right sum."""
+def shutdown_cancelling(pool: Any) -> float:
+    """``pool.shutdown(wait=True, cancel_futures=True)``; returns the seconds it took."""
+    s0 = time.perf_counter()
+    pool.shutdown(wait=True, cancel_futures=True)
+    return time.perf_counter() - s0
+
+
+def backlog_extra(
+    label: str,
+    backlog: Sequence[Any],
+    shape: BacklogShape,
+    ran: int,
+    submit_s: float,
+    shutdown_s: float,
+) -> dict[str, float]:
+    """After shutdown: every background future ended, each completed one with the right sum;
+    the backlog's figures for the table."""
     common.verify(all(f.done() for f in backlog), f"{label}: background futures left pending")
     done = [f for f in backlog if not f.cancelled()]
     common.verify(
@@ -521,6 +517,9 @@ def check_backlog(label: str, backlog: Sequence[Any], shape: BacklogShape) -> di
         f"{label}: background results",
     )
     return {
+        "backlog_ran": float(ran),
+        "submit_s": submit_s,
+        "shutdown_s": shutdown_s,
         "backlog_completed": float(len(done)),
         "backlog_cancelled": float(sum(f.cancelled() for f in backlog)),
     }
@@ -542,15 +541,8 @@ def backlog_mpsched(shape: BacklogShape, warmup: int) -> Measurement:
             setup_end = time.monotonic()
             results = collect(timed, run_ats[-1] + RESULT_GRACE_S, label)
             ran = count_completed(backlog)
-        s0 = time.perf_counter()
-        pool.shutdown(wait=True, cancel_futures=True)
-        shutdown_s = time.perf_counter() - s0
-    extra = {
-        "backlog_ran": float(ran),
-        "submit_s": submitted - t0,
-        "shutdown_s": shutdown_s,
-        **check_backlog(label, backlog, shape),
-    }
+        shutdown_s = shutdown_cancelling(pool)
+    extra = backlog_extra(label, backlog, shape, ran, submitted - t0, shutdown_s)
     return lateness_measurement(label, run_ats, results, audit.result, setup_end, extra)
 
 
@@ -572,15 +564,8 @@ def backlog_sched_ppe(shape: BacklogShape, task_s: float, warmup: int) -> Measur
             join_driver(thread, futures, deadline, label)
             results = collect(futures, deadline, label)
             ran = count_completed(backlog)
-        s0 = time.perf_counter()
-        executor.shutdown(wait=True, cancel_futures=True)
-        shutdown_s = time.perf_counter() - s0
-    extra = {
-        "backlog_ran": float(ran),
-        "submit_s": submitted - t0,
-        "shutdown_s": shutdown_s,
-        **check_backlog(label, backlog, shape),
-    }
+        shutdown_s = shutdown_cancelling(executor)
+    extra = backlog_extra(label, backlog, shape, ran, submitted - t0, shutdown_s)
     return lateness_measurement(label, run_ats, results, audit.result, setup_end, extra)
 
 
@@ -871,9 +856,7 @@ def pending_probe(n: int, warmup: int) -> dict[str, Any]:
             futures = [pool.schedule(i, due, BACKGROUND_PRIORITY, wl.noop, i) for i in range(n)]
             seconds = time.perf_counter() - t0
         after = rss_bytes()
-        s0 = time.perf_counter()
-        pool.shutdown(wait=True, cancel_futures=True)
-        shutdown_s = time.perf_counter() - s0
+        shutdown_s = shutdown_cancelling(pool)
     return {
         "seconds": seconds,
         "gc_s": collector.seconds,
@@ -1144,10 +1127,7 @@ def evaluate_targets(ws: Mapping[str, Workload]) -> list[TargetResult]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the selected workloads, print tables and targets; 0 unless a result was wrong."""
     args = common.parse_workload_args(__doc__, list(BENCHES), MIN_REPEATS, argv)
-    sizes = QUICK if args.quick else DEFAULT
-    if args.repeats is not None:
-        sizes = replace(sizes, repeats=args.repeats)
-    common.arm_watchdog(sizes.watchdog_s)
+    sizes = common.start_workload_run(args, QUICK, DEFAULT)
     status = timed_api_status()
     run = Run(sizes, args.verbose, status)
     started = time.perf_counter()
@@ -1162,27 +1142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         workloads[key] = BENCHES[key](run)
         print(render_workload(workloads[key]), flush=True)
     targets = evaluate_targets(workloads)
-    elapsed = time.perf_counter() - started
-    print("== targets ==")
-    print(common.render_targets(targets))
-    print(f"\ntotal time: {elapsed:.0f} s ({'quick' if args.quick else 'default'} sizes)")
-    if args.json is not None:
-        common.dump_json(
-            args.json,
-            {
-                "machine": common.machine_info(
-                    ("psutil", "loky", "pebble", "apscheduler", "cloudpickle")
-                ),
-                "sizes": asdict(sizes),
-                "mpsched": status or "available",
-                "ns_per_iteration": run.ns_per_iteration_cache,
-                "workloads": {k: w.to_json() for k, w in workloads.items()},
-                "targets": [asdict(t) for t in targets],
-                "total_s": elapsed,
-            },
-        )
-    common.arm_watchdog(0)
-    return 0
+    return common.finish_workload_run(
+        args, sizes, status, run, workloads, targets, started, JSON_DISTS
+    )
 
 
 if __name__ == "__main__":
