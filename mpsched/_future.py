@@ -62,14 +62,25 @@ class _Finishing:
 FINISHING: _Owner = _Finishing()
 
 
+class _Sync(threading.Condition):
+    """A future's condition, created on first need, with the two lists that the stdlib keeps
+    per future and that matter only once it exists (as slots, they would be two more references
+    per future for the garbage collector to walk: a pending task's future is its only object
+    that the collector tracks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiters: list[Any] = []  # concurrent.futures' _Waiter objects (wait, as_completed)
+        self.callbacks: list[Any] = []  # add_done_callback's
+
+
 class Future(concurrent.futures.Future[Any]):
     """The future of a task submitted to an ``mpsched.Pool``."""
 
-    # Every field is a slot, so an instance has no __dict__: a million pending futures are
+    # Every field is a slot, so no instance fills its __dict__: a million pending futures are
     # part of a scheduled pool's memory budget (1 KB per pending task, futures included).
     __slots__ = (
         "_cond",
-        "_done_callbacks",
         "_due",
         "_due_at",
         "_exception",
@@ -82,7 +93,6 @@ class Future(concurrent.futures.Future[Any]):
         "_slot",
         "_state",
         "_uid",
-        "_waiters",
         "_withdrawn",
     )
 
@@ -90,14 +100,10 @@ class Future(concurrent.futures.Future[Any]):
         self, owner: _Owner | None = None, uid: int = 0, payload: bytes = b"", priority: int = 0
     ) -> None:
         # No super().__init__(): it would create the Condition eagerly (see the module doc).
-        self._cond: threading.Condition | None = None
+        self._cond: _Sync | None = None
         self._state = PENDING
         self._result = None
         self._exception = None
-        # Empty tuples until a condition exists: the stdlib appends to these only while holding
-        # the condition, whose creation turns them into lists.
-        self._waiters: Any = ()
-        self._done_callbacks: Any = ()
         # Routing (the coordinator's): who can withdraw the task, and where it is.
         self._owner = owner  # None once the outcome is known
         self._uid = uid
@@ -117,10 +123,20 @@ class Future(concurrent.futures.Future[Any]):
             with _CONDITION_LOCK:
                 cond = self._cond
                 if cond is None:
-                    self._waiters = []
-                    self._done_callbacks = list(self._done_callbacks)
-                    cond = self._cond = threading.Condition()
+                    cond = self._cond = _Sync()
         return cond
+
+    # The stdlib reads and appends to these only while holding the condition (so after
+    # ``_condition`` created it); without one there is no waiter and no callback.
+    @property
+    def _waiters(self) -> Any:  # type: ignore[override]
+        cond = self._cond
+        return () if cond is None else cond.waiters
+
+    @property
+    def _done_callbacks(self) -> Any:
+        cond = self._cond
+        return () if cond is None else cond.callbacks
 
     # Racy snapshots, as the stdlib's are at the moment they return; no condition needed.
     def done(self) -> bool:

@@ -6,37 +6,50 @@ so the whole module is deterministic and tested without processes. ``Scheduler``
 wraps it with a clock, a lock, input validation and ``close()``; the pool's coordinator thread
 drives it.
 
-Ordering key (the only place it is defined: ``_key``)::
+Ordering key: the first three fields of a record, which is also its heap entry::
 
-    (run_at, -priority, seq)
+    (run_at, -priority, seq, ...)
 
 ``seq`` is a counter over all schedule calls, so equal time and priority run in submission order,
-and since ``seq`` is unique the tuple comparison never reaches the record in the fourth field: the
-heap never compares task ids or functions (heapq docs, "Priority Queue Implementation Notes").
+and since ``seq`` is unique the tuple comparison never reaches the fields after it: the heap
+never compares task ids or items (heapq docs, "Priority Queue Implementation Notes").
 
-Lazy deletion (Java STPE without ``setRemoveOnCancelPolicy``, trio ``Deadlines``):
+Nothing per task that the garbage collector keeps walking. A million pending tasks are a pool's
+stated load, and CPython's full collections walk every tracked object each time the tracked set
+grows by a quarter (about five walks of each object while it grows): measured, an object costs
+~0.3 us plus ~0.06 us per reference held, summed over those walks. So a record is an exact tuple
+of atomic values (numbers, and the id), which the collector untracks the first time it sees it,
+and the only references to the callers' items (the futures) sit in one dict, ``_items``, keyed by
+``seq``. (A ``__slots__`` record object, and heap entries that held it, cost 40% more per
+``schedule`` with the collector on.)
 
-* Each id has one mutable ``_Record``. Its ``seq`` names the one heap entry that is live for it;
-  rescheduling or cancelling only changes ``record.seq``, never the heap. A heap entry
-  ``(run_at, -priority, seq, record)`` is *stale* iff ``record.seq != seq``. (An entry naming
-  the id instead would let the garbage collector untrack it, 5% off a million schedules, but
-  every staleness check would become a dict lookup: 19% onto cancelling.)
+* ``_records[task_id]`` is ``(run_at, -priority, seq, task_id, version, state, running,
+  cancel_requested, deferred, priority)``, replaced on every change (``_R_*`` name the fields);
+  ``state`` is a plain int (a ``TaskState`` member would keep the tuple tracked). The record of a
+  pending version is its heap entry: one tuple per task, and ``pop_due`` reads it off the heap.
+* A version is pending iff its record's ``seq`` has an item in ``_items``. ``withdraw`` (the
+  pool's cancel) only drops the item: the record's state field still says PENDING, which for a
+  ``seq`` without an item reads CANCELLED (``_state_of``). A new record per cancel would be one
+  more tracked tuple to allocate, ~30% of the heap's part of a cancel.
+* Lazy deletion (Java STPE without ``setRemoveOnCancelPolicy``, trio ``Deadlines``):
+  rescheduling or cancelling never touches the heap, and an entry is *stale* iff its ``seq`` has
+  no item (one dict probe per entry, no lookup of the id's record).
 * ``pop_due`` drops stale entries when they reach the top; each is popped at most once, at
   O(log n).
-* The prune check (``_maybe_prune``; inlined in ``_cancel_pending`` and ``pop_due``) runs after
-  every call that adds a stale entry or lowers the live count (schedule, cancel, withdraw, pop)
-  and rebuilds the heap from its live entries when ``len(heap) >
-  PRUNE_FACTOR * in_heap + PRUNE_SLACK``. So the heap never holds more than ``PRUNE_FACTOR * live
-  + PRUNE_SLACK`` entries after any call: memory is O(live tasks) under any mix of reschedules and
-  cancels. Time: a rebuild costs O(len(heap)); when it triggers, the stale entries outnumber the
-  live ones (factor 2), so its cost is O(number of stale entries it removes). Each stale entry is
-  created once (by one reschedule or cancel) and removed once (popped at the top, at O(log n), or
-  dropped by one rebuild), so stale entries cost O(log n) amortized each.
+* The prune check (inlined in ``schedule``, ``withdraw`` and ``pop_due``) runs after every call
+  that adds a stale entry or lowers the live count and rebuilds the heap from its live entries
+  when ``len(heap) > PRUNE_FACTOR * in_heap + PRUNE_SLACK``. So the heap never holds more than
+  ``PRUNE_FACTOR * live + PRUNE_SLACK`` entries after any call: memory is O(live tasks) under any
+  mix of reschedules and cancels. Time: a rebuild costs O(len(heap)); when it triggers, the stale
+  entries outnumber the live ones (factor 2), so its cost is O(number of stale entries it
+  removes). Each stale entry is created once (by one reschedule or cancel) and removed once
+  (popped at the top, at O(log n), or dropped by one rebuild), so stale entries cost O(log n)
+  amortized each.
 
 One live version per id: scheduling an id again supersedes its pending version. If a version of
 the id is RUNNING, the new version is *deferred*: it is not in the heap (so it can never come out
-of ``pop_due``) and enters the heap when ``finish()`` ends the running one. Two versions of one id
-therefore never run at once.
+of ``pop_due``) and enters the heap, with the ``seq`` of its ``schedule`` call, when ``finish()``
+ends the running one. Two versions of one id therefore never run at once.
 
 Not handled here: validation of arguments (``Scheduler``), thread safety (callers serialize), and
 forgetting: a record stays after its id reaches a terminal state so that ``state()`` can answer,
@@ -50,16 +63,37 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, Final
 
 from mpsched._errors import InvalidTransition, TaskCancelled
 from mpsched._task import Due, TaskState, Wait
 
-PENDING = TaskState.PENDING
-RUNNING = TaskState.RUNNING
-COMPLETED = TaskState.COMPLETED
-FAILED = TaskState.FAILED
-CANCELLED = TaskState.CANCELLED
+# Record states as plain ints (TaskState values); _STATES turns one back into its member.
+_PENDING = int(TaskState.PENDING)
+_RUNNING = int(TaskState.RUNNING)
+_COMPLETED = int(TaskState.COMPLETED)
+_FAILED = int(TaskState.FAILED)
+_CANCELLED = int(TaskState.CANCELLED)
+_STATES = tuple(TaskState)
+
+# Fields of a record (see the module doc). Invariants:
+#   * The latest version is pending iff seq is in _items (seq is then the sequence number of its
+#     schedule() call, and _items[seq] its item). Otherwise the state field is its state, except
+#     that PENDING there means CANCELLED (withdrawn; see _state_of).
+#   * A pending version waits behind ``running`` (not in the heap) iff deferred; otherwise its
+#     record is in the heap (and a heap entry is live iff its seq has an item).
+#   * running is the version being run (0: none); it may be older than version.
+_R_RUN_AT: Final = 0
+_R_NEG_PRIORITY: Final = 1
+_R_SEQ: Final = 2
+_R_TASK_ID: Final = 3
+_R_VERSION: Final = 4
+_R_STATE: Final = 5
+_R_RUNNING: Final = 6
+_R_CANCEL: Final = 7
+_R_DEFERRED: Final = 8
+_R_PRIORITY: Final = 9
+Record = tuple[float, int, int, Hashable, int, int, int, bool, bool, int]
 
 # Rebuild when the heap exceeds PRUNE_FACTOR x its live entries plus PRUNE_SLACK. Factor 2 bounds
 # the heap at twice the live set (memory) while charging each rebuild to at least as many stale
@@ -68,60 +102,12 @@ CANCELLED = TaskState.CANCELLED
 PRUNE_FACTOR = 2
 PRUNE_SLACK = 64
 
-NOT_IN_HEAP = -1  # record.seq when the id has no pending version
-
-
-class _Record:
-    """Everything known about one task id. One per id; mutated in place, never replaced.
-
-    Invariants:
-      * ``seq != NOT_IN_HEAP`` iff ``state is PENDING``; ``seq`` is then the sequence number the
-        pending version got from its ``schedule()`` call.
-      * ``deferred`` iff ``state is PENDING`` and the pending version waits behind ``running``;
-        otherwise a pending version has exactly one heap entry whose third field is ``seq``.
-      * ``running`` is the version being run (0: none); it may be older than ``version``.
-      * ``fn`` is set only while ``state is PENDING`` (so finished tasks do not pin payloads).
-    """
-
-    __slots__ = (
-        "cancel_requested",
-        "deferred",
-        "fn",
-        "priority",
-        "run_at",
-        "running",
-        "seq",
-        "state",
-        "task_id",
-        "version",
-    )
-
-    def __init__(self, task_id: Hashable, run_at: float, priority: int, fn: Any, seq: int) -> None:
-        """A record whose first version (1) is pending in the heap with sequence ``seq``."""
-        self.task_id = task_id
-        self.version = 1  # latest version number handed out by schedule()
-        self.state = PENDING  # state of the latest version
-        self.seq = seq
-        self.deferred = False
-        self.run_at = run_at
-        self.priority = priority
-        self.fn = fn
-        self.running = 0
-        self.cancel_requested = False
-
-
-HeapEntry = tuple[float, int, int, _Record]
+NOT_IN_HEAP = -1  # record seq once its version left the heap to run (never a key of _items)
 
 # -priority as one shared int object per priority level: CPython caches only -5..256, so every
 # heap key would otherwise hold its own 28-byte int (8% of a pending task's memory).
 _NEGATED = {p: -p for p in range(-1024, 1025)}
 _negated_get = _NEGATED.get
-
-
-def _negated(priority: int) -> int:
-    neg = _negated_get(priority)
-    return -priority if neg is None else neg
-
 
 # Due's constructor runs Python code (NamedTuple.__new__); tuple.__new__ builds the same object
 # without it, saving ~0.2 us per next().
@@ -139,10 +125,11 @@ class VersionedHeap:
         terminal state (oldest forgotten first, as ``discard`` does); 0 keeps them all."""
         self._remember = remember
         self._finished: collections.deque[Hashable] = collections.deque()
-        # Invariant: every live record appears once in _heap (stale entries may appear too).
-        self._heap: list[HeapEntry] = []
-        # Invariant: _records[r.task_id] is r for every record; the only path to a record.
-        self._records: dict[Hashable, _Record] = {}
+        # Invariant: every live version's record is once in _heap (stale entries may be too).
+        self._heap: list[Record] = []
+        # Invariant: the one record of every id seen and not discarded; see the module doc.
+        self._records: dict[Hashable, Record] = {}
+        self._items: dict[int, Any] = {}  # by seq: the item of each pending version
         # ``task_id in heap`` without a Python frame (asked on every Pool.schedule).
         self.knows: Callable[[Hashable], bool] = self._records.__contains__
         self._seq = itertools.count()
@@ -166,70 +153,81 @@ class VersionedHeap:
     def state(self, task_id: Hashable) -> TaskState | None:
         """State of the latest version of ``task_id``; None if unknown (or discarded)."""
         rec = self._records.get(task_id)
-        return None if rec is None else rec.state
+        return None if rec is None else _STATES[self._state_of(rec)]
 
     def version(self, task_id: Hashable) -> int:
         """Latest version number of ``task_id``; 0 if unknown."""
         rec = self._records.get(task_id)
-        return 0 if rec is None else rec.version
+        return 0 if rec is None else rec[_R_VERSION]
 
     def cancel_requested(self, task_id: Hashable) -> bool:
         """True if the running version of ``task_id`` was asked to cancel."""
         rec = self._records.get(task_id)
-        return rec is not None and rec.running != 0 and rec.cancel_requested
+        return rec is not None and rec[_R_RUNNING] != 0 and rec[_R_CANCEL]
 
     def running_version(self, task_id: Hashable) -> int:
         """The version of ``task_id`` now running; 0 if none."""
         rec = self._records.get(task_id)
-        return 0 if rec is None else rec.running
+        return 0 if rec is None else rec[_R_RUNNING]
 
     def pending_ids(self) -> list[Hashable]:
         """The ids that have a pending version (deferred ones included)."""
-        return [r.task_id for r in self._records.values() if r.state is PENDING]
+        items = self._items
+        return [task_id for task_id, rec in self._records.items() if rec[_R_SEQ] in items]
 
     def pending_item(self, task_id: Hashable) -> Any:
-        """The ``fn`` given with the pending version of ``task_id``; None if none is pending."""
+        """The item given with the pending version of ``task_id``; None if none is pending."""
         rec = self._records.get(task_id)
-        return None if rec is None or rec.state is not PENDING else rec.fn
+        return None if rec is None else self._items.get(rec[_R_SEQ])
 
     def next_deadline(self) -> float | None:
         """run_at of the earliest live entry in the heap (drops stale tops); None if none."""
         heap = self._heap
+        items = self._items
         while heap:
-            run_at, _, seq, rec = heap[0]
-            if rec.seq == seq:
-                return run_at
+            top = heap[0]
+            if top[_R_SEQ] in items:
+                return top[_R_RUN_AT]
             heapq.heappop(heap)
         return None
 
     # ----------------------------------------------------------------- mutations
-    def schedule(
-        self, task_id: Hashable, run_at: float, priority: int, fn: Callable[..., Any]
-    ) -> int:
+    def schedule(self, task_id: Hashable, run_at: float, priority: int, item: Any) -> int:
         """Make a new version of ``task_id`` pending; supersede any pending one. Returns it."""
-        rec = self._records.get(task_id)
-        if rec is None:  # fast path: a new id (no pending, no running version)
-            seq = next(self._seq)
-            rec = self._records[task_id] = _Record(task_id, run_at, priority, fn, seq)
-            neg = _negated_get(priority)
-            heapq.heappush(self._heap, (run_at, -priority if neg is None else neg, seq, rec))
+        records = self._records
+        old = records.get(task_id)
+        seq = next(self._seq)
+        items = self._items
+        items[seq] = item
+        neg = _negated_get(priority)
+        if neg is None:
+            neg = -priority
+        if old is None:  # fast path: a new id (no pending, no running version)
+            rec = records[task_id] = (run_at, neg, seq, task_id, 1, _PENDING, 0, False, False,
+                                      priority)  # fmt: skip
+            heapq.heappush(self._heap, rec)
             self._in_heap += 1
             return 1
-        if rec.state is PENDING:
-            self._cancel_pending(rec)  # superseded (its state is set again below)
-        rec.version += 1
-        rec.state = PENDING
-        rec.seq = next(self._seq)
-        rec.run_at = run_at
-        rec.priority = priority
-        rec.fn = fn
-        if rec.running:
-            rec.deferred = True
+        _, _, old_seq, _, version, _, running, cancel_requested, deferred, _ = old
+        if old_seq in items:  # a pending version, superseded: its heap entry goes stale
+            del items[old_seq]
+            if deferred:
+                self._deferred -= 1
+            else:
+                self._in_heap -= 1
+        version += 1
+        if running:
+            records[task_id] = (run_at, neg, seq, task_id, version, _PENDING, running,
+                                cancel_requested, True, priority)  # fmt: skip
             self._deferred += 1
         else:
-            self._push(rec)
-        self._maybe_prune()
-        return rec.version
+            rec = records[task_id] = (run_at, neg, seq, task_id, version, _PENDING, 0, False,
+                                      False, priority)  # fmt: skip
+            heapq.heappush(self._heap, rec)
+            self._in_heap += 1
+        if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
+            self._prune()
+        return version
 
     def cancel(self, task_id: Hashable) -> bool:
         """Cancel the pending version and ask the running one to cancel. False if neither exists.
@@ -239,32 +237,40 @@ class VersionedHeap:
         rec = self._records.get(task_id)
         if rec is None:
             return False
-        found = False
-        if rec.state is PENDING:
-            self._cancel_pending(rec)
-            found = True
-            if self._remember and not rec.running:
-                self._note_finished(task_id)
-        if rec.running:
-            rec.cancel_requested = True
-            found = True
-        return found
+        pending = rec[_R_SEQ] in self._items
+        if rec[_R_RUNNING]:
+            self._records[task_id] = (*rec[:_R_CANCEL], True, *rec[_R_DEFERRED:])
+        if pending:  # after the flag: withdraw may forget an ended id's record
+            self.withdraw(task_id)
+        return pending or rec[_R_RUNNING] != 0
 
     def withdraw(self, task_id: Hashable, version: int = 0) -> Any:
         """Cancel the pending version of ``task_id`` (only if it is ``version``, unless that is
-        0) and leave a running one alone, unlike ``cancel``. Returns the ``fn`` it was
-        scheduled with, or None if no such version was pending."""
+        0) and leave a running one alone, unlike ``cancel``. Returns the item it was scheduled
+        with, or None if no such version was pending."""
         rec = self._records.get(task_id)
-        if rec is None or rec.state is not PENDING or (version and rec.version != version):
+        if rec is None:
             return None
-        fn = rec.fn
-        self._cancel_pending(rec)
-        if self._remember:  # _note_finished, inlined: a frame is ~5% of Pool.cancel
+        # Flat (no helper frames): this is all of Pool.cancel's work in the heap. The record
+        # stays: without its item, its version reads CANCELLED (see the module doc).
+        items = self._items
+        seq = rec[_R_SEQ]
+        if seq not in items or (version and rec[_R_VERSION] != version):
+            return None
+        item = items.pop(seq)  # first: the prune below keeps the entries that have one
+        if rec[_R_DEFERRED]:
+            self._deferred -= 1
+        else:
+            self._in_heap -= 1
+        if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
+            self._prune()
+        if self._remember and not rec[_R_RUNNING]:  # _note_finished, inlined (finish() notes
+            # the rest)
             finished = self._finished
             finished.append(task_id)
             if len(finished) > self._remember:
                 self._forget_oldest()
-        return fn
+        return item
 
     def pop_due(self, now: float) -> Due | Wait | None:
         """Hand out the live task with the smallest key among those with ``run_at <= now``.
@@ -273,26 +279,25 @@ class VersionedHeap:
         (``math.inf`` if all of them are deferred behind running versions), None if none pending.
         """
         heap = self._heap
+        items = self._items
         while heap:
             top = heap[0]
-            rec = top[3]
-            if rec.seq != top[2]:
+            if top[_R_SEQ] not in items:
                 heapq.heappop(heap)  # stale: superseded or cancelled; popped this once only
                 continue
-            if top[0] > now:
-                return Wait(top[0] - now)
+            if top[_R_RUN_AT] > now:
+                return Wait(top[_R_RUN_AT] - now)
             heapq.heappop(heap)
             self._in_heap -= 1
-            rec.seq = NOT_IN_HEAP
-            rec.state = RUNNING
-            rec.running = rec.version
-            rec.cancel_requested = False
-            fn = rec.fn
-            rec.fn = None
+            # A live entry is its id's current record: no version runs beside one in the heap.
+            run_at, neg, seq, task_id, version, _, _, _, _, priority = top
+            self._records[task_id] = (run_at, neg, NOT_IN_HEAP, task_id, version, _RUNNING,
+                                      version, False, False, priority)  # fmt: skip
+            item = items.pop(seq)
             # the live count fell: the bound may need a rebuild too (inlined: hot path)
             if len(heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
                 self._prune()
-            return _new_due(Due, (rec.task_id, rec.version, rec.run_at, rec.priority, fn))
+            return _new_due(Due, (task_id, version, run_at, priority, item))
         return Wait(math.inf) if self._deferred else None
 
     def finish(
@@ -308,42 +313,49 @@ class VersionedHeap:
             InvalidTransition: ``due`` is not the running version of its id (finished twice,
                 stale, or never handed out).
         """
-        rec = self._records.get(due.task_id)
-        if rec is None or rec.running == 0 or rec.running != due.version:
-            now_running = "none" if rec is None or not rec.running else f"v{rec.running}"
+        task_id = due.task_id
+        rec = self._records.get(task_id)
+        if rec is None or rec[_R_RUNNING] == 0 or rec[_R_RUNNING] != due.version:
+            now_running = "none" if rec is None or not rec[_R_RUNNING] else f"v{rec[_R_RUNNING]}"
             raise InvalidTransition(
-                f"cannot finish task {due.task_id!r} v{due.version}: it is not running "
+                f"cannot finish task {task_id!r} v{due.version}: it is not running "
                 f"(running version: {now_running}); finish() takes each Due from next() once"
             )
+        run_at, neg, seq, _, version, _, _, cancel_requested, _, priority = rec
         if cancelled:
-            outcome = CANCELLED
+            outcome = _CANCELLED
         elif error is None:
-            outcome = COMPLETED
-        elif isinstance(error, TaskCancelled) and rec.cancel_requested:
-            outcome = CANCELLED
+            outcome = _COMPLETED
+        elif isinstance(error, TaskCancelled) and cancel_requested:
+            outcome = _CANCELLED
         else:
-            outcome = FAILED
-        rec.running = 0
-        rec.cancel_requested = False
-        if rec.version == due.version:
-            rec.state = outcome
-            if self._remember:
-                self._note_finished(rec.task_id)
-        elif rec.deferred:
-            rec.deferred = False
+            outcome = _FAILED
+        # The latest version: this one, or a newer one (deferred, or withdrawn meanwhile).
+        state = outcome if version == due.version else self._state_of(rec)
+        rec = self._records[task_id] = (run_at, neg, seq, task_id, version, state, 0, False,
+                                        False, priority)  # fmt: skip
+        if state == _PENDING:  # a newer version waited: it may start now, in schedule() order
             self._deferred -= 1
-            self._push(rec)
-        return outcome
+            heapq.heappush(self._heap, rec)
+            self._in_heap += 1
+        elif self._remember:
+            self._note_finished(task_id)
+        return _STATES[outcome]
 
     def discard(self, task_id: Hashable) -> bool:
         """Forget a task id whose latest version is terminal and not running. True if dropped."""
         rec = self._records.get(task_id)
-        if rec is None or not rec.state.is_terminal or rec.running:
-            return False
+        if rec is None or rec[_R_RUNNING] or rec[_R_SEQ] in self._items:
+            return False  # unknown, running, or pending (every other state is terminal)
         del self._records[task_id]
         return True
 
     # ----------------------------------------------------------------- internals
+    def _state_of(self, rec: Record) -> int:
+        """The state of ``rec``'s latest version (its state field, except for a withdrawn one)."""
+        state = rec[_R_STATE]
+        return _CANCELLED if state == _PENDING and rec[_R_SEQ] not in self._items else state
+
     def _note_finished(self, task_id: Hashable) -> None:
         finished = self._finished
         finished.append(task_id)
@@ -355,29 +367,8 @@ class VersionedHeap:
         while len(finished) > self._remember:
             self.discard(finished.popleft())  # no-op if the id was scheduled again
 
-    def _push(self, rec: _Record) -> None:
-        heapq.heappush(self._heap, (rec.run_at, _negated(rec.priority), rec.seq, rec))
-        self._in_heap += 1
-
-    def _cancel_pending(self, rec: _Record) -> None:
-        """The pending version of ``rec`` becomes CANCELLED (its heap entry, if any, goes stale).
-        No helper calls inside: this is on ``Pool.cancel``'s measured path."""
-        if rec.deferred:
-            rec.deferred = False
-            self._deferred -= 1
-        else:
-            self._in_heap -= 1
-        rec.seq = NOT_IN_HEAP
-        rec.fn = None
-        rec.state = CANCELLED
-        if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
-            self._prune()
-
-    def _maybe_prune(self) -> None:
-        if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
-            self._prune()
-
     def _prune(self) -> None:
-        self._heap = [e for e in self._heap if e[3].seq == e[2]]
+        items = self._items
+        self._heap = [rec for rec in self._heap if rec[_R_SEQ] in items]
         heapq.heapify(self._heap)
         assert len(self._heap) == self._in_heap, "prune kept a stale entry or lost a live one"

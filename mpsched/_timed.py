@@ -91,7 +91,7 @@ class Timetable:
     def schedule(self, task_id: Hashable, run_at: float, priority: int, future: Future) -> int:
         """Add a version; returns its number. The caller withdrew the handed-out version if it
         could (then it called ``end``); a version that already runs defers the new one."""
-        version: int = self.heap.schedule(task_id, run_at, priority, future)  # type: ignore[arg-type]
+        version = self.heap.schedule(task_id, run_at, priority, future)
         future._due = (task_id, version)
         return version
 

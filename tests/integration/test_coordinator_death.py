@@ -75,11 +75,15 @@ def test_sigkill_of_the_zygote_takes_its_busy_workers_with_it(start_method: str)
     try:
         busy = [pool.submit(tasks.spin, 60.0) for _ in range(2)]
         deadline = time.monotonic() + 20.0
-        # Until both workers run a task: an idle worker would also exit on its socket's EOF.
-        while sum(slot.run_depth() for slot in pool._views.slots) < 2:
+        # Until both workers run a task (an idle worker would also exit on its socket's EOF)
+        # and the coordinator knows both pids (a worker's pid comes in the zygote's message,
+        # which the coordinator may read after the worker claimed its task).
+        pids: list[int] = []
+        while sum(slot.run_depth() for slot in pool._views.slots) < 2 or not all(pids):
             assert time.monotonic() < deadline, "the workers did not start their tasks"
             time.sleep(0.01)
-        workers = [psutil.Process(w.pid) for w in pool.statistics().per_worker]
+            pids = [w.pid for w in pool.statistics().per_worker]
+        workers = [psutil.Process(pid) for pid in pids]
         os.kill(pool._zygote.pid, signal.SIGKILL)
         _, alive = psutil.wait_procs(workers, timeout=DEATH_DEADLINE)
         assert not alive, f"still alive {DEATH_DEADLINE} s after the zygote died: {alive}"
@@ -87,4 +91,6 @@ def test_sigkill_of_the_zygote_takes_its_busy_workers_with_it(start_method: str)
             with pytest.raises(mpsched.BrokenPoolError):
                 future.result(timeout=20.0)
     finally:
+        if pool._zygote.is_alive():  # failed before the kill: do not wait for the spinning tasks
+            os.kill(pool._zygote.pid, signal.SIGKILL)
         pool.shutdown(wait=True)

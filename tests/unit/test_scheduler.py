@@ -18,7 +18,7 @@ from mpsched import (
     TaskState,
     Wait,
 )
-from mpsched._heap import PRUNE_FACTOR, PRUNE_SLACK
+from mpsched._heap import PRUNE_FACTOR, PRUNE_SLACK, VersionedHeap
 from mpsched.testing import FakeClock
 
 
@@ -329,6 +329,22 @@ def test_discard_forgets_finished_ids_only(sched: Scheduler) -> None:
     assert sched.discard("t") is True
     assert sched.state("t") is None
     assert sched.schedule("t", 0.0, 0, noop) == 1
+
+
+def test_an_id_cancelled_while_an_older_version_ran_is_forgotten_in_turn() -> None:
+    heap = VersionedHeap(remember=1)  # the pool keeps the last 100,000 ended ids
+    heap.schedule("a", 0.0, 0, noop)
+    running = heap.pop_due(0.0)
+    assert isinstance(running, Due)
+    heap.schedule("a", 0.0, 0, noop)  # deferred behind the running version
+    assert heap.cancel("a")
+    heap.finish(running)
+    assert heap.state("a") is TaskState.CANCELLED
+    for other in ("b", "c"):  # two ids end after it: with room for one, "a" goes
+        heap.schedule(other, 0.0, 0, noop)
+        heap.cancel(other)
+    assert heap.state("a") is None
+    assert heap.state("c") is TaskState.CANCELLED
 
 
 # ---------------------------------------------------------------- bad input

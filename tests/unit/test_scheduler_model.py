@@ -1,5 +1,7 @@
 """Model test: random schedule / reschedule / cancel / advance / next / finish sequences drive
-mpsched.Scheduler and a plain sorted-list reference side by side; every answer must agree."""
+mpsched.Scheduler and a plain sorted-list reference side by side; every answer must agree. A
+second machine drives the VersionedHeap underneath as the pool does (withdraw by version, finish
+of a withdrawn version, forgetting ended ids) and checks every query against the same model."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mpsched import Due, Scheduler, TaskCancelled, TaskState, Wait
-from mpsched._heap import PRUNE_FACTOR, PRUNE_SLACK
+from mpsched._heap import PRUNE_FACTOR, PRUNE_SLACK, VersionedHeap
 from mpsched.testing import FakeClock
 
 IDS = st.integers(0, 7)
@@ -51,6 +53,19 @@ class Model:
         self.states[task_id] = TaskState.PENDING
         return version
 
+    def withdraw(self, task_id: int, version: int) -> bool:
+        pending = self.pending.get(task_id)
+        if pending is None or (version and pending.version != version):
+            return False
+        del self.pending[task_id]
+        self.states[task_id] = TaskState.CANCELLED
+        return True
+
+    def forget(self, task_id: int) -> None:
+        assert self.states[task_id].is_terminal
+        assert task_id not in self.running
+        del self.states[task_id], self.versions[task_id]
+
     def cancel(self, task_id: int) -> bool:
         found = False
         if task_id in self.pending:
@@ -75,10 +90,14 @@ class Model:
             return min(p.run_at for p in eligible) - self.now
         return math.inf if self.pending else None
 
-    def finish(self, task_id: int, version: int, error: BaseException | None) -> TaskState:
+    def finish(
+        self, task_id: int, version: int, error: BaseException | None, cancelled: bool = False
+    ) -> TaskState:
         assert self.running[task_id][0] == version
         cancel_requested = self.running.pop(task_id)[1]
-        if error is None:
+        if cancelled:
+            outcome = TaskState.CANCELLED
+        elif error is None:
             outcome = TaskState.COMPLETED
         elif isinstance(error, TaskCancelled) and cancel_requested:
             outcome = TaskState.CANCELLED
@@ -180,3 +199,93 @@ SmallPruneMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=60, deadline=None
 )
 TestSchedulerFrequentPrune = SmallPruneMachine.TestCase
+
+
+REMEMBER = 2  # ended ids the heap below keeps (the pool keeps 100,000)
+
+
+class HeapMachine(RuleBasedStateMachine):
+    """``VersionedHeap`` as the pool's coordinator drives it, against ``Model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heap = VersionedHeap(remember=REMEMBER)
+        self.model = Model()
+        self.items: dict[int, object] = {}  # the item of each id's latest version
+        self.handed_out: list[Due] = []
+
+    @rule(task_id=IDS, run_at=TIMES, priority=PRIORITIES)
+    def schedule(self, task_id: int, run_at: float, priority: int) -> None:
+        item = self.items[task_id] = object()
+        want = self.model.schedule(task_id, run_at, priority)
+        assert self.heap.schedule(task_id, run_at, priority, item) == want
+
+    @rule(task_id=IDS)
+    def cancel(self, task_id: int) -> None:
+        assert self.heap.cancel(task_id) == self.model.cancel(task_id)
+
+    @rule(task_id=IDS, version=st.integers(0, 3))
+    def withdraw(self, task_id: int, version: int) -> None:
+        item = self.items.get(task_id)
+        got = self.heap.withdraw(task_id, version)
+        assert got is (item if self.model.withdraw(task_id, version) else None)
+
+    @rule(dt=st.sampled_from([0.0, 0.5, 5.0]))
+    def advance(self, dt: float) -> None:
+        self.model.now += dt
+
+    @rule()
+    def pop_due(self) -> None:
+        got = self.heap.pop_due(self.model.now)
+        want = self.model.next()
+        if isinstance(want, tuple):
+            assert isinstance(got, Due), (got, want)
+            assert (got.task_id, got.version) == want
+            assert got.fn is self.items[got.task_id]
+            self.handed_out.append(got)
+        elif want is None:
+            assert got is None
+        else:
+            assert got == Wait(want)
+
+    @precondition(lambda self: self.handed_out)
+    @rule(data=st.data(), error=st.sampled_from([None, "cancel", "fail", "withdrawn"]))
+    def finish(self, data: st.DataObject, error: str | None) -> None:
+        due = self.handed_out.pop(data.draw(st.integers(0, len(self.handed_out) - 1)))
+        withdrawn = error == "withdrawn"
+        exc = {"cancel": TaskCancelled(), "fail": ValueError()}.get(error or "")
+        want = self.model.finish(due.task_id, due.version, exc, withdrawn)
+        assert self.heap.finish(due, exc, cancelled=withdrawn) == want
+
+    @invariant()
+    def agrees(self) -> None:
+        heap, model = self.heap, self.model
+        assert len(heap) == len(model.pending)
+        assert sorted(heap.pending_ids()) == sorted(model.pending)  # type: ignore[type-var]
+        for task_id in range(8):
+            if heap.state(task_id) is None and task_id in model.states:
+                model.forget(task_id)  # an ended id, forgotten: allowed beyond REMEMBER
+            assert heap.state(task_id) == model.states.get(task_id)
+            assert heap.version(task_id) == model.versions.get(task_id, 0)
+            running = model.running.get(task_id, (0, False))
+            assert heap.running_version(task_id) == running[0]
+            assert heap.cancel_requested(task_id) == running[1]
+            pending = task_id in model.pending
+            assert heap.pending_item(task_id) is (self.items[task_id] if pending else None)
+
+    @invariant()
+    def forgets_ended_ids_beyond_remember(self) -> None:
+        heap = self.heap
+        ended = [
+            task_id
+            for task_id in range(8)
+            if (state := heap.state(task_id)) is not None
+            and state.is_terminal
+            and not heap.running_version(task_id)
+        ]
+        assert len(ended) <= REMEMBER, ended
+        assert heap.heap_size <= PRUNE_FACTOR * len(heap) + PRUNE_SLACK
+
+
+HeapMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+TestHeap = HeapMachine.TestCase
