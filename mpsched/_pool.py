@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from mpsched._chunks import run_chunk, run_star_chunk
 from mpsched._coordinator import Coordinator
 from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
 from mpsched._future import Future
@@ -494,17 +495,18 @@ class Pool:
         if self._closed:
             raise PoolClosedError(POOL_CLOSED_MESSAGE)
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._map(fn, zip(*iterables, strict=False), chunksize, deadline)
+        if len(iterables) == 1:  # the items go as they are (see _chunks)
+            return self._map(fn, iter(iterables[0]), chunksize, deadline, run_chunk)
+        return self._map(fn, zip(*iterables, strict=False), chunksize, deadline, run_star_chunk)
 
     def _map(
         self,
         fn: Callable[..., Any],
-        items: Iterator[tuple[Any, ...]],
+        items: Iterator[Any],
         chunksize: int | None,
         deadline: float | None,
+        runner: Callable[..., tuple[list[Any], float]],
     ) -> Iterator[Any]:
-        from mpsched._chunks import run_chunk
-
         in_flight: list[Future] = []
         size = chunksize or 1
         per_item = None
@@ -520,7 +522,7 @@ class Pool:
                     if not chunk:
                         exhausted = True
                         break
-                    in_flight.append(self.submit(run_chunk, fn, chunk))
+                    in_flight.append(self.submit(runner, fn, chunk))
                 if not in_flight:
                     return
                 future = in_flight.pop(0)

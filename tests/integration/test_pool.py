@@ -109,6 +109,8 @@ def test_map_keeps_order_with_any_chunksize(pool2: Pool) -> None:
     assert list(pool2.map(tasks.ident, data)) == data
     assert list(pool2.map(tasks.ident, data, chunksize=7)) == data
     assert list(pool2.map(tasks.add, data, data, chunksize=1000)) == [2 * x for x in data]
+    assert list(pool2.map(tasks.add, data, data[:10])) == [2 * x for x in data[:10]]  # as zip
+    assert list(pool2.map(tasks.ident, [(1, 2), None])) == [(1, 2), None]  # items as they are
     assert list(pool2.map(tasks.ident, [])) == []
 
 
