@@ -15,16 +15,22 @@ from collections.abc import Callable
 from itertools import starmap
 from typing import Any
 
+from mpsched._worker import announce_result
+
 
 def run_chunk(fn: Callable[[Any], Any], items: list[Any]) -> tuple[list[Any], float]:
     """``[fn(x) for x in items]`` and the seconds it took (map sizes chunks by it)."""
     start = time.perf_counter()
     results = list(map(fn, items))
-    return results, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    announce_result()  # map waits for the chunks in order: no batching of this result
+    return results, seconds
 
 
 def run_star_chunk(fn: Callable[..., Any], items: list[tuple[Any, ...]]) -> tuple[list[Any], float]:
     """``[fn(*args) for args in items]`` and the seconds it took."""
     start = time.perf_counter()
     results = list(starmap(fn, items))
-    return results, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    announce_result()
+    return results, seconds
