@@ -661,12 +661,10 @@ class Coordinator:
         self.inbox_low[k] = min(self.inbox_low[k], lowest)
         if was_sleeping:
             os.eventfd_write(self.wake_fds[k], 1)
-        if (queued_before + injected > 1 or slot.run_depth()) and self.header.sleepers():
+        elif (queued_before + injected > 1 or slot.run_depth()) and self.header.sleepers():
             # The worker is busy or gets more than it takes at once: a sleeper may steal some.
-            # This holds for a worker just woken too: else a batch (a map's chunks) ran on it
-            # alone while its peers slept. (One task handed to an idle worker needs no help:
-            # a woken peer would find nothing, and its wake-up costs a CPU that the round trip
-            # needs.) The sleepers count includes worker k: then no other wakes.
+            # (One task handed to an idle, awake worker needs no help: a woken peer would find
+            # nothing, and its wake-up costs a CPU that the round trip needs.)
             self.wake_one_sleeper()
         return len(handles)
 
