@@ -76,7 +76,11 @@ def test_sigkill_of_the_zygote_takes_its_busy_workers_with_it(start_method: str)
         busy = [pool.submit(tasks.spin, 60.0) for _ in range(2)]
         deadline = time.monotonic() + 20.0
         # Until both workers run a task: an idle worker would also exit on its socket's EOF.
-        while sum(slot.run_depth() for slot in pool._views.slots) < 2:
+        # And until the coordinator registered both (a worker takes a task from its inbox
+        # before the coordinator reads its SPAWNED: statistics() says pid 0 until then).
+        while sum(slot.run_depth() for slot in pool._views.slots) < 2 or not all(
+            w.pid for w in pool.statistics().per_worker
+        ):
             assert time.monotonic() < deadline, "the workers did not start their tasks"
             time.sleep(0.01)
         workers = [psutil.Process(w.pid) for w in pool.statistics().per_worker]
