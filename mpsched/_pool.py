@@ -25,12 +25,14 @@ waits for its end.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import functools
 import itertools
 import multiprocessing
 import os
+import pickle
 import sys
 import threading
 import time
@@ -40,11 +42,13 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from mpsched._chunks import run_chunk
 from mpsched._coordinator import Coordinator
 from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
 from mpsched._future import Future
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
 from mpsched._options import TaskOptions
+from mpsched._protocol import PICKLE_PROTOCOL
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
 from mpsched._serialize import INLINE, FunctionCache, dumps, encode_call
 from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
@@ -60,10 +64,23 @@ INFLIGHT_PER_WORKER = 4 * DISPATCH_WINDOW  # dispatched-unfinished tasks, per wo
 BLOCKS_PER_WORKER = 2048  # slab blocks per worker: in-flight tasks plus their children
 DEQUE_CAPACITY = 1024  # children queued per worker before they run inline
 STARTUP_TIMEOUT = 60.0  # seconds for the zygote to come up (spawn imports the main module)
+# Pool.map's default chunking (docs/design.md, "Pool.map").
 MAP_TARGET_CHUNK_SECONDS = 0.002  # map: aim for chunks of about this much work
-MAP_MAX_CHUNK = 1024  # items per chunk, at most: more chunks keep both ends of the pipe busy
+# Items per chunk, at most. A chunk costs ~0.3 ms of hand-offs (inject, wake, poke, collect)
+# whatever its size: 20,000 no-ops took 7.3 ms at 4096 and 9.0 ms at 1024 (medians of 9).
+MAP_MAX_CHUNK = 4096
+# Pickled bytes per chunk, about. 20,000 strings of 1 KB: 64 ms in 512 KiB chunks, 71 ms in
+# 1 MiB, 128 ms in 4 MiB (the stash through the coordinator's socket) and 134 ms in 128 KiB
+# (hand-offs); medians of 5, interleaved.
+MAP_CHUNK_BYTES = 512 * 1024
+MAP_SAMPLE_ITEMS = 8  # items of the first chunk pickled to estimate bytes per item
 MAP_PREFETCH_PER_WORKER = 4  # chunks in flight per worker (bounded read-ahead of lazy input)
 MAP_GROWTH = 64  # chunks grow at most this much per measured chunk
+MAP_FIRST_CHUNK = 64  # items per chunk before any chunk was measured (bounded by the budget)
+# A default-sized chunk stops after about this much work (s) and map sends the rest of its
+# items again: a first guess or a mis-measured chunk of slow items costs at most this much
+# imbalance. 5x the target, so that a chunk sized by the target does not stop early.
+MAP_CHUNK_BUDGET = 0.01
 
 _INF = float("inf")
 _NO_COUNTERS = {"executed": 0, "stolen": 0}
@@ -481,8 +498,9 @@ class Pool:
         """Like ``map(fn, *iterables)``, run in the pool; results in input order.
 
         The input is read lazily, at most a few chunks per worker ahead of the results.
-        ``chunksize=None`` adapts: one 1-item chunk is timed first, then chunks hold about
-        2 ms of work each (at most 1024 items).
+        ``chunksize=None`` adapts: chunks of 64 items first, then chunks of about 2 ms of
+        work each (at most 4096 items, and about 512 KiB pickled); a chunk that runs longer
+        than 10 ms stops, and the rest of its items go again.
 
         Raises:
             PoolClosedError: the pool is shutting down or shut down.
@@ -494,45 +512,57 @@ class Pool:
         if self._closed:
             raise PoolClosedError(POOL_CLOSED_MESSAGE)
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._map(fn, zip(*iterables, strict=False), chunksize, deadline)
+        if len(iterables) == 1:  # the items go as they are (see _chunks)
+            return self._map(fn, iter(iterables[0]), False, chunksize, deadline)
+        return self._map(fn, zip(*iterables, strict=False), True, chunksize, deadline)
 
     def _map(
         self,
         fn: Callable[..., Any],
-        items: Iterator[tuple[Any, ...]],
+        items: Iterator[Any],
+        star: bool,
         chunksize: int | None,
         deadline: float | None,
     ) -> Iterator[Any]:
-        from mpsched._chunks import run_chunk
-
-        in_flight: list[Future] = []
-        size = chunksize or 1
+        # In input order: each chunk's future and its items (a chunk that stopped at its budget
+        # leaves the rest of its items to go again, before every later chunk's results).
+        in_flight: collections.deque[tuple[Future, list[Any]]] = collections.deque()
+        size = chunksize or MAP_FIRST_CHUNK
+        budget = _INF if chunksize else MAP_CHUNK_BUDGET
         per_item = None
+        cap = 0  # largest default chunk, from the first chunk's bytes per item; 0: not yet
         limit = MAP_PREFETCH_PER_WORKER * self._workers
         exhausted = False
         try:
             while True:
-                # Adaptive sizing measures one 1-item chunk before any read-ahead: a guess made
-                # before it could put hundreds of slow items in one chunk.
-                measuring = chunksize is None and per_item is None
-                while not exhausted and len(in_flight) < (1 if measuring else limit):
+                while not exhausted and len(in_flight) < limit:
                     chunk = list(itertools.islice(items, size))
                     if not chunk:
                         exhausted = True
                         break
-                    in_flight.append(self.submit(run_chunk, fn, chunk))
+                    if not cap and chunksize is None:
+                        cap = _max_chunk(chunk)
+                    in_flight.append((self.submit(run_chunk, fn, chunk, star, budget), chunk))
                 if not in_flight:
                     return
-                future = in_flight.pop(0)
+                future, chunk = in_flight.popleft()
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 results, seconds = future.result(remaining)
-                if chunksize is None and results:
+                if chunksize is None:
                     sample = seconds / len(results)
                     per_item = sample if per_item is None else 0.5 * per_item + 0.5 * sample
-                    size = _next_chunksize(per_item, size)
+                    size = _next_chunksize(per_item, len(results), cap)
+                done = len(results)
+                if done < len(chunk):  # stopped at its budget: the rest goes again, first
+                    rest = chunk[done:]
+                    pieces = [rest[i : i + size] for i in range(0, len(rest), size)]
+                    for piece in reversed(pieces):
+                        args = (fn, piece, star, budget)
+                        in_flight.appendleft((self.submit(run_chunk, *args), piece))
+                del chunk
                 yield from results
         finally:
-            for future in in_flight:
+            for future, _ in in_flight:
                 future.cancel()
 
     # ------------------------------------------------------------------ shutdown
@@ -664,11 +694,24 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _next_chunksize(per_item: float, size: int) -> int:
-    target = int(MAP_TARGET_CHUNK_SECONDS / per_item) if per_item > 0 else MAP_MAX_CHUNK
+def _next_chunksize(per_item: float, measured: int, cap: int) -> int:
+    """Items in the next default chunk, from the mean ``per_item`` seconds and the items of the
+    last measured chunk; at most ``cap`` (``_max_chunk``)."""
+    target = int(MAP_TARGET_CHUNK_SECONDS / per_item) if per_item > 0 else cap
     # Bounded growth, so one mis-measured fast chunk cannot make a huge slow one; 64x reaches
-    # the largest chunk from 1 in two results, so a map of tiny tasks ramps up quickly.
-    return max(1, min(target, MAP_GROWTH * size, MAP_MAX_CHUNK))
+    # the largest chunk from the first one in one result, so a map of tiny tasks ramps up fast.
+    return max(1, min(target, MAP_GROWTH * measured, cap))
+
+
+def _max_chunk(chunk: list[Any]) -> int:
+    """The largest default chunk for items like the first few of ``chunk``: at most
+    ``MAP_MAX_CHUNK`` items and about ``MAP_CHUNK_BYTES`` pickled."""
+    sample = chunk[:MAP_SAMPLE_ITEMS]
+    try:
+        nbytes = len(pickle.dumps(sample, PICKLE_PROTOCOL))
+    except Exception:  # submit says why, with cloudpickle's help; size by count meanwhile
+        return MAP_MAX_CHUNK
+    return max(1, min(MAP_MAX_CHUNK, MAP_CHUNK_BYTES * len(sample) // max(1, nbytes)))
 
 
 @atexit.register

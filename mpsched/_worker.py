@@ -17,7 +17,8 @@ Task kinds, by the block's ``parent`` word:
     own block and the handle into this worker's done ring, popping the run stack in the same lock
     round (``SlotQueues.complete``): at every instant the handle is in exactly one of a ring, a
     run stack or a done ring, so a crash can lose nothing silently. The coordinator is poked
-    (RESULTS) per batch and when idle; the coordinator's timer sweep covers the rest.
+    (RESULTS) per batch, when idle and after a task that asked (``announce_result``: a map
+    chunk); the coordinator's timer sweep covers the rest.
   * child (parent = the spawning worker's slot): the result goes into the child's block, whose
     ``state`` becomes DONE under the *parent's* slot lock; the parent's future reads it from
     there. A child that nobody waits for (its future was dropped) is ABANDONED, and whoever sees
@@ -134,6 +135,17 @@ def submit(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> ChildFuture:
     if not callable(fn):
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
     return worker.spawn(fn, args, kwargs)
+
+
+def announce_result() -> None:
+    """Inside a top-level task: announce its result to the coordinator as soon as it is in the
+    done ring, not with the worker's batch (``WorkerOptions.result_batch``) or when the worker
+    idles. For a task whose caller waits on it while later tasks queue behind it on the same
+    worker (a chunk of ``Pool.map``, consumed in order): otherwise its result would wait for
+    those. Should only be used by ``_chunks``; a no-op outside a worker."""
+    worker = _current
+    if worker is not None:
+        worker.announce = True
 
 
 def current_task() -> TaskContext:
@@ -283,6 +295,7 @@ class Worker:
         # TaskContext object is built only when a task asks for it, not for every task.
         self.contexts: list[tuple[int, Any]] = []
         self.unannounced = 0  # results in the done ring since the last poke
+        self.announce = False  # the running task asked for a poke once it is done
         self.top_level_done = 0  # for max_tasks (children do not count)
         self.draining = False
         self.pid = os.getpid()
@@ -374,10 +387,15 @@ class Worker:
             self.me.complete(handle)
             self.top_level_done += 1
             self.unannounced += 1
-            if self.unannounced >= self.options.result_batch:
+            # A task that asked (announce_result) is announced at once, unless a user thread
+            # is collecting the done rings itself (as in idle(): see Coordinator.help_wait).
+            if self.unannounced >= self.options.result_batch or (
+                self.announce and not self.header.collector()
+            ):
                 self.poke()
         else:
             self.finish_child(handle, parent)
+        self.announce = False
 
     def load_function(self, fid: int) -> Callable[..., Any]:
         fn = self.fn_cache.get(fid)

@@ -9,7 +9,7 @@ from concurrent.futures import CancelledError, wait
 import pytest
 
 import mpsched
-from mpsched import BrokenPoolError, Pool, PoolClosedError
+from mpsched import BrokenPoolError, Pool, PoolClosedError, _pool
 
 from . import tasks
 
@@ -109,6 +109,8 @@ def test_map_keeps_order_with_any_chunksize(pool2: Pool) -> None:
     assert list(pool2.map(tasks.ident, data)) == data
     assert list(pool2.map(tasks.ident, data, chunksize=7)) == data
     assert list(pool2.map(tasks.add, data, data, chunksize=1000)) == [2 * x for x in data]
+    assert list(pool2.map(tasks.add, data, data[:10])) == [2 * x for x in data[:10]]  # as zip
+    assert list(pool2.map(tasks.ident, [(1, 2), None])) == [(1, 2), None]  # items as they are
     assert list(pool2.map(tasks.ident, [])) == []
 
 
@@ -126,6 +128,36 @@ def test_map_reads_its_input_lazily(pool2: Pool) -> None:
     assert [next(results) for _ in range(5)] == [1, 2, 3, 4, 5]
     assert pulled < 1000  # bounded read-ahead
     results.close()
+
+
+@pytest.mark.timeout(60)
+def test_map_default_chunking_reads_ahead_boundedly(pool2: Pool) -> None:
+    pulled = 0
+
+    def numbers():  # infinite
+        nonlocal pulled
+        while True:
+            pulled += 1
+            yield pulled
+
+    results = pool2.map(tasks.ident, numbers())
+    assert [next(results) for _ in range(5)] == [1, 2, 3, 4, 5]
+    # Nothing was measured when the first result came: every chunk so far is a first guess.
+    assert pulled <= _pool.MAP_PREFETCH_PER_WORKER * 2 * _pool.MAP_FIRST_CHUNK
+    results.close()
+
+
+@pytest.mark.timeout(60)
+def test_map_sends_again_what_a_chunk_left_at_its_budget(
+    pool2: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_pool, "MAP_CHUNK_BUDGET", 0.0)  # every chunk stops after one item
+    data = list(range(300))
+    assert list(pool2.map(tasks.ident, data)) == data
+    assert list(pool2.map(tasks.add, data, data)) == [2 * x for x in data]
+    results = pool2.map(tasks.boom, ["first", "second"])
+    with pytest.raises(ValueError, match="first"):
+        next(results)
 
 
 @pytest.mark.timeout(60)

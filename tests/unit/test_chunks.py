@@ -1,0 +1,39 @@
+"""Pool.map's chunk task and chunk sizing, without processes."""
+
+from __future__ import annotations
+
+import math
+import operator
+
+from mpsched import _pool
+from mpsched._chunks import run_chunk
+
+
+def test_run_chunk_runs_every_item_within_its_budget() -> None:
+    items = list(range(1000))
+    assert run_chunk(abs, items, False, math.inf)[0] == items
+    assert run_chunk(operator.add, [(1, 2), (3, 4)], True, math.inf)[0] == [3, 7]
+    assert run_chunk(abs, [], False, math.inf)[0] == []
+
+
+def test_run_chunk_stops_at_its_budget_after_one_item_at_least() -> None:
+    results, seconds = run_chunk(abs, list(range(-5, 5)), False, 0.0)
+    assert results == [5]  # a prefix: map sends the rest again
+    assert seconds >= 0.0
+    assert run_chunk(operator.add, [(1, 2), (3, 4)], True, 0.0)[0] == [3]
+
+
+def test_chunk_size_grows_boundedly_up_to_the_cap() -> None:
+    assert _pool._next_chunksize(1e-9, 64, 4096) == 4096
+    assert _pool._next_chunksize(1e-9, 1, 4096) == _pool.MAP_GROWTH
+    assert _pool._next_chunksize(1e-9, 64, 100) == 100
+    assert _pool._next_chunksize(1.0, 64, 4096) == 1  # slow items: one per chunk
+    assert _pool._next_chunksize(0.0, 64, 4096) == 4096
+
+
+def test_max_chunk_bounds_the_pickled_bytes() -> None:
+    assert _pool._max_chunk(list(range(64))) == _pool.MAP_MAX_CHUNK
+    big = _pool._max_chunk(["x" * 1000 + str(i) for i in range(64)])
+    assert 64 <= big <= _pool.MAP_CHUNK_BYTES // 1000
+    assert _pool._max_chunk([b"x" * 10**6]) == 1
+    assert _pool._max_chunk([lambda: 0]) == _pool.MAP_MAX_CHUNK  # submit reports the error
