@@ -264,8 +264,8 @@ class VersionedHeap:
             self._in_heap -= 1
         if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
             self._prune()
-        if self._remember and not rec[_R_RUNNING]:  # _note_finished, inlined (finish() notes
-            # the rest)
+        # _note_finished, inlined; with a version running, its finish() notes the id instead
+        if self._remember and not rec[_R_RUNNING]:
             finished = self._finished
             finished.append(task_id)
             if len(finished) > self._remember:
