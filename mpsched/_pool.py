@@ -301,7 +301,7 @@ class Pool:
             views=attach(self._segment, layout, locks) if fork else None,
         )
         try:
-            if fork:  # a bare fork: ~1.4 ms sooner (see ForkedZygote)
+            if fork:  # a bare fork, lighter than a Process (see ForkedZygote)
                 self._zygote = ForkedZygote(cfg)
             else:
                 self._zygote = ctx.Process(
