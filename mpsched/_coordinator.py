@@ -214,13 +214,13 @@ class Coordinator:
         self.finished = threading.Event()
 
     # ------------------------------------------------------------------ start-up
-    def spawn_all(self) -> None:
-        """Before the loop runs: ask the zygote for every worker at once (it reads the SPAWNs
-        after READY). The loop registers each worker as its SPAWNED comes; until then a task
-        may already be injected into its inbox (``dispatch_one``), where the worker finds it
-        when it starts, or a peer steals it. Nothing waits for the round trip."""
-        for slot in range(self.n_workers):
-            self.spawn(slot)
+    def mark_all_starting(self) -> None:
+        """Before the loop runs: every worker is starting (the zygote forks the initial ones
+        from its config after READY, with no SPAWN). The loop registers each worker as its
+        SPAWNED comes; until then a task may already be injected into its inbox
+        (``dispatch_one``), where the worker finds it when it starts, or a peer steals it.
+        Nothing waits for the round trip."""
+        self.starting.update(range(self.n_workers))
 
     def spawn(self, slot: int) -> None:
         self.starting.add(slot)

@@ -8,13 +8,14 @@ Start-up, in order (the reasons are in docs/design.md):
   1. sweep semaphore names left by a process that died inside the start-up window;
   2. create the memfd segment (no name), the locks (named for now), one wake eventfd per slot,
      and format the segment but for the slab's free stack;
-  3. start the zygote through the start method; it opens the locks and maps the segment;
-     meanwhile build the coordinator, queue one SPAWN per worker, fill the free stack and
-     start the coordinator thread (it waits);
+  3. start the zygote through the start method (under fork: a bare fork, see ForkedZygote);
+     it opens the locks and maps the segment; meanwhile build the coordinator, mark every
+     worker as starting, fill the free stack and start the coordinator thread (it waits);
   4. on READY, unlink every lock name (from here on nothing of the pool has a name), let the
      coordinator thread go and return: the workers are not waited for;
-  5. the zygote forks the workers; the coordinator thread registers each as its SPAWNED
-     comes. A task submitted before may wait in a starting worker's inbox.
+  5. the zygote forks the workers (listed in its config: no SPAWN message each); the
+     coordinator thread registers each as its SPAWNED comes. A task submitted before may wait
+     in a starting worker's inbox.
 
 Lifecycle: RUNNING -> DRAINING (shutdown called: no new work; the coordinator drains) ->
 CLOSED (workers and zygote gone, resources released). ``shutdown`` is idempotent and may be
@@ -56,7 +57,7 @@ from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
 from mpsched._wakeup import Wakeup
 from mpsched._worker import WorkerOptions
-from mpsched._zygote import ZygoteConfig, zygote_main
+from mpsched._zygote import ZYGOTE_NAME, ForkedZygote, ZygoteConfig, zygote_main
 
 DISPATCH_WINDOW = 128  # tasks per worker inbox; larger = fewer wake-ups, longer cancel window
 DISPATCH_WINDOW_MAX = 4096  # the inbox ring is sized for the window
@@ -241,10 +242,10 @@ class Pool:
             # the slab's free stack, is filled below while the zygote starts up.
             self._views = attach(self._segment, layout, guarded, init=True, fill_slab=False)
             zygote_conn = self._start_zygote(layout, locks)
-            # While the zygote starts up: build the coordinator, queue every SPAWN (the zygote
-            # reads them after READY), fill the free stack (no block is allocated before
-            # Pool() returns) and start the coordinator thread (it waits for go). None of it
-            # is then on the path to the first result.
+            # While the zygote starts up: build the coordinator, mark every worker as starting
+            # (the zygote forks them after READY), fill the free stack (no block is allocated
+            # before Pool() returns) and start the coordinator thread (it waits for go). None
+            # of it is then on the path to the first result.
             self._functions = FunctionCache(self._views.functions.add)
             self._coordinator = Coordinator(
                 self._views,
@@ -261,7 +262,7 @@ class Pool:
                 timed_after_shutdown=self._timed_after_shutdown,
                 recurring_after_shutdown=self._recurring_after_shutdown,
             )
-            self._coordinator.spawn_all()
+            self._coordinator.mark_all_starting()
             self._views.slab.fill_free_stack()
             self._thread = threading.Thread(
                 target=self._coordinator.run, name="mpsched-coordinator", daemon=True
@@ -311,15 +312,19 @@ class Pool:
             coordinator_pid=os.getpid(),
             worker_options=self._worker_options,
             close_fds=sorted(_coordinator_fds) if fork else [],
+            initial_slots=list(range(self._workers)),
             # Under fork the zygote inherits the workers' views: attaching here costs ~0.1 ms,
             # in the zygote (copy-on-write faults after the fork) ~0.7 ms on the start-up path.
             views=attach(self._segment, layout, locks) if fork else None,
         )
-        self._zygote = ctx.Process(
-            target=zygote_main, args=(cfg,), name="mpsched-zygote", daemon=True
-        )
         try:
-            self._zygote.start()
+            if fork:  # a bare fork, lighter than a Process (see ForkedZygote)
+                self._zygote = ForkedZygote(cfg)
+            else:
+                self._zygote = ctx.Process(
+                    target=zygote_main, args=(cfg,), name=ZYGOTE_NAME, daemon=True
+                )
+                self._zygote.start()
         finally:
             child_conn.close()
         return parent_conn

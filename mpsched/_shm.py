@@ -12,8 +12,11 @@ What this module owns:
     * ``sweep_stale_names``: removes semaphore names left by a creator that died inside the
       start-up window.
     * ``death_signal_setter``: ``prctl(PR_SET_PDEATHSIG)`` for the zygote's workers.
-    This is the ONLY module that touches private CPython API (``_multiprocessing``; and
-    ``_ctypes`` for that one ``prctl`` call, see ``death_signal_setter``):
+    * ``become_forked_child``: the part of ``multiprocessing``'s child bootstrap that a zygote
+      started by a bare ``os.fork()`` (fork start method) keeps.
+    This is the ONLY module that touches private CPython API (``_multiprocessing``; ``_ctypes``
+    for that one ``prctl`` call, see ``death_signal_setter``; ``multiprocessing.process`` and
+    ``multiprocessing.util`` internals in ``become_forked_child``):
     ``SemLock(kind, value, maxvalue, name, unlink)``, ``SemLock._rebuild(handle, kind, maxvalue,
     name)`` and ``sem_unlink(name)``, as in 3.11's Modules/_multiprocessing/semaphore.c (the same
     calls ``multiprocessing.synchronize`` makes). If they change, only this file changes.
@@ -52,6 +55,7 @@ import _multiprocessing  # type: ignore[import-not-found]  # private C module, n
 import mmap
 import os
 import re
+import sys
 import weakref
 from collections.abc import Callable
 from multiprocessing import context, reduction
@@ -61,13 +65,14 @@ from mpsched._errors import InternalError
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Literal, Protocol
+    from typing import Any, Literal, Protocol, TextIO
 
 __all__ = (
     "SEM_PREFIX",
     "AnonSegment",
     "SemLockHandle",
     "SharedFd",
+    "become_forked_child",
     "create_eventfd",
     "create_lock",
     "create_semaphore",
@@ -453,6 +458,48 @@ def death_signal_setter() -> Callable[[int], None]:
             raise OSError(f"prctl(PR_SET_PDEATHSIG, {sig}) failed")
 
     return set_death_signal
+
+
+def become_forked_child(name: str, parent_pid: int, stdin: TextIO | None) -> None:
+    """In the child of a bare ``os.fork()`` (the zygote under the fork start method), before
+    anything else: what ``multiprocessing``'s own child bootstrap (3.11
+    ``BaseProcess._bootstrap``) does that the zygote's workers, and the user's tasks there, may
+    rely on, at a fraction of its cost (see ``_zygote.ForkedZygote``):
+
+    * stdin reads ``/dev/null``, never the parent's input (``util._close_stdin``): ``/dev/null``
+      is ``dup2``-ed onto fd 0 and ``sys.stdin`` becomes ``stdin``, a reader of fd 0 that the
+      parent made before the fork (None: leave ``sys.stdin``, as when the parent has none).
+      Made here, the reader would cost ~0.3 ms of copy-on-write faults, in the parent ~20 us;
+    * ``multiprocessing.current_process()`` is a child process named ``name``, daemonic (as a
+      ``Process(daemon=True)``: a task cannot start processes that would outlive its worker),
+      with no children of its own; ``parent_process()`` is the pool's process;
+    * the after-fork hooks registered with ``multiprocessing.util.register_after_fork`` run
+      (they reset inherited ``multiprocessing`` objects, e.g. a ``Queue``'s feeder thread
+      state), and the parent's exit finalizers are dropped.
+    """
+    import itertools
+    import threading
+    from multiprocessing import process, util
+
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    if stdin is not None:
+        sys.stdin = stdin
+    context._force_start_method("fork")
+    parent = process.current_process()
+    child = process.BaseProcess(name=name, daemon=True)
+    child._parent_pid = parent_pid  # type: ignore[attr-defined]  # made here, not in the parent
+    process._current_process = child  # type: ignore[attr-defined]
+    # The parent's sentinel: a pidfd, readable once the parent exits (its Process.sentinel).
+    process._parent_process = process._ParentProcess(  # type: ignore[attr-defined]
+        parent.name, parent_pid, os.pidfd_open(parent_pid)
+    )
+    process._children = set()  # type: ignore[attr-defined]
+    process._process_counter = itertools.count(1)  # type: ignore[attr-defined]
+    threading.main_thread()._set_native_id()  # type: ignore[attr-defined]
+    util._finalizer_registry.clear()  # type: ignore[attr-defined]
+    util._run_after_forkers()  # type: ignore[attr-defined]
 
 
 def create_eventfd() -> int:

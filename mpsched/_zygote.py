@@ -7,15 +7,17 @@ named semaphores (after which the coordinator unlinks every name, so nothing nam
 start-up) and maps the memfd segment, then ``os.fork()``s each worker and each replacement.
 Workers inherit the locks, the segment and the wake eventfds through that fork.
 
-Called from: ``_pool`` starts ``zygote_main`` as the target of ``ctx.Process``. Runs in the zygote
-process only; ``_spawn`` runs the worker (``_worker.worker_main``) in the forked child.
+Called from: ``_pool`` starts ``zygote_main`` as the target of ``ctx.Process`` (forkserver,
+spawn) or in a bare fork (``ForkedZygote``, fork start method). Runs in the zygote process only;
+``_spawn`` runs the worker (``_worker.worker_main``) in the forked child.
 
 Protocol with the coordinator (one duplex Connection; see ``_protocol``):
-    zygote -> READY                     after attaching
-    coord  -> SPAWN(slot)               zygote forks, answers SPAWNED(slot, pid) and then sends
-                                        the coordinator's end of the worker's socket pair as an
-                                        fd (``send_handle``); one per worker is queued while
-                                        the zygote starts up
+    zygote -> READY                     after attaching; then it forks the pool's initial
+                                        workers (``ZygoteConfig.initial_slots``), answering
+                                        SPAWNED for each as for a SPAWN
+    coord  -> SPAWN(slot)               (a replacement) zygote forks, answers SPAWNED(slot,
+                                        pid) and then sends the coordinator's end of the
+                                        worker's socket pair as an fd (``send_handle``)
     zygote -> EXITED(slot, pid, code)   a worker exited (reaped here; its pidfd fired)
     coord  -> STOP                      spawn no more; exit once every worker has been reaped
 
@@ -39,7 +41,7 @@ from multiprocessing.reduction import send_handle
 
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach
 from mpsched._protocol import Tag, decode, encode
-from mpsched._shm import AnonSegment, SharedFd, death_signal_setter
+from mpsched._shm import AnonSegment, SharedFd, become_forked_child, death_signal_setter
 from mpsched._worker import WorkerOptions, worker_main  # loaded once; every worker inherits it
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 # Looked up at import: every worker calls it right after fork, on its start-up path, and under
 # the fork start method the zygote inherits it from the pool's process (imported before).
 _set_death_signal = death_signal_setter()
+ZYGOTE_NAME = "mpsched-zygote"  # its multiprocessing.current_process().name, and its workers'
 
 
 class ZygoteConfig:
@@ -70,6 +73,7 @@ class ZygoteConfig:
         coordinator_pid: int,
         worker_options: WorkerOptions,
         close_fds: list[int],
+        initial_slots: list[int],
         views: SegmentViews | None = None,
     ) -> None:
         self.conn = conn
@@ -80,6 +84,7 @@ class ZygoteConfig:
         self.coordinator_pid = coordinator_pid
         self.worker_options = worker_options
         self.close_fds = close_fds  # fork start method: coordinator-side fds inherited by accident
+        self.initial_slots = initial_slots  # forked right after READY, with no SPAWN each
         # Fork start method: the workers' views, attached by the pool's process before the fork
         # (inherited, never pickled), so that the zygote's path to its first fork is shorter.
         self.views = views
@@ -115,6 +120,8 @@ class _Zygote:
 
     def serve(self) -> None:
         self.conn.send_bytes(encode(Tag.READY))
+        for slot in self.cfg.initial_slots:
+            self._spawn(slot)
         while not (self.stopping and not self.children):
             for fd, _ in self.poller.poll():
                 if fd == self.conn.fileno():
@@ -199,6 +206,66 @@ class _Zygote:
                 os.waitpid(pid, 0)
             os.close(pidfd)
         self.children.clear()
+
+
+class ForkedZygote:
+    """Fork start method: the zygote as a bare ``os.fork()`` of the pool's process.
+
+    With ``multiprocessing.Process`` the zygote's code starts ~1.4 ms later (measured alone: in
+    the parent pipes, a finalizer, bookkeeping; in the child its bootstrap, mostly a new
+    ``sys.stdin``; ~0.4 ms of the pool's median start-up to first result, the rest overlaps
+    the pool's own set-up), and the zygote needs only the part of that bootstrap that
+    ``become_forked_child`` keeps. Has the members of ``Process`` that the pool (and its tests)
+    use: ``pid``, ``join``, ``is_alive``, ``kill``, ``close``. The child is reaped through a
+    pidfd. Under forkserver and spawn the zygote stays a ``Process``: there it is a new
+    program, and multiprocessing's start-up is what brings it up.
+    """
+
+    def __init__(self, cfg: ZygoteConfig) -> None:
+        for stream in (sys.stdout, sys.stderr):  # buffered output must not be written twice
+            with contextlib.suppress(AttributeError, ValueError):
+                stream.flush()
+        parent_pid = os.getpid()
+        stdin = None
+        if sys.stdin is not None:  # the child's sys.stdin: a reader of fd 0 (/dev/null there)
+            with contextlib.suppress(OSError):
+                stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
+        pid = os.fork()
+        if pid == 0:  # the zygote: never returns
+            try:
+                become_forked_child(ZYGOTE_NAME, parent_pid, stdin)
+            except BaseException:
+                _print_exc()
+                os._exit(1)
+            zygote_main(cfg)
+        if stdin is not None:
+            stdin.close()  # closefd=False: fd 0 stays open
+        self.pid = pid
+        self.exitcode: int | None = None
+        self._pidfd = os.pidfd_open(pid)  # works until we reap it, even once it exited
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.exitcode is not None:
+            return
+        if not select.select([self._pidfd], [], [], timeout)[0]:
+            return
+        _, status = os.waitpid(self.pid, 0)
+        self.exitcode = os.waitstatus_to_exitcode(status)
+
+    def is_alive(self) -> bool:
+        self.join(0)
+        return self.exitcode is None
+
+    def kill(self) -> None:
+        if self.exitcode is None:  # not reaped: the pid is still ours
+            os.kill(self.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        if self.is_alive():
+            raise ValueError("cannot close the zygote while it is still running")
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
 
 
 def _print_exc() -> None:

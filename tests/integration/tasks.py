@@ -25,6 +25,21 @@ def pid_of(_: Any = None) -> int:
     return os.getpid()
 
 
+def process_context() -> tuple[str, bool, int | None, bool, str]:
+    """What a task sees of multiprocessing's process state and of stdin."""
+    import multiprocessing
+
+    me = multiprocessing.current_process()
+    parent = multiprocessing.parent_process()
+    return (
+        me.name,
+        bool(me.daemon),
+        None if parent is None else parent.pid,
+        parent is not None and parent.is_alive(),
+        sys.stdin.read(),
+    )
+
+
 def boom(message: str) -> None:
     raise ValueError(message)
 

@@ -40,6 +40,25 @@ def test_submit_map_and_nested_under_each_start_method(start_method: str) -> Non
 
 
 @pytest.mark.timeout(60)
+def test_tasks_see_the_same_process_context_under_each_start_method(start_method: str) -> None:
+    # Under fork the zygote is a bare os.fork() (ForkedZygote), not a multiprocessing.Process:
+    # its workers must still look like the children of a daemonic Process, stdin closed.
+    read_end, write_end = os.pipe()  # a stdin that would hand "input" to a child reading it
+    saved = os.dup(0)
+    os.write(write_end, b"input")
+    os.close(write_end)
+    os.dup2(read_end, 0)
+    try:
+        with Pool(2, start_method=start_method) as pool:
+            context = pool.submit(tasks.process_context).result(timeout=30)
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+        os.close(read_end)
+    assert context == ("mpsched-zygote", True, os.getpid(), True, "")
+
+
+@pytest.mark.timeout(60)
 def test_local_functions_and_lambdas_work(pool2: Pool) -> None:
     def local(x: int) -> int:
         return x + 1
