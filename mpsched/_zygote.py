@@ -231,13 +231,14 @@ class ForkedZygote:
             with contextlib.suppress(OSError):
                 stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
         pid = os.fork()
-        if pid == 0:  # the zygote: never returns
-            try:
+        if pid == 0:  # the zygote: never returns (as multiprocessing's Popen._launch, even a
+            try:  # signal between the two calls must not run the pool's code on in this child)
                 become_forked_child(ZYGOTE_NAME, parent_pid, stdin)
+                zygote_main(cfg)  # exits with os._exit
             except BaseException:
                 _print_exc()
+            finally:
                 os._exit(1)
-            zygote_main(cfg)
         if stdin is not None:
             stdin.close()  # closefd=False: fd 0 stays open
         self.pid = pid
