@@ -134,7 +134,16 @@ def test_map_keeps_order_with_any_chunksize(pool2: Pool) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_map_reads_its_input_lazily(pool2: Pool) -> None:
+@pytest.mark.parametrize(
+    ("chunksize", "most_pulled"),
+    [
+        (10, 1000),
+        # Default chunking: nothing was measured when the first result came, so every chunk so
+        # far is a first guess.
+        (None, _pool.MAP_PREFETCH_PER_WORKER * 2 * _pool.MAP_FIRST_CHUNK),
+    ],
+)
+def test_map_reads_its_input_lazily(pool2: Pool, chunksize: int | None, most_pulled: int) -> None:
     pulled = 0
 
     def numbers():  # infinite
@@ -143,26 +152,9 @@ def test_map_reads_its_input_lazily(pool2: Pool) -> None:
             pulled += 1
             yield pulled
 
-    results = pool2.map(tasks.ident, numbers(), chunksize=10)
+    results = pool2.map(tasks.ident, numbers(), chunksize=chunksize)
     assert [next(results) for _ in range(5)] == [1, 2, 3, 4, 5]
-    assert pulled < 1000  # bounded read-ahead
-    results.close()
-
-
-@pytest.mark.timeout(60)
-def test_map_default_chunking_reads_ahead_boundedly(pool2: Pool) -> None:
-    pulled = 0
-
-    def numbers():  # infinite
-        nonlocal pulled
-        while True:
-            pulled += 1
-            yield pulled
-
-    results = pool2.map(tasks.ident, numbers())
-    assert [next(results) for _ in range(5)] == [1, 2, 3, 4, 5]
-    # Nothing was measured when the first result came: every chunk so far is a first guess.
-    assert pulled <= _pool.MAP_PREFETCH_PER_WORKER * 2 * _pool.MAP_FIRST_CHUNK
+    assert pulled <= most_pulled  # bounded read-ahead
     results.close()
 
 
