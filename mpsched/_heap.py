@@ -24,7 +24,7 @@ and the only references to the callers' items (the futures) sit in one dict, ``_
 ``schedule`` with the collector on.)
 
 * ``_records[task_id]`` is ``(run_at, -priority, seq, task_id, version, state, running,
-  cancel_requested, deferred, priority)``, replaced on every change (``_R_*`` name the fields);
+  cancel_requested, priority)``, replaced on every change (``_R_*`` name the fields);
   ``state`` is a plain int (a ``TaskState`` member would keep the tuple tracked). The record of a
   pending version is its heap entry: one tuple per task, and ``pop_due`` reads it off the heap.
 * A version is pending iff its record's ``seq`` has an item in ``_items``. ``withdraw`` (the
@@ -80,8 +80,9 @@ _STATES = tuple(TaskState)
 #   * The latest version is pending iff seq is in _items (seq is then the sequence number of its
 #     schedule() call, and _items[seq] its item). Otherwise the state field is its state, except
 #     that PENDING there means CANCELLED (withdrawn; see _state_of).
-#   * A pending version waits behind ``running`` (not in the heap) iff deferred; otherwise its
-#     record is in the heap (and a heap entry is live iff its seq has an item).
+#   * A pending version is deferred (waits behind ``running``, not in the heap) iff running is
+#     not 0; otherwise its record is in the heap (and a heap entry is live iff its seq has an
+#     item).
 #   * running is the version being run (0: none); it may be older than version.
 _R_RUN_AT: Final = 0
 _R_NEG_PRIORITY: Final = 1
@@ -91,9 +92,8 @@ _R_VERSION: Final = 4
 _R_STATE: Final = 5
 _R_RUNNING: Final = 6
 _R_CANCEL: Final = 7
-_R_DEFERRED: Final = 8
-_R_PRIORITY: Final = 9
-Record = tuple[float, int, int, Hashable, int, int, int, bool, bool, int]
+_R_PRIORITY: Final = 8
+Record = tuple[float, int, int, Hashable, int, int, int, bool, int]
 
 # Rebuild when the heap exceeds PRUNE_FACTOR x its live entries plus PRUNE_SLACK. Factor 2 bounds
 # the heap at twice the live set (memory) while charging each rebuild to at least as many stale
@@ -203,26 +203,23 @@ class VersionedHeap:
         if neg is None:
             neg = -priority
         if old is None:  # fast path: a new id (no pending, no running version)
-            rec = records[task_id] = (run_at, neg, seq, task_id, 1, _PENDING, 0, False, False,
-                                      priority)  # fmt: skip
+            rec = records[task_id] = (run_at, neg, seq, task_id, 1, _PENDING, 0, False, priority)
             heapq.heappush(self._heap, rec)
             self._in_heap += 1
             return 1
-        _, _, old_seq, _, version, _, running, cancel_requested, deferred, _ = old
+        _, _, old_seq, _, version, _, running, cancel_requested, _ = old
         if old_seq in items:  # a pending version, superseded: its heap entry goes stale
             del items[old_seq]
-            if deferred:
+            if running:  # it was deferred
                 self._deferred -= 1
             else:
                 self._in_heap -= 1
         version += 1
-        if running:
-            records[task_id] = (run_at, neg, seq, task_id, version, _PENDING, running,
-                                cancel_requested, True, priority)  # fmt: skip
+        rec = records[task_id] = (run_at, neg, seq, task_id, version, _PENDING, running,
+                                  cancel_requested, priority)  # fmt: skip
+        if running:  # deferred: it enters the heap when the running version finishes
             self._deferred += 1
         else:
-            rec = records[task_id] = (run_at, neg, seq, task_id, version, _PENDING, 0, False,
-                                      False, priority)  # fmt: skip
             heapq.heappush(self._heap, rec)
             self._in_heap += 1
         if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
@@ -239,7 +236,7 @@ class VersionedHeap:
             return False
         pending = rec[_R_SEQ] in self._items
         if rec[_R_RUNNING]:
-            self._records[task_id] = (*rec[:_R_CANCEL], True, *rec[_R_DEFERRED:])
+            self._records[task_id] = (*rec[:_R_CANCEL], True, rec[_R_PRIORITY])
         if pending:  # after the flag: withdraw may forget an ended id's record
             self.withdraw(task_id)
         return pending or rec[_R_RUNNING] != 0
@@ -258,7 +255,7 @@ class VersionedHeap:
         if seq not in items or (version and rec[_R_VERSION] != version):
             return None
         item = items.pop(seq)  # first: the prune below keeps the entries that have one
-        if rec[_R_DEFERRED]:
+        if rec[_R_RUNNING]:  # it was deferred
             self._deferred -= 1
         else:
             self._in_heap -= 1
@@ -290,9 +287,9 @@ class VersionedHeap:
             heapq.heappop(heap)
             self._in_heap -= 1
             # A live entry is its id's current record: no version runs beside one in the heap.
-            run_at, neg, seq, task_id, version, _, _, _, _, priority = top
+            run_at, neg, seq, task_id, version, _, _, _, priority = top
             self._records[task_id] = (run_at, neg, NOT_IN_HEAP, task_id, version, _RUNNING,
-                                      version, False, False, priority)  # fmt: skip
+                                      version, False, priority)  # fmt: skip
             item = items.pop(seq)
             # the live count fell: the bound may need a rebuild too (inlined: hot path)
             if len(heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
@@ -321,7 +318,7 @@ class VersionedHeap:
                 f"cannot finish task {task_id!r} v{due.version}: it is not running "
                 f"(running version: {now_running}); finish() takes each Due from next() once"
             )
-        run_at, neg, seq, _, version, _, _, cancel_requested, _, priority = rec
+        run_at, neg, seq, _, version, _, _, cancel_requested, priority = rec
         if cancelled:
             outcome = _CANCELLED
         elif error is None:
@@ -333,7 +330,7 @@ class VersionedHeap:
         # The latest version: this one, or a newer one (deferred, or withdrawn meanwhile).
         state = outcome if version == due.version else self._state_of(rec)
         rec = self._records[task_id] = (run_at, neg, seq, task_id, version, state, 0, False,
-                                        False, priority)  # fmt: skip
+                                        priority)  # fmt: skip
         if state == _PENDING:  # a newer version waited: it may start now, in schedule() order
             self._deferred -= 1
             heapq.heappush(self._heap, rec)
