@@ -38,7 +38,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -83,6 +83,9 @@ _CHILD_QUEUED = int(ChildState.QUEUED)
 _PARENT = int(BlockField.PARENT)
 _UID = int(BlockField.UID)
 _UID_PID_SHIFT = 31  # a child's uid is (spawning worker's pid << 31) | counter (_worker.next_uid)
+# A top-level task's block: the uid names no process, so orphan_children never takes it for a
+# dead worker's child (the block's handle identifies the task; no per-task number is needed).
+TOP_LEVEL_UID = 0
 _CHILD_ABANDONED = int(ChildState.ABANDONED)
 _ERROR = int(ResultStatus.ERROR)
 _CANCEL_REQUESTED = int(TopState.CANCEL_REQUESTED)
@@ -304,7 +307,7 @@ class Coordinator:
         meta). The version handed out earlier, if no worker has claimed it, and the pending one
         are superseded: cancelled, never run.
         Returns True if the loop must be woken (the new task is due before it would wake)."""
-        superseded: list[Future] = []
+        superseded: Sequence[Future] = ()  # no list for a new id (the measured path)
         timetable = self.timetable
         lock = self.lock
         lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
@@ -313,11 +316,12 @@ class Coordinator:
                 self.check_usable()
             self.submitted += 1
             if timetable.known(task_id):  # an id seen before: supersede what it has
-                self.supersede(task_id, recurrence, superseded)
+                cancelled: list[Future] = []
+                self.supersede(task_id, recurrence, cancelled)
+                superseded = cancelled
             if recurrence is not None:
                 timetable.recurring[task_id] = recurrence
-            version = timetable.schedule(task_id, run_at, priority, future)
-            future._payload = with_version(future._payload, version)
+            timetable.schedule(task_id, run_at, priority, future)
             if self.next_due is None or run_at < self.next_due:
                 self.next_due = run_at
             wake = run_at < self.sleep_until
@@ -636,8 +640,11 @@ class Coordinator:
                 new = []
             for future, handle in zip(new, handles, strict=False):
                 payload = future._payload
-                if not slab.write(handle, payload, uid=future._uid, state=0):
-                    slab.write(handle, b"", uid=future._uid, state=0)
+                due = future._due
+                if due is not None:  # a version of an id: its number follows the call
+                    payload = with_version(payload, due.version)
+                if not slab.write(handle, payload, uid=TOP_LEVEL_UID, state=0):
+                    slab.write(handle, b"", uid=TOP_LEVEL_UID, state=0)
                     slab.set_word(handle, _NBYTES, -self.stash_put(payload))
                 run = future._run
                 if run is None:
@@ -900,10 +907,9 @@ class Coordinator:
         every: float = options.every  # type: ignore[assignment]  # set on every recurrence
         run_at, dropped = next_run_at(run_future._run.run_at, every, time.monotonic(), policy)
         self.skipped_runs += dropped
-        future = Future(self, run_future._uid, rec.call, rec.priority)
+        future = Future(self, rec.call, rec.priority)
         future._run = TaskRun(options, rec, run_at)
-        version = self.timetable.schedule(rec.task_id, run_at, rec.priority, future)
-        future._payload = with_version(rec.call, version)
+        self.timetable.schedule(rec.task_id, run_at, rec.priority, future)
         self.note_due(run_at)
 
     # ------------------------------------------------------------------ messages

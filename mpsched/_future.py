@@ -92,21 +92,20 @@ class Future(concurrent.futures.Future[Any]):
         "_run",
         "_slot",
         "_state",
-        "_uid",
         "_withdrawn",
     )
 
     def __init__(
-        self, owner: _Owner | None = None, uid: int = 0, payload: bytes = b"", priority: int = 0
+        self, owner: _Owner | None = None, payload: bytes = b"", priority: int = 0
     ) -> None:
         # No super().__init__(): it would create the Condition eagerly (see the module doc).
+        # ``_result`` and ``_exception`` stay unset until the outcome (both are set then, and
+        # the stdlib reads them only once FINISHED): two slots fewer for the collector to
+        # walk in each pending future.
         self._cond: _Sync | None = None
         self._state = PENDING
-        self._result = None
-        self._exception = None
         # Routing (the coordinator's): who can withdraw the task, and where it is.
         self._owner = owner  # None once the outcome is known
-        self._uid = uid
         self._payload = payload  # dropped once written to shared memory (unless retried)
         self._handle = -1  # slab block once dispatched
         self._slot = -1  # the inbox it waits in; -1 while queued in the coordinator
@@ -157,14 +156,20 @@ class Future(concurrent.futures.Future[Any]):
         return super().result(timeout)
 
     def set_result(self, result: Any) -> None:
-        if not self._settle_fast("_result", result):
-            super().set_result(result)
+        if not self._settle_fast(result, None):
+            with self._condition:  # an RLock: the stdlib's set_result takes it again
+                if self._state not in _DONE_STATES:
+                    self._exception = None  # the stdlib sets only the one it is given
+                super().set_result(result)
 
     def set_exception(self, exception: BaseException | None) -> None:
-        if not self._settle_fast("_exception", exception):
-            super().set_exception(exception)
+        if not self._settle_fast(None, exception):
+            with self._condition:
+                if self._state not in _DONE_STATES:
+                    self._result = None
+                super().set_exception(exception)
 
-    def _settle_fast(self, field: str, value: Any) -> bool:
+    def _settle_fast(self, result: Any, exception: BaseException | None) -> bool:
         """Store the outcome if no condition exists (nobody waits); False: take the stdlib path.
         (Waiters and done-callbacks register under the condition, so without one there is
         nobody to notify and no callback to run.)"""
@@ -174,7 +179,8 @@ class Future(concurrent.futures.Future[Any]):
                 return False
             if self._state in _DONE_STATES:
                 raise InvalidStateError(f"{self._state}: {self!r}")
-            setattr(self, field, value)
+            self._result = result
+            self._exception = exception
             self._state = FINISHED
         finally:
             _release()

@@ -94,6 +94,10 @@ _R_RUNNING: Final = 6
 _R_CANCEL: Final = 7
 _R_PRIORITY: Final = 8
 Record = tuple[float, int, int, Hashable, int, int, int, bool, int]
+# For callers that keep the record ``schedule`` returns (the pool's future of a pending version
+# holds it: its id and version, with no tuple of its own).
+RECORD_TASK_ID: Final = _R_TASK_ID
+RECORD_VERSION: Final = _R_VERSION
 
 # Rebuild when the heap exceeds PRUNE_FACTOR x its live entries plus PRUNE_SLACK. Factor 2 bounds
 # the heap at twice the live set (memory) while charging each rebuild to at least as many stale
@@ -192,8 +196,9 @@ class VersionedHeap:
         return None
 
     # ----------------------------------------------------------------- mutations
-    def schedule(self, task_id: Hashable, run_at: float, priority: int, item: Any) -> int:
-        """Make a new version of ``task_id`` pending; supersede any pending one. Returns it."""
+    def schedule(self, task_id: Hashable, run_at: float, priority: int, item: Any) -> Record:
+        """Make a new version of ``task_id`` pending; supersede any pending one. Returns its
+        record (immutable; ``[RECORD_VERSION]`` is the new version's number)."""
         records = self._records
         old = records.get(task_id)
         seq = next(self._seq)
@@ -206,7 +211,7 @@ class VersionedHeap:
             rec = records[task_id] = (run_at, neg, seq, task_id, 1, _PENDING, 0, False, priority)
             heapq.heappush(self._heap, rec)
             self._in_heap += 1
-            return 1
+            return rec
         _, _, old_seq, _, version, _, running, cancel_requested, _ = old
         if old_seq in items:  # a pending version, superseded: its heap entry goes stale
             del items[old_seq]
@@ -224,7 +229,7 @@ class VersionedHeap:
             self._in_heap += 1
         if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
             self._prune()
-        return version
+        return rec
 
     def cancel(self, task_id: Hashable) -> bool:
         """Cancel the pending version and ask the running one to cancel. False if neither exists.

@@ -33,7 +33,8 @@ Block (B bytes, header words are int64; ``BlockField`` names them):
 
     # offset size  field          writer                     meaning
     #   0     8    state          engine-defined             lifecycle word (values: the engine)
-    #   8     8    uid            writer of the task         task unique id (catches stale handles)
+    #   8     8    uid            writer of the task         0: a top-level task; a child's: its
+    #                                                        spawner's pid << 31 | a counter
     #  16     8    nbytes         writer of the task         length of the argument bytes
     #  24     8    parent         writer of the task         slot of the parent task, -1 = none
     #  32     8    result_status  worker that ran it         engine-defined; written after the

@@ -51,7 +51,7 @@ from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, c
 from mpsched._options import TaskOptions
 from mpsched._protocol import PICKLE_PROTOCOL
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
-from mpsched._serialize import INLINE, FunctionCache, dumps, encode_call
+from mpsched._serialize import FunctionCache, dumps
 from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
@@ -212,7 +212,6 @@ class Pool:
         self._aging = None if aging is None else float(aging)
         self._timed_after_shutdown = bool(timed_after_shutdown)
         self._recurring_after_shutdown = bool(recurring_after_shutdown)
-        self._uids = itertools.count(1)
         self._shutdown_lock = threading.Lock()
         self._closed = False
         self._started = False
@@ -378,9 +377,8 @@ class Pool:
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         if self._closed:  # early, before pickling; the coordinator decides under its lock
             raise PoolClosedError(POOL_CLOSED_MESSAGE)
-        fid = self._functions.fid(fn)
-        payload = encode_call(fid, None if fid != INLINE else fn, args, kwargs)
-        future = Future(self._coordinator, next(self._uids), payload)
+        payload = self._functions.encode(fn, args, kwargs)
+        future = Future(self._coordinator, payload)
         if options is not None and not options.is_plain:
             future._run = TaskRun(options)
         if self._coordinator.submit(future):
@@ -437,9 +435,8 @@ class Pool:
         if self._closed:  # early, before pickling; the coordinator decides under its lock
             raise PoolClosedError(POOL_CLOSED_MESSAGE)
         coordinator = self._coordinator
-        fid = self._functions.fid(fn)
-        call = encode_call(fid, None if fid != INLINE else fn, args, kwargs, (task_id,))
-        future = Future(coordinator, next(self._uids), call, priority)
+        call = self._functions.encode(fn, args, kwargs, (task_id,))
+        future = Future(coordinator, call, priority)
         recurrence = None
         if options is not None and not options.is_plain:
             if options.every is not None:

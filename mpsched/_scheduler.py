@@ -25,7 +25,7 @@ from typing import Any
 
 from mpsched._clock import SYSTEM_CLOCK, Clock
 from mpsched._errors import SchedulerClosed
-from mpsched._heap import VersionedHeap
+from mpsched._heap import RECORD_VERSION, VersionedHeap
 from mpsched._task import Due, TaskState, Wait
 
 _INF = math.inf
@@ -107,7 +107,7 @@ class Scheduler:
         with self._lock:
             if self._closed:
                 raise SchedulerClosed("the scheduler is closed; no new tasks can be scheduled")
-            return self._heap.schedule(task_id, run_at, priority, fn)
+            return self._heap.schedule(task_id, run_at, priority, fn)[RECORD_VERSION]
 
     def cancel(self, task_id: Hashable) -> bool:
         """Cancel ``task_id``: its pending version never runs (a guarantee); a running version

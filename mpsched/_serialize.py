@@ -7,8 +7,9 @@ that claims the task.
 
 Payload = ``pickle.dumps((fid, fn, args, kwargs, meta))``. ``meta`` is False for a plain call;
 for a task scheduled with an id (``mpsched.current_task()`` reports it) it is ``(task_id,)``, and
-the pickle is followed by the version number (8 bytes), which the coordinator appends under its
-lock (``with_version``), where the number is known. Everything that can fail or take time
+the pickle is followed by the version number (8 bytes), which the coordinator appends when it
+writes the task to shared memory (``with_version``): off the path of ``Pool.schedule``, whose
+rate is a target, and only for versions that come due. Everything that can fail or take time
 (pickling the call with its task id) happens before, in the caller, in one ``pickle.dumps``: a
 second one for the id alone cost a tenth of a ``Pool.schedule``. Then:
 
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     from typing import Any, Literal
 
 INLINE = -1  # fid of a payload that carries its function
+if TYPE_CHECKING:
+    Call = tuple[int, Any, tuple[Any, ...], dict[str, Any], "tuple[Any, ...] | Literal[False]"]
 
 _dumps = pickle.dumps
 _loads = pickle.loads
@@ -86,7 +89,13 @@ def encode_call(
     try:
         return _dumps(call, PICKLE_PROTOCOL)
     except Exception:
-        pass
+        return _encode_with_cloudpickle(call)
+
+
+def _encode_with_cloudpickle(call: Call) -> bytes:
+    """``encode_call`` once plain pickle has failed: cloudpickle, or a TaskPicklingError that
+    says what could not be pickled."""
+    fn, meta = call[1], call[4]
     if meta:
         check_task_id_picklable(meta[0])
     try:
@@ -109,8 +118,6 @@ def check_task_id_picklable(task_id: Any) -> None:
         raise TypeError(f"task_id must be hashable and picklable: {exc!r}") from exc
 
 
-if TYPE_CHECKING:
-    Call = tuple[int, Any, tuple[Any, ...], dict[str, Any], "tuple[Any, int] | Literal[False]"]
 _VERSION_BYTES = 8  # little-endian version number, after the pickled call
 
 
@@ -175,6 +182,24 @@ class FunctionCache:
                 self._full = True
             self._fids[fn] = fid
         return fid
+
+    def encode(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        meta: tuple[Any] | Literal[False] = False,
+    ) -> bytes:
+        """``encode_call`` of ``fn``, tabled if it can be: the pool's per-task path, one Python
+        frame when ``fn`` is tabled already and plain pickle serializes the call."""
+        fid = self._fids.get(fn) if type(fn) in _TABLED_TYPES else INLINE
+        if fid is None:
+            fid = self.fid(fn)
+        call = (fid, None if fid != INLINE else fn, args, kwargs, meta)
+        try:
+            return _dumps(call, PICKLE_PROTOCOL)
+        except Exception:
+            return _encode_with_cloudpickle(call)
 
     def close(self) -> None:
         """The table's memory is about to go: from now on a new function goes inline. (A

@@ -6,8 +6,9 @@ inbox, or runs), the recurrences, and the bounded memory of finished ids. The co
 every method under its lock (``Coordinator.lock``); user threads reach it only through the
 coordinator.
 
-Each version of an id is one ``Future``. ``future._due`` is ``(task_id, version)`` while the
-version waits in the heap and the heap's ``Due`` once it was handed out (``finish`` needs it).
+Each version of an id is one ``Future``. ``future._due`` is the version's heap record (a plain
+tuple holding its id and version, see ``_heap``; no object of its own) while the version waits in
+the heap, and the heap's ``Due`` (a NamedTuple) once it was handed out (``finish`` needs it).
 
 States: the heap says RUNNING from the moment it hands a version out; ``state()`` refines that
 for the pool, since a handed-out version that no worker has claimed yet has not started: it is
@@ -25,7 +26,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from mpsched._future import Future
-from mpsched._heap import VersionedHeap
+from mpsched._heap import RECORD_TASK_ID, RECORD_VERSION, VersionedHeap
 from mpsched._options import TaskOptions
 from mpsched._task import Due, TaskState
 
@@ -88,12 +89,10 @@ class Timetable:
         """True while a version waits in the heap or is handed out (drain must wait)."""
         return len(self.heap) > 0 or bool(self.handed)
 
-    def schedule(self, task_id: Hashable, run_at: float, priority: int, future: Future) -> int:
-        """Add a version; returns its number. The caller withdrew the handed-out version if it
-        could (then it called ``end``); a version that already runs defers the new one."""
-        version = self.heap.schedule(task_id, run_at, priority, future)
-        future._due = (task_id, version)
-        return version
+    def schedule(self, task_id: Hashable, run_at: float, priority: int, future: Future) -> None:
+        """Add a version. The caller withdrew the handed-out version if it could (then it
+        called ``end``); a version that already runs defers the new one."""
+        future._due = self.heap.schedule(task_id, run_at, priority, future)
 
     def pending_future(self, task_id: Hashable) -> Future | None:
         item = self.heap.pending_item(task_id)
@@ -101,8 +100,11 @@ class Timetable:
 
     def withdraw_pending(self, future: Future) -> bool:
         """Cancel ``future``'s version if it still waits in the heap."""
-        due = future._due
-        return due is not None and self.heap.withdraw(due[0], due[1]) is not None
+        due = future._due  # a handed-out version's Due is not pending: withdraw would say None
+        return (
+            type(due) is tuple
+            and self.heap.withdraw(due[RECORD_TASK_ID], due[RECORD_VERSION]) is not None
+        )
 
     def release_due(self, now: float, on_due: Callable[[Future, int], None]) -> float | None:
         """Hand out every version due at ``now``, in key order, to ``on_due(future, priority)``.

@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mpsched import Due, Scheduler, TaskCancelled, TaskState, Wait
-from mpsched._heap import PRUNE_FACTOR, PRUNE_SLACK, VersionedHeap
+from mpsched._heap import (
+    PRUNE_FACTOR,
+    PRUNE_SLACK,
+    RECORD_TASK_ID,
+    RECORD_VERSION,
+    VersionedHeap,
+)
 from mpsched.testing import FakeClock
 
 IDS = st.integers(0, 7)
@@ -218,7 +224,8 @@ class HeapMachine(RuleBasedStateMachine):
     def schedule(self, task_id: int, run_at: float, priority: int) -> None:
         item = self.items[task_id] = object()
         want = self.model.schedule(task_id, run_at, priority)
-        assert self.heap.schedule(task_id, run_at, priority, item) == want
+        record = self.heap.schedule(task_id, run_at, priority, item)
+        assert (record[RECORD_TASK_ID], record[RECORD_VERSION]) == (task_id, want)
 
     @rule(task_id=IDS)
     def cancel(self, task_id: int) -> None:

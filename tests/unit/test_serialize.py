@@ -101,3 +101,18 @@ def test_closed_function_cache_sends_new_functions_inline() -> None:
     cache.close()
     assert cache.fid(len) == 7  # already tabled: its table entry stays valid
     assert cache.fid(abs) == INLINE
+
+
+def test_function_cache_encode_tables_functions_and_inlines_the_rest() -> None:
+    """The pool's one-frame path: a tabled function goes by fid, a lambda by value, and an
+    unpicklable argument or task id fails as ``encode_call`` says."""
+    cache = FunctionCache(lambda data: 4)
+    assert decode_call(cache.encode(len, ("ab",), {}, False)) == (4, None, ("ab",), {}, False)
+    fid, fn, args, _, _ = decode_call(cache.encode(lambda x: x * 3, (2,), {}))
+    assert (fid, fn(*args)) == (INLINE, 6)
+    payload = with_version(cache.encode(abs, (-1,), {}, ("id",)), 9)
+    assert decode_call(payload) == (4, None, (-1,), {}, ("id", 9))
+    with pytest.raises(TaskPicklingError, match="cannot pickle the task's arguments"):
+        cache.encode(len, (threading.Lock(),), {})
+    with pytest.raises(TypeError, match="task_id must be hashable and picklable"):
+        cache.encode(len, (), {}, (threading.Lock(),))

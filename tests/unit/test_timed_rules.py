@@ -87,7 +87,7 @@ def test_misfire_is_strictly_later_than_the_grace() -> None:
 
 # ---------------------------------------------------------------- ReadyQueue
 def _future(priority: int, due_at: float = 0.0, name: str = "") -> Future:
-    f = Future(None, 0, name.encode(), priority)
+    f = Future(None, name.encode(), priority)
     f._due_at = due_at
     return f
 
