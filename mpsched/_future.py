@@ -177,13 +177,15 @@ class Future(concurrent.futures.Future[Any]):
         try:
             if self._cond is not None:
                 return False
-            if self._state in _DONE_STATES:
-                raise InvalidStateError(f"{self._state}: {self!r}")
-            self._result = result
-            self._exception = exception
-            self._state = FINISHED
+            done = self._state in _DONE_STATES
+            if not done:
+                self._result = result
+                self._exception = exception
+                self._state = FINISHED
         finally:
             _release()
+        if done:  # repr() takes the condition, hence _CONDITION_LOCK: raise outside it
+            raise InvalidStateError(f"{self._state}: {self!r}")
         return True
 
     def cancel(self) -> bool:

@@ -1,0 +1,97 @@
+"""The pool's light ``Future``: outcomes set with and without a waiter behave as the stdlib's.
+
+A pending future has no Condition and no ``_result``/``_exception`` yet (``_future`` module doc);
+these tests pin that every way of settling it leaves a complete, stdlib-readable outcome.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import pytest
+
+from mpsched._future import Future
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Boom(Exception):
+    pass
+
+
+def waited_on(future: Future) -> tuple[threading.Thread, list[object]]:
+    """A thread that waits in ``future.result()``, and what it saw. The Condition is created
+    first, here, so the outcome is certain to take the stdlib's (notifying) path."""
+    assert future._condition is not None
+    seen: list[object] = []
+
+    def wait() -> None:
+        try:
+            seen.append(future.result(timeout=30))
+        except BaseException as exc:
+            seen.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    return thread, seen
+
+
+@pytest.mark.parametrize("waiter", [False, True], ids=["nobody-waits", "a-thread-waits"])
+def test_set_result_is_read_back_as_by_the_stdlib(waiter: bool) -> None:
+    future = Future()
+    if waiter:
+        thread, seen = waited_on(future)
+    future.set_result(42)
+    assert future.result() == 42
+    assert future.exception() is None
+    assert "returned int" in repr(future)
+    assert concurrent.futures.wait([future], timeout=0).done == {future}
+    if waiter:
+        thread.join()
+        assert seen == [42]
+
+
+@pytest.mark.parametrize("waiter", [False, True], ids=["nobody-waits", "a-thread-waits"])
+def test_set_exception_is_read_back_as_by_the_stdlib(waiter: bool) -> None:
+    future = Future()
+    if waiter:
+        thread, seen = waited_on(future)
+    error = Boom("no")
+    future.set_exception(error)
+    assert future.exception() is error
+    with pytest.raises(Boom):
+        future.result()
+    assert "raised Boom" in repr(future)
+    if waiter:
+        thread.join()
+        assert seen == [error]
+
+
+@pytest.mark.parametrize("waiter", [False, True], ids=["nobody-waits", "a-thread-waits"])
+def test_a_second_outcome_is_refused_and_leaves_the_first(waiter: bool) -> None:
+    future = Future()
+    if waiter:
+        future.add_done_callback(lambda f: None)  # creates the Condition: the stdlib path
+    error = Boom("first")
+    future.set_exception(error)
+    with pytest.raises(concurrent.futures.InvalidStateError):
+        future.set_result(1)
+    assert future.exception() is error
+    with pytest.raises(Boom):
+        future.result()
+
+
+def test_ownerless_cancel_and_callbacks() -> None:
+    future = Future()
+    called: list[Future] = []
+    future.add_done_callback(called.append)
+    assert future.cancel()
+    assert future.cancelled()
+    assert future.done()
+    with pytest.raises(concurrent.futures.CancelledError):
+        future.result()
+    assert called == [future]
+    late: list[Future] = []
+    future.add_done_callback(late.append)  # already done: called at once
+    assert late == [future]
