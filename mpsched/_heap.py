@@ -107,6 +107,7 @@ PRUNE_FACTOR = 2
 PRUNE_SLACK = 64
 
 NOT_IN_HEAP = -1  # record seq once its version left the heap to run (never a key of _items)
+_NO_ITEM: Final = object()  # withdraw's "no pending version" (an item may be any object)
 
 # -priority as one shared int object per priority level: CPython caches only -5..256, so every
 # heap key would otherwise hold its own 28-byte int (8% of a pending task's memory).
@@ -255,11 +256,12 @@ class VersionedHeap:
             return None
         # Flat (no helper frames): this is all of Pool.cancel's work in the heap. The record
         # stays: without its item, its version reads CANCELLED (see the module doc).
-        items = self._items
-        seq = rec[_R_SEQ]
-        if seq not in items or (version and rec[_R_VERSION] != version):
+        if version and rec[_R_VERSION] != version:
             return None
-        item = items.pop(seq)  # first: the prune below keeps the entries that have one
+        # One probe; first: the prune below keeps the entries that have an item.
+        item = self._items.pop(rec[_R_SEQ], _NO_ITEM)
+        if item is _NO_ITEM:
+            return None
         if rec[_R_RUNNING]:  # it was deferred
             self._deferred -= 1
         else:
