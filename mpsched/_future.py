@@ -155,19 +155,23 @@ class Future(concurrent.futures.Future[Any]):
             owner.help_wait(self)
         return super().result(timeout)
 
+    # The stdlib path sets only the field it is given: the other one is set first, while the
+    # future is not done, under the condition (released before the stdlib call, which runs
+    # the done-callbacks without it, as the stdlib does; a setter racing in between makes that
+    # call raise InvalidStateError and finds both fields set).
     def set_result(self, result: Any) -> None:
         if not self._settle_fast(result, None):
-            with self._condition:  # an RLock: the stdlib's set_result takes it again
+            with self._condition:
                 if self._state not in _DONE_STATES:
-                    self._exception = None  # the stdlib sets only the one it is given
-                super().set_result(result)
+                    self._exception = None
+            super().set_result(result)
 
     def set_exception(self, exception: BaseException | None) -> None:
         if not self._settle_fast(None, exception):
             with self._condition:
                 if self._state not in _DONE_STATES:
                     self._result = None
-                super().set_exception(exception)
+            super().set_exception(exception)
 
     def _settle_fast(self, result: Any, exception: BaseException | None) -> bool:
         """Store the outcome if no condition exists (nobody waits); False: take the stdlib path.

@@ -95,3 +95,19 @@ def test_ownerless_cancel_and_callbacks() -> None:
     late: list[Future] = []
     future.add_done_callback(late.append)  # already done: called at once
     assert late == [future]
+
+
+def test_done_callbacks_run_without_the_condition_held() -> None:
+    """As with the stdlib: a callback may hand the future to another thread and wait for it."""
+    future = Future()
+    seen: list[object] = []
+
+    def callback(f: Future) -> None:
+        reader = threading.Thread(target=lambda: seen.append(f.result()))
+        reader.start()
+        reader.join(timeout=20)
+        seen.append(reader.is_alive())
+
+    future.add_done_callback(callback)  # creates the Condition: the stdlib path
+    future.set_result("ok")
+    assert seen == ["ok", False]
