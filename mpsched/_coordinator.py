@@ -358,9 +358,8 @@ class Coordinator:
         with self.lock:
             if not self.withdraw(future):
                 return False
-            due = future._due
-            if due is not None and not self.timetable.withdraw_pending(future):
-                self.timetable.end(future, None, cancelled=True)
+            if future._due is not None:
+                self.timetable.withdrawn(future)
             return True
 
     def withdraw(self, future: Future) -> bool:

@@ -98,6 +98,16 @@ class Timetable:
         item = self.heap.pending_item(task_id)
         return item if isinstance(item, Future) else None
 
+    def withdrawn(self, future: Future) -> None:
+        """``future``'s version will never run (the coordinator withdrew its future): take it
+        out of the heap if it still waits there, or end it if it was handed out. (A version no
+        longer in the heap was taken by a supersede or a cancel by id racing ``Future.cancel``,
+        which marks the future cancelled itself.)"""
+        if type(future._due) is tuple:
+            self.withdraw_pending(future)
+        else:
+            self.end(future, None, cancelled=True)
+
     def withdraw_pending(self, future: Future) -> bool:
         """Cancel ``future``'s version if it still waits in the heap."""
         due = future._due  # a handed-out version's Due is not pending: withdraw would say None

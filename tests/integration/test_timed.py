@@ -182,6 +182,24 @@ def test_cancel_before_dispatch_never_runs(fifos: Fifos) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_future_cancel_racing_a_cancel_by_id_or_a_supersede() -> None:
+    """``pool.cancel(id)`` and a reschedule take the pending version out of the heap under the
+    coordinator's lock and mark its future cancelled after releasing it. A ``Future.cancel()``
+    in between (here: right after the lock is released) finds the version gone from the heap
+    and must still succeed, leave the id CANCELLED, and leave the id usable."""
+    with Pool(1) as pool:
+        coordinator = pool._coordinator
+        f = pool.schedule("r", time.monotonic() + 60, 0, tasks.ident, 1)
+        with coordinator.lock:  # what the racing call does under the lock
+            assert coordinator.timetable.cancel_pending("r") is f
+        assert f.cancel() is True  # it raised AttributeError: a pending record is not a Due
+        assert f.cancelled()
+        assert pool.state("r") is TaskState.CANCELLED
+        g = pool.schedule("r", time.monotonic() - 1, 0, tasks.ident, 2)
+        assert g.result(timeout=CONDITION_TIMEOUT) == 2
+
+
+@pytest.mark.timeout(60)
 def test_cancel_after_dispatch_into_an_inbox_never_runs(fifos: Fifos) -> None:
     with Pool(1) as pool:
         blocker = hold_worker(pool, fifos)
