@@ -367,7 +367,9 @@ class Coordinator:
         will not run (withdrawn now or before); False if it was claimed or has finished."""
         if future._handle < 0:  # in the ready queue or the timetable: dispatch skips it
             if future._withdrawn or future.done():
-                return future._withdrawn
+                # Cancelled by a racing cancel by id or reschedule (which mark the future
+                # after taking its version out of the heap): it will not run either.
+                return future._withdrawn or future.cancelled()
             future._withdrawn = True
             future._payload = b""
             return True
