@@ -201,6 +201,8 @@ def test_future_cancel_racing_a_cancel_by_id_or_a_supersede() -> None:
 
 
 def race_future_cancel_against_cancel_by_id_and_reschedule(pool: Pool, rounds: int) -> None:
+    """The rounds of the test below; ``pool.cancel(id)`` may return either bool (the future's
+    cancel may have taken the version first), so only its effects are checked."""
     far = time.monotonic() + 600
     futures = [pool.schedule(i, far, 0, tasks.ident, i) for i in range(rounds)]
     start = threading.Barrier(2, timeout=CONDITION_TIMEOUT)
