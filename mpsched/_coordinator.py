@@ -365,6 +365,8 @@ class Coordinator:
     def withdraw(self, future: Future) -> bool:
         """Under ``self.lock``: make sure a task no worker has claimed never runs. True if it
         will not run (withdrawn now or before); False if it was claimed or has finished."""
+        if future._owner is FINISHING:  # it ran; its outcome is being set (end_runs)
+            return False
         if future._handle < 0:  # in the ready queue or the timetable: dispatch skips it
             if future._withdrawn or future.done():
                 # Cancelled by a racing cancel by id or reschedule (which mark the future
@@ -869,6 +871,10 @@ class Coordinator:
                 if future._handle >= 0:
                     self.watched.pop(future._handle, None)
                 future._handle = -1
+                # Settled from here on: a racing Future.cancel() (which may have read the owner
+                # before this) must be refused, not withdraw a version that ran (withdraw reads
+                # _handle -1 as "queued here"); resolve() sets the same owner later, unlocked.
+                future._owner = FINISHING
                 if future._due is not None:
                     self.timetable.end(
                         future, None if status == _OK else _FAILED, cancelled=status == _CANCELLED
