@@ -386,16 +386,27 @@ class Coordinator:
         future._payload = b""
         return True
 
-    def cancel_id(self, task_id: Hashable, force: bool) -> bool:
+    def cancel_id(
+        self, task_id: Hashable, force: bool, recurrence: Recurrence | None = None
+    ) -> bool:
         """Any thread (``Pool.cancel``): cancel every version of ``task_id`` that has not
         started, stop its recurrence, and ask a running version to stop (cooperatively, or by
-        killing its worker with ``force``). True if anything was cancelled or asked to stop."""
+        killing its worker with ``force``). True if anything was cancelled or asked to stop.
+
+        With ``recurrence`` (its future's ``cancel()``): only while it is still the id's
+        recurrence."""
         timetable = self.timetable
         rec = handed = None
         wake = False
         lock = self.lock
         lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
         try:
+            if recurrence is not None and timetable.recurring.get(task_id) is not recurrence:
+                # Stopped already: by a racing cancel by id, reschedule or shutdown, which mark
+                # its future cancelled after releasing the lock (so True, as they will), or by a
+                # run's error (its future's owner is FINISHING then: False). Going on would
+                # cancel the id's versions, which may belong to the schedule that replaced it.
+                return recurrence.future._owner is not FINISHING
             pending = timetable.cancel_pending(task_id)
             if timetable.recurring:
                 rec = timetable.recurring.pop(task_id, None)
@@ -900,6 +911,8 @@ class Coordinator:
             rec.active = False
             if self.timetable.recurring.get(rec.task_id) is rec:
                 del self.timetable.recurring[rec.task_id]
+            if status != _CANCELLED:  # it ends with the run's error: refuse a racing cancel
+                rec.future._owner = FINISHING  # (cancel_id reads it under this lock)
         if status == _CANCELLED:
             rec.future._mark_cancelled()
         else:  # a run failed: the recurrence ends with its error (as Java's scheduled tasks)

@@ -174,6 +174,46 @@ def test_future_cancel_and_cancel_by_id_race_the_claim(tmp_path: Path) -> None:
     assert 0 < cancelled < rounds, f"the race was not exercised: {cancelled} cancels won"
 
 
+# ---------------------------------------------------------------- recurrences
+@pytest.mark.timeout(60)
+def test_recurrence_future_cancel_races_cancel_by_id_and_reschedule() -> None:
+    """A recurrence (its first run due in ten minutes) per round; its public future's
+    ``cancel()`` races ``pool.cancel(id)`` (odd rounds) or a plain reschedule of the id (even
+    rounds). Whatever the interleaving: ``cancel()`` says True and the future ends cancelled,
+    the cancel by id says True, and a reschedule's new version is untouched (its future not
+    done, the id PENDING): stopping the old recurrence must not cancel the version that
+    replaced it."""
+    rounds = 4000
+    far = time.monotonic() + FAR
+    recurring: list[mpsched.Future] = []
+    with fast_switching(), Pool(1) as pool:
+        try:
+            every = pool.with_options(every=FAR)
+
+            def prepare(i: int) -> None:
+                recurring.append(every.schedule(i, far, 0, tasks.ident, i))
+
+            def other(i: int) -> Any:
+                if i % 2:
+                    return pool.cancel(i)
+                return pool.schedule(i, far, 0, tasks.ident, -i)
+
+            mine, theirs = race(rounds, lambda i: recurring[i].cancel(), other, prepare=prepare)
+            problems = []
+            for i in range(rounds):
+                ok = mine[i] is True and recurring[i].cancelled()
+                if i % 2:
+                    ok = ok and pool.state(i) is TaskState.CANCELLED
+                else:
+                    new = theirs[i]
+                    ok = ok and not new.done() and pool.state(i) is TaskState.PENDING
+                if not ok:
+                    problems.append((i, mine[i], recurring[i], theirs[i], pool.state(i)))
+            assert problems == [], problems[:10]
+        finally:  # the versions are due in ten minutes: never wait for them
+            pool.shutdown(cancel_futures=True)
+
+
 # ---------------------------------------------------------------- reschedule while running
 @pytest.mark.timeout(60)
 def test_reschedules_racing_a_running_version_never_overlap(tmp_path: Path) -> None:
