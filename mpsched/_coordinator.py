@@ -375,6 +375,12 @@ class Coordinator:
             future._withdrawn = True
             future._payload = b""
             return True
+        if self.by_handle.get(future._handle) is not future:
+            # Collected (collect pops it, then frees its block, without this lock): it ran. Its
+            # block may already carry another task, injected into the same inbox: the
+            # cancel_injected below would tombstone that one. (While this lock is held, no
+            # block is injected, so the check stays true until the cancel is decided.)
+            return False
         if future._slot >= 0 and not self.slots[future._slot].cancel_injected(future._handle):
             return False  # a worker claimed it first
         # Withdrawn from its inbox, or taken back (queued here with its block): free the block.

@@ -128,6 +128,47 @@ def test_future_cancel_after_the_run_is_refused(tmp_path: Path) -> None:
     assert refused_late == [], f"cancel() said True for versions that ran: {refused_late}"
 
 
+@pytest.mark.timeout(60)
+def test_future_cancel_of_a_collected_version_never_hits_a_reused_block(tmp_path: Path) -> None:
+    """``Future.cancel()`` of a version that a worker claimed, chased until the future is done,
+    while another thread keeps submitting plain tasks: the coordinator collects the version's
+    result and frees its slab block before it takes its lock to settle it, and a plain submit
+    to an idle pool injects a task at once, into the block just freed. A cancel of the old
+    future in that gap must be refused (the version ran), and must not withdraw the new task
+    that now holds the block (it would never run, and its future would never end). Checked:
+    every cancel after the claim says False, every future ends, every task ran exactly once."""
+    rounds = 500
+    log = str(tmp_path / "log")
+    versions: dict[int, mpsched.Future] = {}
+    plain: list[mpsched.Future] = []
+    with fast_switching(), Pool(1) as pool:
+
+        def prepare(i: int) -> None:
+            versions[i] = pool.schedule(i, 0.0, 0, tt.log, log, i)
+
+        def submitter(i: int) -> None:
+            for n in range(40):
+                if versions[i].done():
+                    return
+                plain.append(pool.submit(tt.log, log, (i, n)))
+
+        def canceller(i: int) -> bool:
+            wait_for_state(pool, i, (TaskState.RUNNING, TaskState.COMPLETED))  # claimed
+            won = False
+            while not versions[i].done():
+                won = versions[i].cancel() or won
+            return won
+
+        _, won = race(rounds, submitter, canceller, prepare=prepare)
+        _, not_done = wait([*versions.values(), *plain], timeout=CONDITION_TIMEOUT)
+        assert not not_done, f"{len(not_done)} futures never ended (a plain task was withdrawn)"
+    assert [i for i in range(rounds) if won[i]] == [], "cancel() said True after the claim"
+    assert [i for i, f in versions.items() if f.cancelled()] == []
+    ran = tt.read_tags(log)
+    assert len(ran) == len(set(ran)), "a task ran twice"
+    assert len(ran) == rounds + len(plain), "a task did not run"
+
+
 # ---------------------------------------------------------------- due versions vs the claim
 @pytest.mark.timeout(60)
 def test_future_cancel_and_cancel_by_id_race_the_claim(tmp_path: Path) -> None:
