@@ -16,6 +16,7 @@ pool (``state()``) polled in a bounded loop.
 
 from __future__ import annotations
 
+import random
 import sys
 import threading
 import time
@@ -176,7 +177,9 @@ def test_future_cancel_and_cancel_by_id_race_the_claim(tmp_path: Path) -> None:
     thread and ``pool.cancel(id)`` from another, both racing the worker's claim. Exactly one
     outcome: either the version never ran and its future is cancelled (then ``Future.cancel()``
     said True), or it ran once and its future holds the result (then ``Future.cancel()`` said
-    False). ``state(id)`` agrees: CANCELLED or COMPLETED."""
+    False). ``state(id)`` agrees: CANCELLED or COMPLETED at the end, and a third thread's
+    ``state(id)`` during the race never raises and never contradicts the outcome (no COMPLETED
+    or RUNNING for a version that never ran, no CANCELLED for one that ran)."""
     rounds = 3000
     log = str(tmp_path / "log")
     futures: dict[int, mpsched.Future] = {}
@@ -185,8 +188,12 @@ def test_future_cancel_and_cancel_by_id_race_the_claim(tmp_path: Path) -> None:
         def prepare(i: int) -> None:
             futures[i] = pool.schedule(i, 0.0, 0, tt.log, log, i)
 
-        by_future, by_id = race(
-            rounds, lambda i: futures[i].cancel(), lambda i: pool.cancel(i), prepare=prepare
+        by_future, by_id, seen = race(
+            rounds,
+            lambda i: futures[i].cancel(),
+            lambda i: pool.cancel(i),
+            lambda i: pool.state(i),
+            prepare=prepare,
         )
         _, not_done = wait(list(futures.values()), timeout=CONDITION_TIMEOUT)
         assert not not_done, "a future never ended"
@@ -199,7 +206,10 @@ def test_future_cancel_and_cancel_by_id_race_the_claim(tmp_path: Path) -> None:
         f = futures[i]
         if f.cancelled():
             ok = (
-                i not in ran_set and states[i] is TaskState.CANCELLED and (by_future[i] or by_id[i])
+                i not in ran_set
+                and states[i] is TaskState.CANCELLED
+                and (by_future[i] or by_id[i])
+                and seen[i] in (TaskState.PENDING, TaskState.CANCELLED)
             )
         else:
             ok = (
@@ -207,9 +217,10 @@ def test_future_cancel_and_cancel_by_id_race_the_claim(tmp_path: Path) -> None:
                 and f.result() >= 0
                 and not by_future[i]
                 and states[i] is TaskState.COMPLETED
+                and seen[i] in (TaskState.PENDING, TaskState.RUNNING, TaskState.COMPLETED)
             )
         if not ok:
-            problems.append((i, f, by_future[i], by_id[i], states[i], i in ran_set))
+            problems.append((i, f, by_future[i], by_id[i], seen[i], states[i], i in ran_set))
     assert problems == [], problems[:10]
     cancelled = sum(f.cancelled() for f in futures.values())
     assert 0 < cancelled < rounds, f"the race was not exercised: {cancelled} cancels won"
@@ -252,6 +263,58 @@ def test_recurrence_future_cancel_races_cancel_by_id_and_reschedule() -> None:
                     problems.append((i, mine[i], recurring[i], theirs[i], pool.state(i)))
             assert problems == [], problems[:10]
         finally:  # the versions are due in ten minutes: never wait for them
+            pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.timeout(60)
+def test_recurrence_stop_races_its_runs(tmp_path: Path) -> None:
+    """A recurrence that runs every millisecond (due at once), and in the same round
+    ``pool.cancel(id)``, its future's ``cancel()`` and ``state(id)`` from three threads, each
+    after a random spin of up to 1 ms (to meet the runs in every phase: queued, in an inbox,
+    running, being settled, the next one being scheduled; every outcome is checked). The
+    future's ``cancel()`` says True and the future ends cancelled; ``state()`` never raises;
+    afterwards the id rests in a terminal state (a recurrence that went on after its stop would
+    be PENDING again within a millisecond) and no run of it is logged after that."""
+    rounds = 600
+    log = str(tmp_path / "log")
+    recurrences: list[mpsched.Future] = []
+    rng = random.Random(2024)
+    spins = [[rng.uniform(0.0, 0.001) for _ in range(3)] for _ in range(rounds)]
+    with fast_switching(), Pool(2) as pool:
+        try:
+            every = pool.with_options(every=0.001)
+
+            def prepare(i: int) -> None:
+                recurrences.append(every.schedule(i, 0.0, 0, tt.log, log, i))
+
+            def spin(seconds: float) -> None:  # varies the timing only (see the docstring)
+                end = time.perf_counter() + seconds
+                while time.perf_counter() < end:
+                    pass
+
+            def by_id(i: int) -> bool:
+                spin(spins[i][0])
+                return pool.cancel(i)
+
+            def by_future(i: int) -> bool:
+                spin(spins[i][1])
+                return recurrences[i].cancel()
+
+            def look(i: int) -> TaskState | None:
+                spin(spins[i][2])
+                return pool.state(i)
+
+            _, mine, seen = race(rounds, by_id, by_future, look, prepare=prepare)
+            assert [i for i in range(rounds) if not mine[i]] == [], "cancel() said False"
+            assert [i for i, f in enumerate(recurrences) if not f.cancelled()] == []
+            assert None not in seen
+            terminal = (TaskState.COMPLETED, TaskState.CANCELLED, TaskState.FAILED)
+            for i in range(rounds):
+                wait_for_state(pool, i, terminal)
+            runs = len(tt.read_tags(log))
+            assert [i for i in range(rounds) if pool.state(i) not in terminal] == []
+            assert len(tt.read_tags(log)) == runs, "a stopped recurrence ran again"
+        finally:
             pool.shutdown(cancel_futures=True)
 
 
