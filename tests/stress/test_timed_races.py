@@ -231,10 +231,11 @@ def test_future_cancel_and_cancel_by_id_race_the_claim(tmp_path: Path) -> None:
 def test_recurrence_future_cancel_races_cancel_by_id_and_reschedule() -> None:
     """A recurrence (its first run due in ten minutes) per round; its public future's
     ``cancel()`` races ``pool.cancel(id)`` (odd rounds) or a plain reschedule of the id (even
-    rounds). Whatever the interleaving: ``cancel()`` says True and the future ends cancelled,
-    the cancel by id says True, and a reschedule's new version is untouched (its future not
-    done, the id PENDING): stopping the old recurrence must not cancel the version that
-    replaced it."""
+    rounds). Whatever the interleaving: ``cancel()`` says True and the future ends cancelled;
+    after a cancel by id the id is CANCELLED (the cancel by id may say False: the future's
+    cancel may have stopped everything first); a reschedule's new version is untouched (its
+    future not done, the id PENDING): stopping the old recurrence must not cancel the version
+    that replaced it."""
     rounds = 4000
     far = time.monotonic() + FAR
     recurring: list[mpsched.Future] = []
