@@ -365,6 +365,8 @@ class Coordinator:
     def withdraw(self, future: Future) -> bool:
         """Under ``self.lock``: make sure a task no worker has claimed never runs. True if it
         will not run (withdrawn now or before); False if it was claimed or has finished."""
+        if future._owner is FINISHING:  # it ran; its outcome is being set (end_runs)
+            return False
         if future._handle < 0:  # in the ready queue or the timetable: dispatch skips it
             if future._withdrawn or future.done():
                 # Cancelled by a racing cancel by id or reschedule (which mark the future
@@ -373,6 +375,12 @@ class Coordinator:
             future._withdrawn = True
             future._payload = b""
             return True
+        if self.by_handle.get(future._handle) is not future:
+            # Collected (collect pops it, then frees its block, without this lock): it ran. Its
+            # block may already carry another task, injected into the same inbox: the
+            # cancel_injected below would tombstone that one. (While this lock is held, no
+            # block is injected, so the check stays true until the cancel is decided.)
+            return False
         if future._slot >= 0 and not self.slots[future._slot].cancel_injected(future._handle):
             return False  # a worker claimed it first
         # Withdrawn from its inbox, or taken back (queued here with its block): free the block.
@@ -384,16 +392,27 @@ class Coordinator:
         future._payload = b""
         return True
 
-    def cancel_id(self, task_id: Hashable, force: bool) -> bool:
+    def cancel_id(
+        self, task_id: Hashable, force: bool, recurrence: Recurrence | None = None
+    ) -> bool:
         """Any thread (``Pool.cancel``): cancel every version of ``task_id`` that has not
         started, stop its recurrence, and ask a running version to stop (cooperatively, or by
-        killing its worker with ``force``). True if anything was cancelled or asked to stop."""
+        killing its worker with ``force``). True if anything was cancelled or asked to stop.
+
+        With ``recurrence`` (its future's ``cancel()``): only while it is still the id's
+        recurrence."""
         timetable = self.timetable
         rec = handed = None
         wake = False
         lock = self.lock
         lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
         try:
+            if recurrence is not None and timetable.recurring.get(task_id) is not recurrence:
+                # Stopped already: by a racing cancel by id, reschedule or shutdown, which mark
+                # its future cancelled after releasing the lock (so True, as they will), or by a
+                # run's error (its future's owner is FINISHING then: False). Going on would
+                # cancel the id's versions, which may belong to the schedule that replaced it.
+                return recurrence.future._owner is not FINISHING
             pending = timetable.cancel_pending(task_id)
             if timetable.recurring:
                 rec = timetable.recurring.pop(task_id, None)
@@ -869,6 +888,10 @@ class Coordinator:
                 if future._handle >= 0:
                     self.watched.pop(future._handle, None)
                 future._handle = -1
+                # Settled from here on: a racing Future.cancel() (which may have read the owner
+                # before this) must be refused, not withdraw a version that ran (withdraw reads
+                # _handle -1 as "queued here"); resolve() sets the same owner later, unlocked.
+                future._owner = FINISHING
                 if future._due is not None:
                     self.timetable.end(
                         future, None if status == _OK else _FAILED, cancelled=status == _CANCELLED
@@ -894,6 +917,8 @@ class Coordinator:
             rec.active = False
             if self.timetable.recurring.get(rec.task_id) is rec:
                 del self.timetable.recurring[rec.task_id]
+            if status != _CANCELLED:  # it ends with the run's error: refuse a racing cancel
+                rec.future._owner = FINISHING  # (cancel_id reads it under this lock)
         if status == _CANCELLED:
             rec.future._mark_cancelled()
         else:  # a run failed: the recurrence ends with its error (as Java's scheduled tasks)

@@ -40,7 +40,9 @@ class Recurrence:
     """A recurring id: the call it repeats and the future that reports its end.
 
     It is also that future's owner: ``future.cancel()`` stops the recurrence through ``stop``
-    (``Coordinator.cancel_id``, bound by the pool), as ``pool.cancel(task_id)`` does."""
+    (``Coordinator.cancel_id``, bound by the pool, called with this recurrence: once it was
+    stopped or replaced, the id's versions are no longer its to cancel), as
+    ``pool.cancel(task_id)`` does."""
 
     __slots__ = (
         "active",
@@ -58,7 +60,7 @@ class Recurrence:
         priority: int,
         call: bytes,
         options: TaskOptions,
-        stop: Callable[[], bool],
+        stop: Callable[[Recurrence], bool],
     ) -> None:
         self.task_id = task_id
         self.priority = priority
@@ -69,7 +71,7 @@ class Recurrence:
         self.active = True  # shutdown)
 
     def cancel(self, future: Future) -> bool:
-        return self.stop()
+        return self.stop(self)
 
     def help_wait(self, future: Future) -> None:
         return None  # no task behind this future to collect

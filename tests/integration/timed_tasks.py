@@ -95,3 +95,16 @@ def recurring_run(path: str, long_first: float, last: int) -> float:
     if ctx.version >= last:
         raise LookupError(f"run {ctx.version} ends the recurrence")
     return start
+
+
+def logged_span(path: str, seconds: float) -> int:
+    """Log ``("start", id, version)``, busy-wait ``seconds``, log ``("end", id, version)`` (two
+    O_APPEND writes, so two versions of one id that overlap would interleave in the log);
+    returns the version."""
+    ctx = mpsched.current_task()
+    log(path, ("start", ctx.task_id, ctx.version))
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+    log(path, ("end", ctx.task_id, ctx.version))
+    return ctx.version
