@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -198,65 +197,6 @@ def test_future_cancel_racing_a_cancel_by_id_or_a_supersede() -> None:
         assert pool.state("r") is TaskState.CANCELLED
         g = pool.schedule("r", time.monotonic() - 1, 0, tasks.ident, 2)
         assert g.result(timeout=CONDITION_TIMEOUT) == 2
-
-
-def race_future_cancel_against_cancel_by_id_and_reschedule(pool: Pool, rounds: int) -> None:
-    """The rounds of the test below; ``pool.cancel(id)`` may return either bool (the future's
-    cancel may have taken the version first), so only its effects are checked."""
-    far = time.monotonic() + 600
-    futures = [pool.schedule(i, far, 0, tasks.ident, i) for i in range(rounds)]
-    start = threading.Barrier(2, timeout=CONDITION_TIMEOUT)
-    by_id: dict[int, object] = {}
-
-    def partner() -> None:
-        for i in range(rounds):
-            start.wait()
-            if i % 2:
-                by_id[i] = pool.cancel(i)
-            else:
-                by_id[i] = pool.schedule(i, far, 0, tasks.ident, -i)
-
-    thread = threading.Thread(target=partner)
-    thread.start()
-    mine = []
-    try:
-        for f in futures:
-            start.wait()
-            mine.append(f.cancel())
-    except BaseException:
-        start.abort()  # a failure here must not leave the partner waiting at the barrier
-        raise
-    finally:
-        thread.join(timeout=CONDITION_TIMEOUT)
-    assert [i for i, ok in enumerate(mine) if not ok] == []
-    assert [i for i, f in enumerate(futures) if not f.cancelled()] == []
-    for i in range(rounds):
-        if i % 2:
-            assert pool.state(i) is TaskState.CANCELLED, i
-        else:
-            new_version = by_id[i]
-            assert isinstance(new_version, mpsched.Future)
-            assert not new_version.done(), i
-            assert pool.state(i) is TaskState.PENDING, i
-
-
-@pytest.mark.timeout(120)
-def test_future_cancel_races_cancel_by_id_and_reschedule_cleanly() -> None:
-    """Thousands of rounds, two threads released together by a barrier: this one calls
-    ``Future.cancel()`` on a version due in ten minutes, the other ``pool.cancel(id)`` (odd ids)
-    or reschedules the id (even ids). Whatever the interleaving, nothing raises, both report the
-    version cancelled, and the id ends CANCELLED or with its new version PENDING."""
-    rounds = 2000
-    switch_interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # hand the GIL over often: more interleavings per round
-    try:
-        with Pool(1) as pool:
-            try:
-                race_future_cancel_against_cancel_by_id_and_reschedule(pool, rounds)
-            finally:  # the versions are due in ten minutes: never wait for them
-                pool.shutdown(cancel_futures=True)
-    finally:
-        sys.setswitchinterval(switch_interval)
 
 
 @pytest.mark.timeout(60)

@@ -99,6 +99,41 @@ def wait_for_state(pool: Pool, task_id: Any, states: tuple[TaskState, ...]) -> T
             pytest.fail(f"{task_id!r} stayed {state} instead of reaching one of {states}")
 
 
+# ---------------------------------------------------------------- pending versions
+@pytest.mark.timeout(60)
+def test_future_cancel_races_cancel_by_id_and_reschedule_cleanly() -> None:
+    """``Future.cancel()`` of a version due in ten minutes against ``pool.cancel(id)`` (odd
+    ids) or a reschedule of the id (even ids). Both take the version out of the heap under the
+    coordinator's lock and mark its future after releasing it; whatever the interleaving,
+    nothing raises, ``Future.cancel()`` says True, the version is cancelled, and the id ends
+    CANCELLED or with its new version PENDING. (``pool.cancel(id)`` may say either: the
+    future's cancel may have taken the version first.) On the old code this raised
+    AttributeError (a heap record ended as if handed out) or returned False."""
+    rounds = 2000
+    with fast_switching(), Pool(1) as pool:
+        try:
+            far = time.monotonic() + FAR
+            futures = [pool.schedule(i, far, 0, tasks.ident, i) for i in range(rounds)]
+
+            def by_id(i: int) -> Any:
+                if i % 2:
+                    return pool.cancel(i)
+                return pool.schedule(i, far, 0, tasks.ident, -i)
+
+            mine, theirs = race(rounds, lambda i: futures[i].cancel(), by_id)
+            assert [i for i, ok in enumerate(mine) if not ok] == []
+            assert [i for i, f in enumerate(futures) if not f.cancelled()] == []
+            for i in range(rounds):
+                if i % 2:
+                    assert pool.state(i) is TaskState.CANCELLED, i
+                else:
+                    assert isinstance(theirs[i], mpsched.Future)
+                    assert not theirs[i].done(), i
+                    assert pool.state(i) is TaskState.PENDING, i
+        finally:  # the versions are due in ten minutes: never wait for them
+            pool.shutdown(cancel_futures=True)
+
+
 # ---------------------------------------------------------------- cancel after the run
 @pytest.mark.timeout(60)
 def test_future_cancel_after_the_run_is_refused(tmp_path: Path) -> None:
