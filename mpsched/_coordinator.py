@@ -1215,10 +1215,19 @@ class Coordinator:
             self.draining = True
             stopped = [] if self.recurring_after_shutdown else self.timetable.stop_recurrences()
             cancelled = [r.future for r in stopped]
-            for rec in stopped:  # their next runs wait in the timetable: withdraw them
+            for rec in stopped:  # withdraw their next runs that no worker has claimed
                 pending = self.timetable.pending_future(rec.task_id)
                 if pending is not None and self.timetable.withdraw_pending(pending):
                     cancelled.append(pending)
+                handed = self.timetable.handed.get(rec.task_id)  # in the ready queue, an inbox
+                if (
+                    handed is not None
+                    and handed._run is not None
+                    and handed._run.recurrence is rec
+                    and self.withdraw(handed)
+                ):
+                    self.timetable.end(handed, None, cancelled=True)
+                    cancelled.append(handed)
             if cancel_futures or not self.timed_after_shutdown:
                 cancelled += self.timetable.cancel_all_pending()
         for future in cancelled:

@@ -449,6 +449,23 @@ def test_shutdown_runs_pending_timed_tasks_and_stops_recurring_ones(tmp_path: Pa
 
 
 @pytest.mark.timeout(60)
+def test_shutdown_stops_a_recurring_run_already_handed_out(fifos: Fifos) -> None:
+    """A run of a recurrence that waits in an inbox, unclaimed, is withdrawn when shutdown stops
+    the recurrence: stopping means no further run starts."""
+    pool = Pool(1)
+    blocker = hold_worker(pool, fifos)
+    recurring = pool.with_options(every=30.0).schedule("again", 0.0, 0, tt.log, fifos.log, "again")
+    wait_until(lambda: pool.statistics().per_worker[0].inbox_depth == 1, "the run is injected")
+    pool.shutdown(wait=False)
+    assert recurring.cancelled()
+    tasks.open_gate(fifos.gate)
+    blocker.result(timeout=CONDITION_TIMEOUT)
+    assert pool.await_termination(timeout=CONDITION_TIMEOUT)
+    assert tt.read_tags(fifos.log) == []
+    assert pool.state("again") is TaskState.CANCELLED
+
+
+@pytest.mark.timeout(60)
 def test_shutdown_can_cancel_pending_timed_tasks(tmp_path: Path) -> None:
     pool = Pool(1, timed_after_shutdown=False)
     f = pool.schedule("once", time.monotonic() + 60, 0, tasks.ident, 1)
