@@ -219,9 +219,21 @@ class Future(concurrent.futures.Future[Any]):
                 return True
         finally:
             _release()
-        if self._state == CANCELLED_AND_NOTIFIED:  # cancelled twice (e.g. by id, then here)
-            return True
-        if not super().cancel():
-            return False
-        self.set_running_or_notify_cancel()
+        # One hold of the condition from PENDING to CANCELLED_AND_NOTIFIED: two threads that
+        # both reach here (a Future.cancel() racing another, or shutdown(cancel_futures=True))
+        # used to run the stdlib's cancel() then set_running_or_notify_cancel() as two holds;
+        # the second thread's cancel() found CANCELLED and said True, the first thread moved
+        # the state on, and the second's set_running_or_notify_cancel() raised RuntimeError
+        # ("Future in unexpected state").
+        with self._condition:
+            if self._state in _CANCELLED_STATES:  # cancelled twice (e.g. by id, then here)
+                return True
+            if self._state != PENDING:
+                return False
+            self._state = CANCELLED_AND_NOTIFIED
+            for waiter in self._waiters:
+                waiter.add_cancelled(self)
+            self._condition.notify_all()
+        # once: only the thread that moved the state gets here (a stdlib method, not typed)
+        self._invoke_callbacks()  # type: ignore[attr-defined]
         return True
