@@ -576,7 +576,9 @@ class Pool:
         if self._started:
             self._coordinator.begin_shutdown(cancel_futures)
             self._wakeup.wakeup()
-            if wait:
+            # Not from the coordinator thread (a done-callback calling shutdown()): it would
+            # wait for its own end, forever; the thread drains once the callback returns.
+            if wait and threading.get_ident() != self._coordinator.thread_id:
                 self.await_termination()
 
     def await_termination(self, timeout: float | None = None) -> bool:

@@ -267,3 +267,96 @@ def test_abandoned_map_while_others_submit(tmp_path: Path) -> None:
         assert len(list(as_completed(every, timeout=CONDITION_TIMEOUT))) == len(every)
         _check_runs(path, futures)
     assert threading.active_count() < 50
+
+
+# ---------------------------------------------------------------- callbacks vs settlement
+@pytest.mark.timeout(60)
+def test_callbacks_and_waiters_race_the_settlement(tmp_path: Path) -> None:
+    """One thread submits, two others add a done-callback and wait (``result()`` in one,
+    ``concurrent.futures.wait`` in the other) as the coordinator settles the same futures
+    (the lazy Condition's fast path against its creation). Each callback runs exactly once,
+    every waiter sees the result, and ``as_completed`` sees every future."""
+    rounds = 3000
+    calls: dict[tuple[int, str], int] = {}
+    lock = threading.Lock()
+    futures: list[mpsched.Future] = []
+
+    def count(key: tuple[int, str]) -> Any:
+        def callback(_: mpsched.Future) -> None:
+            with lock:
+                calls[key] = calls.get(key, 0) + 1
+
+        return callback
+
+    with fast_switching(), Pool(2) as pool:
+
+        def prepare(i: int) -> None:
+            futures.append(pool.submit(tasks.ident, i))
+
+        def by_result(i: int) -> Any:
+            _jitter()
+            futures[i].add_done_callback(count((i, "r")))
+            return futures[i].result(timeout=CONDITION_TIMEOUT)
+
+        def by_wait(i: int) -> bool:
+            futures[i].add_done_callback(count((i, "w")))
+            done, _ = wait([futures[i]], timeout=CONDITION_TIMEOUT)
+            return futures[i] in done
+
+        results, seen = race(rounds, by_result, by_wait, prepare=prepare)
+        assert results == list(range(rounds))
+        assert all(seen)
+        assert len(list(as_completed(futures, timeout=CONDITION_TIMEOUT))) == rounds
+    with lock:
+        wrong = {k: n for k, n in calls.items() if n != 1}
+        assert not wrong, f"callbacks ran other than once: {wrong}"
+        assert len(calls) == 2 * rounds, "a callback never ran"
+
+
+# ---------------------------------------------------------------- shutdown from a callback
+@pytest.mark.timeout(60)
+def test_shutdown_from_a_done_callback_while_others_submit(tmp_path: Path) -> None:
+    """A done-callback (run by the coordinator thread) calls ``pool.shutdown()`` while two
+    threads keep submitting: the pool closes and ends, later submits raise PoolClosedError,
+    and every accepted task runs exactly once. (The callback's shutdown used to wait for the
+    coordinator thread's own end: a silent hang.)"""
+    rounds = 10
+    path = str(tmp_path / "log")
+    futures: dict[Any, mpsched.Future] = {}
+    state: dict[str, Any] = {}
+
+    def prepare(i: int) -> None:
+        pool = Pool(1)
+        state["pool"] = pool
+        state["closed"] = closed = threading.Event()
+
+        def close(_: mpsched.Future) -> None:
+            pool.shutdown()
+            closed.set()
+
+        state["first"] = first = pool.submit(tasks.ident, i)
+        first.add_done_callback(close)
+
+    def submitter(name: str) -> Any:
+        def play(i: int) -> int:
+            n = 0
+            while True:
+                tag = (name, i, n)
+                try:
+                    futures[tag] = state["pool"].submit(tt.log, path, tag)
+                except PoolClosedError:
+                    return n
+                n += 1
+
+        return play
+
+    def closer(i: int) -> bool:
+        pool = state["pool"]
+        # result() may collect in this thread (help_wait): then the callback runs here.
+        assert state["first"].result(timeout=CONDITION_TIMEOUT) == i
+        assert state["closed"].wait(CONDITION_TIMEOUT), "the callback's shutdown never returned"
+        assert pool.await_termination(CONDITION_TIMEOUT), "the pool did not end"
+        return True
+
+    race(rounds, closer, submitter("a"), submitter("b"), prepare=prepare)
+    _check_runs(path, futures)
