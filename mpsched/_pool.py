@@ -571,7 +571,8 @@ class Pool:
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Refuse new work, let what was submitted finish (or cancel what no worker has
         claimed, with ``cancel_futures``), then stop the workers. A second call is a no-op,
-        except that ``wait=True`` waits for the end."""
+        except that ``wait=True`` waits for the end. Called from a done-callback (which runs in
+        the pool's own thread), it does not wait: the drain goes on once the callback returns."""
         self._closed = True  # the fast early check; the coordinator's draining flag decides
         if self._started:
             self._coordinator.begin_shutdown(cancel_futures)
