@@ -784,6 +784,19 @@ class Coordinator:
             self.help_calls += 1
             return
         self.help_calls += 1
+        try:
+            self.help_spin(future)
+        except ValueError:
+            # The caller saw the future pending, then lost the CPU while the pool settled it,
+            # drained and released its memory (only after ``finished``): nothing to help with.
+            if not self.finished.is_set():
+                raise
+            return
+        if not future.done():  # a worker may have skipped its poke: the loop must sweep
+            self.wakeup()
+
+    def help_spin(self, future: Future) -> None:
+        """``help_wait``'s spin: collect done rings until ``future`` is done or time is up."""
         slots = self.slots
         header = self.header
         # Idle workers skip their poke meanwhile: a poke would wake the coordinator thread,
@@ -801,8 +814,6 @@ class Coordinator:
                 self.help_misses = 0
         finally:
             header.set_collector(False)
-        if not future.done():  # a worker may have skipped its poke: the loop must sweep
-            self.wakeup()
 
     def collect(self) -> None:
         """Any thread (the coordinator's, or a user thread in ``help_wait``), one at a time."""

@@ -340,3 +340,16 @@ def test_statistics(pool2: Pool) -> None:
     assert stats.completed == 500
     assert sum(w.executed for w in stats.per_worker) == 500
     assert stats.steals >= 0
+
+
+@pytest.mark.timeout(60)
+def test_a_result_call_that_stalled_past_the_pools_end_returns() -> None:
+    """``Future.result()`` that saw the future pending, then lost the CPU until the pool had
+    settled it, drained and released its memory, goes on into ``help_wait``: it must find
+    nothing to do (it raised ValueError on the released memory)."""
+    pool = Pool(1)
+    f = pool.submit(tasks.ident, 1)
+    assert f.result(timeout=20) == 1
+    pool.shutdown()
+    pool._coordinator.help_wait(f)  # the stalled caller's next step
+    assert f.result(timeout=0) == 1
