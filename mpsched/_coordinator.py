@@ -316,9 +316,7 @@ class Coordinator:
                 self.check_usable()
             self.submitted += 1
             if timetable.known(task_id):  # an id seen before: supersede what it has
-                cancelled: list[Future] = []
-                self.supersede(task_id, recurrence, cancelled)
-                superseded = cancelled
+                superseded = self.supersede(task_id, recurrence)
             if recurrence is not None:
                 timetable.recurring[task_id] = recurrence
             timetable.schedule(task_id, run_at, priority, future)
@@ -333,15 +331,14 @@ class Coordinator:
             old_future._mark_cancelled()
         return wake
 
-    def supersede(
-        self, task_id: Hashable, recurrence: Recurrence | None, superseded: list[Future]
-    ) -> None:
+    def supersede(self, task_id: Hashable, recurrence: Recurrence | None) -> list[Future]:
         """Under ``self.lock``: a new version of ``task_id`` comes; cancel the handed-out version
-        if no worker claimed it, the pending one, and a recurrence other than ``recurrence``."""
+        if no worker claimed it, the pending one, and a recurrence other than ``recurrence``.
+        Returns their futures, to be marked cancelled once the lock is released."""
         timetable = self.timetable
-        handed = timetable.handed.get(task_id)
-        if handed is not None and self.withdraw(handed):
-            timetable.end(handed, None, cancelled=True)
+        superseded = []
+        handed = self.withdraw_handed(task_id)
+        if handed is not None:
             superseded.append(handed)
         pending = timetable.pending_future(task_id)
         if pending is not None:
@@ -351,6 +348,17 @@ class Coordinator:
             del timetable.recurring[task_id]
             old.active = False
             superseded.append(old.future)
+        return superseded
+
+    def withdraw_handed(self, task_id: Hashable) -> Future | None:
+        """Under ``self.lock``: withdraw and end the version of ``task_id`` that the timetable
+        handed out (ready queue or inbox) if no worker claimed it; returns its future, to be
+        marked cancelled once the lock is released, or None."""
+        handed = self.timetable.handed.get(task_id)
+        if handed is None or not self.withdraw(handed):
+            return None
+        self.timetable.end(handed, None, cancelled=True)
+        return handed
 
     def cancel(self, future: Future) -> bool:
         """Any thread (``Future.cancel``): withdraw a task no worker has claimed. True if it
@@ -1230,14 +1238,11 @@ class Coordinator:
                 pending = self.timetable.pending_future(rec.task_id)
                 if pending is not None and self.timetable.withdraw_pending(pending):
                     cancelled.append(pending)
-                handed = self.timetable.handed.get(rec.task_id)  # in the ready queue, an inbox
-                if (
-                    handed is not None
-                    and handed._run is not None
-                    and handed._run.recurrence is rec
-                    and self.withdraw(handed)
-                ):
-                    self.timetable.end(handed, None, cancelled=True)
+                # While ``rec`` is its id's recurrence, the id's handed-out version is a run of
+                # it, or an older version already running (a schedule replacing the recurrence
+                # would have stopped it): an unclaimed one is ``rec``'s next run.
+                handed = self.withdraw_handed(rec.task_id)
+                if handed is not None:
                     cancelled.append(handed)
             if cancel_futures or not self.timed_after_shutdown:
                 cancelled += self.timetable.cancel_all_pending()

@@ -219,12 +219,10 @@ class Future(concurrent.futures.Future[Any]):
                 return True
         finally:
             _release()
-        # One hold of the condition from PENDING to CANCELLED_AND_NOTIFIED: two threads that
-        # both reach here (a Future.cancel() racing another, or shutdown(cancel_futures=True))
-        # used to run the stdlib's cancel() then set_running_or_notify_cancel() as two holds;
-        # the second thread's cancel() found CANCELLED and said True, the first thread moved
-        # the state on, and the second's set_running_or_notify_cancel() raised RuntimeError
-        # ("Future in unexpected state").
+        # One hold of the condition from PENDING to CANCELLED_AND_NOTIFIED: two threads may
+        # both get here (a Future.cancel() racing another, or shutdown(cancel_futures=True)),
+        # and with the stdlib's cancel() then set_running_or_notify_cancel() (two holds) the
+        # second one's notify finds the state moved on and raises RuntimeError.
         with self._condition:
             if self._state in _CANCELLED_STATES:  # cancelled twice (e.g. by id, then here)
                 return True

@@ -112,11 +112,8 @@ class Timetable:
 
     def withdraw_pending(self, future: Future) -> bool:
         """Cancel ``future``'s version if it still waits in the heap."""
-        due = future._due  # a handed-out version's Due is not pending: withdraw would say None
-        return (
-            type(due) is tuple
-            and self.heap.withdraw(due[RECORD_TASK_ID], due[RECORD_VERSION]) is not None
-        )
+        due = future._due  # its heap record (never a Due: callers hold a pending version's)
+        return self.heap.withdraw(due[RECORD_TASK_ID], due[RECORD_VERSION]) is not None
 
     def release_due(self, now: float, on_due: Callable[[Future, int], None]) -> float | None:
         """Hand out every version due at ``now``, in key order, to ``on_due(future, priority)``.
