@@ -549,7 +549,14 @@ class Pool:
                     return
                 future, chunk = in_flight.popleft()
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                results, seconds = future.result(remaining)
+                try:
+                    results, seconds = future.result(remaining)
+                except BaseException:
+                    # Popped from in_flight, so the finally below does not see it: on a
+                    # timeout (or a Ctrl-C) its chunk may still be unclaimed, and an abandoned
+                    # map must not run it (the stdlib's gh-95166). A no-op if it failed.
+                    future.cancel()
+                    raise
                 if chunksize is None:
                     sample = seconds / len(results)
                     per_item = sample if per_item is None else 0.5 * per_item + 0.5 * sample

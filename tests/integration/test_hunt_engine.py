@@ -1,0 +1,44 @@
+"""Edge cases of Pool.map, nested tasks and crashes (bug hunt of the engine)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+
+from mpsched import Pool
+
+from . import hunt_tasks as ht
+from . import tasks
+
+
+@pytest.fixture
+def gates(tmp_path: object) -> tuple[str, str, str]:
+    """A FIFO the blocker announces itself on, the FIFO gate it waits at, and a log file."""
+    started = os.path.join(str(tmp_path), "started")
+    gate = os.path.join(str(tmp_path), "gate")
+    log = os.path.join(str(tmp_path), "log")
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    open(log, "wb").close()
+    return started, gate, log
+
+
+# ---------------------------------------------------------------- map
+@pytest.mark.timeout(60)
+def test_map_timeout_cancels_the_chunk_it_timed_out_on(gates: tuple[str, str, str]) -> None:
+    """A map whose result times out must cancel every chunk not yet claimed, including the
+    one it was waiting for (the stdlib fixed the same leak in gh-95166)."""
+    started, gate, log = gates
+    with Pool(1) as pool:
+        blocker = pool.submit(tasks.started_then_gated, started, gate, "blocker")
+        tasks.wait_started(started)  # the only worker is busy: every chunk stays queued
+        results = pool.map(
+            functools.partial(ht.record_ident, log), [1, 2, 3], chunksize=1, timeout=0.05
+        )
+        with pytest.raises(TimeoutError):
+            next(results)
+        tasks.open_gate(gate)
+        assert blocker.result(timeout=20) == "blocker"
+    assert tasks.read_log(log) == []  # no chunk of the abandoned map ran
