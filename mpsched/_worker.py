@@ -418,6 +418,11 @@ class Worker:
     ) -> ChildFuture:
         fid = self.fid_of.get(fn, INLINE) if type(fn).__hash__ is not None else INLINE
         payload = encode_call(fid, None if fid != INLINE else fn, args, kwargs)
+        if self.depth >= MAX_NESTING - 1:
+            # join() stops helping at this depth (the run stack is full): a child pushed now
+            # would wait in our own deque for a joiner that never runs it, and with no idle
+            # peer to steal it (Pool(1)) forever. Run it inline, as when the deque is full.
+            return self.run_inline(payload)
         slab = self.slab
         handle = slab.alloc()
         if handle < 0:  # slab full: run the child here and now (rayon runs inline too)

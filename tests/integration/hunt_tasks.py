@@ -91,7 +91,7 @@ def join_children_then_die(started: str, gate_path: str, path: str, n: int) -> i
 
 
 def unpicklable_result() -> Any:
-    return lambda: None  # noqa: E731  cloudpickle may handle it; a generator never pickles
+    return lambda: None
 
 
 def generator_result() -> Any:

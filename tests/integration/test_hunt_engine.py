@@ -42,3 +42,26 @@ def test_map_timeout_cancels_the_chunk_it_timed_out_on(gates: tuple[str, str, st
         tasks.open_gate(gate)
         assert blocker.result(timeout=20) == "blocker"
     assert tasks.read_log(log) == []  # no chunk of the abandoned map ran
+
+
+def _force_down(pool: Pool) -> None:
+    """End a pool that may be stuck: shutdown without waiting, then kill its zygote (its
+    workers die with it) if the drain does not end."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    if not pool.await_termination(10):
+        pool._zygote.kill()
+        assert pool.await_termination(20)
+
+
+# ---------------------------------------------------------------- nested tasks
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_chain_of_nested_joins_deeper_than_the_run_stack_finishes(workers: int) -> None:
+    """Each task joins its only child; join-helping runs the child inside the parent, so the
+    run stack grows by one per level. Deeper than MAX_NESTING (64), the worker stops helping
+    and sleeps, while the child it waits for sits in its own deque."""
+    pool = Pool(workers)
+    try:
+        assert pool.submit(ht.chain, 200).result(timeout=20) == 200
+    finally:
+        _force_down(pool)
