@@ -100,3 +100,73 @@ def generator_result() -> Any:
 
 def version() -> str:
     return sys.version
+
+
+def spawn_and_join(n: int) -> int:
+    """Spawn ``n`` children and join them all."""
+    return sum(f.result() for f in [mpsched.submit(ident, k) for k in range(n)])
+
+
+def child_returns_unpicklable() -> str:
+    child = mpsched.submit(generator_result)
+    try:
+        child.result()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def child_huge(n: int) -> int:
+    return len(mpsched.submit(huge_result, n).result())
+
+
+def gated_parent_of_children(started: str, gate_path: str, path: str, n: int) -> int:
+    """Spawn ``n`` recording children (pushed, unclaimed: we hold the only worker), announce,
+    wait at the gate, then join them."""
+    futures = [mpsched.submit(record, path, k) for k in range(n)]
+    with open(started, "wb") as fifo:
+        fifo.write(b"s")
+    gate(gate_path)
+    return sum(f.result() for f in futures)
+
+
+def child_signals_then_gated(to_parent: str, to_test: str, gate_path: str) -> int:
+    """A child that tells its parent it runs (FIFO ``to_parent``), tells the test its pid
+    (FIFO ``to_test``), then waits at the gate."""
+    with open(to_parent, "wb") as fifo:
+        fifo.write(b"s")
+    with open(to_test, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    gate(gate_path)
+    return os.getpid()
+
+
+def parent_of_stolen_child(to_parent: str, to_test: str, gate_path: str) -> str:
+    """Spawn the child, wait until it runs (so on a peer: this worker is busy here), join it
+    and return the error it ended with."""
+    child = mpsched.submit(child_signals_then_gated, to_parent, to_test, gate_path)
+    with open(to_parent, "rb") as fifo:
+        assert fifo.read(1) == b"s"
+    try:
+        child.result()
+    except BaseException as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def parent_dies_while_child_runs_elsewhere(
+    to_parent: str, to_test: str, gate_path: str, parent_pid: str
+) -> None:
+    child = mpsched.submit(child_signals_then_gated, to_parent, to_test, gate_path)
+    with open(to_parent, "rb") as fifo:
+        assert fifo.read(1) == b"s"
+    with open(parent_pid, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    child.result()
+
+
+def fire_children(path: str, i: int, n: int) -> int:
+    """Spawn ``n`` recording children and return without joining them."""
+    for k in range(n):
+        mpsched.submit(record, path, i * 10 + k)
+    return i

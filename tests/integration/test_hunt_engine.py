@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 
 import pytest
 
-from mpsched import Pool
+from mpsched import Pool, PoolClosedError, WorkerCrashedError
 
 from . import hunt_tasks as ht
 from . import tasks
@@ -65,3 +66,216 @@ def test_a_chain_of_nested_joins_deeper_than_the_run_stack_finishes(workers: int
         assert pool.submit(ht.chain, 200).result(timeout=20) == 200
     finally:
         _force_down(pool)
+
+
+@pytest.mark.timeout(60)
+def test_a_parent_that_raises_after_spawning_children_loses_none(tmp_path: object) -> None:
+    log = os.path.join(str(tmp_path), "log")
+    open(log, "wb").close()
+    with Pool(2) as pool:
+        futures = [pool.submit(ht.parent_raises_after_children, log, 20) for _ in range(10)]
+        for f in futures:
+            with pytest.raises(ValueError, match="parent failed"):
+                f.result(timeout=20)
+    assert sorted(tasks.read_log(log)) == sorted(list(range(20)) * 10)  # every child ran once
+
+
+@pytest.mark.timeout(60)
+def test_a_parent_catches_its_childs_error(pool2: Pool) -> None:
+    assert pool2.submit(ht.parent_catches_child_error).result(timeout=20) == "caught from child"
+    # An unpicklable child result is the child's error, seen by the parent; a big one works.
+    text = pool2.submit(ht.child_returns_unpicklable).result(timeout=20)
+    assert text.startswith("RuntimeError") or "pickle" in text
+    assert pool2.submit(ht.child_huge, 3_000_000).result(timeout=20) == 3_000_000
+    assert len(pool2.submit(ht.huge_result, 8_000_000).result(timeout=20)) == 8_000_000
+
+
+@pytest.fixture
+def pool2() -> Pool:
+    with Pool(2) as pool:
+        yield pool
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_cancel_futures_with_children_pending(gates: tuple[str, str, str]) -> None:
+    """Children queued in the deque of a parent that still runs are not the coordinator's to
+    cancel: they run, the parent gets their results, and the drain ends."""
+    started, gate, log = gates
+    pool = Pool(1)
+    parent = pool.submit(ht.gated_parent_of_children, started, gate, log, 50)
+    queued = [pool.submit(tasks.ident, i) for i in range(100)]
+    tasks.wait_started(started)
+    pool.shutdown(wait=False, cancel_futures=True)
+    tasks.open_gate(gate)
+    assert pool.await_termination(20)
+    assert parent.result(timeout=0) == sum(range(50))
+    assert sorted(tasks.read_log(log)) == list(range(50))
+    assert all(f.done() for f in queued)
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_a_parent_with_children_in_its_deque(tmp_path: object) -> None:
+    """The parent fails with WorkerCrashedError; its children, queued in the dead worker's
+    deque, are ordinary tasks and still run, exactly once; nothing hangs."""
+    started = os.path.join(str(tmp_path), "started")
+    gate = os.path.join(str(tmp_path), "gate")
+    log = os.path.join(str(tmp_path), "log")
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    open(log, "wb").close()
+    with Pool(1) as pool:
+        parent = pool.submit(ht.join_children_then_die, started, gate, log, 30)
+        pid = tasks.read_pid(started)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerCrashedError):
+            parent.result(timeout=20)
+        assert pool.submit(tasks.ident, 5).result(timeout=20) == 5
+    assert sorted(tasks.read_log(log)) == list(range(30))
+    stats = pool.statistics()
+    assert stats.crashes == 1
+
+
+@pytest.mark.timeout(60)
+def test_retirement_while_tasks_with_children_queue() -> None:
+    with Pool(2, max_tasks_per_worker=1) as pool:
+        futures = [pool.submit(ht.spawn_and_join, 10) for _ in range(40)]
+        assert [f.result(timeout=30) for f in futures] == [45] * 40
+    stats = pool.statistics()
+    assert stats.crashes == 0
+    # Not 39: a worker joining its children may run further top-level tasks from its inbox
+    # (join-helping) before it can retire.
+    assert stats.recycled >= 1
+
+
+@pytest.mark.timeout(60)
+def test_os_exit_in_a_task_and_in_a_child(pool2: Pool) -> None:
+    with pytest.raises(WorkerCrashedError, match="exit code 7"):
+        pool2.submit(ht.exit_now, 7).result(timeout=20)
+    assert pool2.submit(tasks.fib, 10).result(timeout=20) == 55
+
+
+@pytest.mark.timeout(60)
+def test_statistics_count_every_task_and_child() -> None:
+    with Pool(2) as pool:
+        futures = [pool.submit(ht.spawn_and_join, 5) for _ in range(100)]
+        assert [f.result(timeout=30) for f in futures] == [10] * 100
+        assert list(pool.map(tasks.ident, range(50), chunksize=10)) == list(range(50))
+    stats = pool.statistics()
+    assert stats.submitted == stats.completed == 105
+    assert sum(w.executed for w in stats.per_worker) == 100 * 6 + 5
+
+
+# ---------------------------------------------------------------- more map
+@pytest.mark.timeout(60)
+def test_map_error_at_a_position_with_chunksize_one(pool2: Pool) -> None:
+    results = pool2.map(functools.partial(ht.fail_at, bad=5), range(10), chunksize=1)
+    assert [next(results) for _ in range(5)] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="bad item 5"):
+        next(results)
+    with pytest.raises(StopIteration):
+        next(results)
+    assert pool2.submit(tasks.ident, 1).result(timeout=20) == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunksize", [1, 3, None, 1000])
+def test_map_reads_each_item_once_and_passes_input_errors(
+    pool2: Pool, chunksize: int | None
+) -> None:
+    pulled: list[int] = []
+
+    def items():
+        for i in range(40):
+            pulled.append(i)
+            yield i
+        raise OSError("input broke")
+
+    results = pool2.map(tasks.ident, items(), chunksize=chunksize)
+    got: list[int] = []
+    with pytest.raises(OSError, match="input broke"):
+        got.extend(results)  # keeps what came before the raise
+    assert pulled == list(range(40))  # each item read once, in order
+    assert got == list(range(len(got)))
+    assert pool2.submit(tasks.ident, 2).result(timeout=20) == 2
+
+
+@pytest.mark.timeout(60)
+def test_two_maps_interleaved_and_unequal_iterables(pool2: Pool) -> None:
+    a = pool2.map(tasks.ident, range(300), chunksize=7)
+    b = pool2.map(tasks.add, range(1000), iter(range(250)), chunksize=11)
+    assert list(zip(a, b, strict=False)) == [(i, 2 * i) for i in range(250)]
+    assert list(a) == list(range(251, 300))  # zip drew one more from a
+    a.close()
+
+
+@pytest.mark.timeout(60)
+def test_map_after_and_across_shutdown() -> None:
+    pool = Pool(1)
+    results = pool.map(tasks.ident, range(10))
+    pool.shutdown()
+    with pytest.raises(PoolClosedError):
+        pool.map(tasks.ident, range(10))
+    with pytest.raises(PoolClosedError):
+        next(results)
+
+
+@pytest.fixture
+def fifos(tmp_path: object) -> list[str]:
+    paths = [os.path.join(str(tmp_path), name) for name in ("a", "b", "c", "d")]
+    for p in paths:
+        os.mkfifo(p)
+    return paths
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_the_worker_running_a_stolen_child_fails_the_childs_future(
+    fifos: list[str],
+) -> None:
+    to_parent, to_test, gate, _ = fifos
+    with Pool(2) as pool:
+        parent = pool.submit(ht.parent_of_stolen_child, to_parent, to_test, gate)
+        pid = tasks.read_pid(to_test)
+        os.kill(pid, signal.SIGKILL)
+        assert parent.result(timeout=20) == "WorkerCrashedError"
+        assert pool.submit(tasks.fib, 8).result(timeout=20) == 21
+        slab = pool._views.slab
+        assert slab.free_count() == slab.capacity
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_a_parent_whose_child_runs_on_a_peer(fifos: list[str]) -> None:
+    to_parent, to_test, gate, parent_pid = fifos
+    with Pool(2) as pool:
+        parent = pool.submit(
+            ht.parent_dies_while_child_runs_elsewhere, to_parent, to_test, gate, parent_pid
+        )
+        child_pid = tasks.read_pid(to_test)
+        pid = tasks.read_pid(parent_pid)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerCrashedError):
+            parent.result(timeout=20)
+        tasks.open_gate(gate)  # the orphaned child ends; its executor frees its block
+        assert pool.submit(tasks.fib, 8).result(timeout=20) == 21
+        assert child_pid != pid
+
+
+@pytest.mark.timeout(60)
+def test_retiring_workers_leave_fire_and_forget_children_that_still_run(tmp_path: object) -> None:
+    log = os.path.join(str(tmp_path), "log")
+    open(log, "wb").close()
+    with Pool(2, max_tasks_per_worker=1) as pool:
+        futures = [pool.submit(ht.fire_children, log, i, 5) for i in range(30)]
+        assert [f.result(timeout=30) for f in futures] == list(range(30))
+    expected = sorted(i * 10 + k for i in range(30) for k in range(5))
+    assert sorted(tasks.read_log(log)) == expected
+    assert pool.statistics().crashes == 0
+
+
+@pytest.mark.timeout(60)
+def test_map_error_in_the_first_default_chunk_keeps_earlier_results(pool2: Pool) -> None:
+    """Like the builtin map: the results before the failing item come first."""
+    results = pool2.map(functools.partial(ht.fail_at, bad=5), range(10))
+    got: list[int] = []
+    with pytest.raises(ValueError, match="bad item 5"):
+        got.extend(results)  # keeps what came before the raise
+    assert got == [0, 1, 2, 3, 4]
