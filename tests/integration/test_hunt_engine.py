@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import time
 
 import pytest
 
@@ -279,3 +280,29 @@ def test_map_error_in_the_first_default_chunk_keeps_earlier_results(pool2: Pool)
     with pytest.raises(ValueError, match="bad item 5"):
         got.extend(results)  # keeps what came before the raise
     assert got == [0, 1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------- big payloads
+@pytest.mark.timeout(60)
+def test_cancelled_tasks_with_stashed_arguments_leave_no_stash(
+    gates: tuple[str, str, str],
+) -> None:
+    """Arguments too big for the slab's blocks wait in the coordinator's stash until the
+    worker that claims the task fetches them; a task cancelled in its inbox never fetches,
+    so its cancel must drop them (else each such cancel leaks its arguments' bytes)."""
+    started, gate, _ = gates
+    big = b"z" * 400_000  # more than a block chain holds: it goes through the stash
+    with Pool(1) as pool:
+        blocker = pool.submit(tasks.started_then_gated, started, gate, "blocker")
+        tasks.wait_started(started)
+        queued = [pool.submit(tasks.echo_size, big) for _ in range(5)]
+        # Bounded poll: until the coordinator thread has injected them into the inbox.
+        deadline = time.monotonic() + 20
+        while not all(f._slot >= 0 for f in queued):
+            assert time.monotonic() < deadline, "the tasks were never dispatched"
+            time.sleep(0.002)
+        assert all(f.cancel() for f in queued)
+        tasks.open_gate(gate)
+        assert blocker.result(timeout=20) == "blocker"
+        assert pool.submit(tasks.echo_size, big).result(timeout=20) == len(big)
+        assert pool._coordinator.stash == {}
