@@ -461,7 +461,7 @@ class Worker:
         )
         self.header.add_live_children(-1)
         if previous == CHILD_ABANDONED:
-            self.free_child(handle)
+            self.free_unread_child(handle)
         elif self.slots[parent].clear_sleeping():
             os.eventfd_write(self.wake_fds[parent], 1)
 
@@ -485,12 +485,23 @@ class Worker:
     def free_child(self, handle: int) -> None:
         self.slab.free_children([handle])
 
+    def free_unread_child(self, handle: int) -> None:
+        """Free a DONE child whose future was dropped. An outcome too big for the block waits
+        in the coordinator's stash, which only a FETCH empties: fetch it (and drop it), or
+        every such child would leak its result's bytes in the coordinator. (A FETCH, not a
+        "drop" message: the executor's STASH may still be in flight on its own socket; the
+        coordinator parks a FETCH until the STASH comes.)"""
+        nbytes = self.slab.get_word(handle, _RESULT_NBYTES)
+        if nbytes < 0:
+            self.fetch(-nbytes)
+        self.free_child(handle)
+
     def release_abandoned(self) -> None:
         """At a safe point (no lock held): children nobody waits for go to their executor."""
         while self.abandoned:
             handle = self.abandoned.pop()
             if self.me.exchange_block_state(self.slab, handle, CHILD_ABANDONED) == CHILD_DONE:
-                self.free_child(handle)
+                self.free_unread_child(handle)
 
     def join(self, future: ChildFuture, timeout: float | None) -> None:
         """Help until ``future``'s child is done: run other tasks, or sleep until woken."""

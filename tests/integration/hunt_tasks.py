@@ -170,3 +170,14 @@ def fire_children(path: str, i: int, n: int) -> int:
     for k in range(n):
         mpsched.submit(record, path, i * 10 + k)
     return i
+
+
+def forget_big_children(n: int, size: int) -> int:
+    """Spawn ``n`` children with results too big for a block (stashed), and drop them."""
+    for _ in range(n):
+        mpsched.submit(huge_result, size)
+    return n
+
+
+def join_big_child_args(size: int) -> int:
+    return mpsched.submit(len, b"a" * size).result()

@@ -306,3 +306,17 @@ def test_cancelled_tasks_with_stashed_arguments_leave_no_stash(
         assert blocker.result(timeout=20) == "blocker"
         assert pool.submit(tasks.echo_size, big).result(timeout=20) == len(big)
         assert pool._coordinator.stash == {}
+
+
+@pytest.mark.timeout(60)
+def test_dropped_children_with_stashed_results_leave_no_stash() -> None:
+    """A child's result too big for the slab goes to the coordinator's stash, which only the
+    parent's collect fetches back; a child nobody waits for (its future dropped) must not
+    leave it there."""
+    pool = Pool(2)
+    try:
+        assert pool.submit(ht.forget_big_children, 5, 400_000).result(timeout=20) == 5
+        assert pool.submit(ht.join_big_child_args, 400_000).result(timeout=20) == 400_000
+    finally:
+        pool.shutdown(wait=True)
+    assert pool._coordinator.stash == {}
