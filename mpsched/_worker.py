@@ -428,13 +428,17 @@ class Worker:
         if handle < 0:  # slab full: run the child here and now (rayon runs inline too)
             return self.run_inline(payload)
         uid = self.next_uid()
+        stashed = 0
         if not slab.write(handle, payload, uid=uid, parent=self.slot, state=CHILD_QUEUED):
             slab.write(handle, b"", uid=uid, parent=self.slot, state=CHILD_QUEUED)
-            slab.set_word(handle, _NBYTES, -self.stash(payload))
+            stashed = self.stash(payload)
+            slab.set_word(handle, _NBYTES, -stashed)
         self.header.add_live_children(1)
         if not self.me.push(handle):  # deque full
             self.header.add_live_children(-1)
             slab.free_children([handle])
+            if stashed:  # only a FETCH empties the coordinator's stash: drop them so
+                self.fetch(stashed)
             return self.run_inline(payload)
         if self.header.sleepers():
             self.wake_one_sleeper()

@@ -181,3 +181,9 @@ def forget_big_children(n: int, size: int) -> int:
 
 def join_big_child_args(size: int) -> int:
     return mpsched.submit(len, b"a" * size).result()
+
+
+def spawn_big_children(n: int, size: int) -> int:
+    """Spawn ``n`` children with arguments too big for a block (stashed) and join them."""
+    futures = [mpsched.submit(len, bytes([k]) * size) for k in range(n)]
+    return sum(f.result() for f in futures)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from mpsched import Pool, PoolClosedError, WorkerCrashedError
+from mpsched import Pool, PoolClosedError, WorkerCrashedError, _pool
 
 from . import hunt_tasks as ht
 from . import tasks
@@ -317,6 +317,21 @@ def test_dropped_children_with_stashed_results_leave_no_stash() -> None:
     try:
         assert pool.submit(ht.forget_big_children, 5, 400_000).result(timeout=20) == 5
         assert pool.submit(ht.join_big_child_args, 400_000).result(timeout=20) == 400_000
+    finally:
+        pool.shutdown(wait=True)
+    assert pool._coordinator.stash == {}
+
+
+@pytest.mark.timeout(60)
+def test_children_run_inline_on_a_full_deque_leave_no_stash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A child whose arguments went to the stash, then found the deque full, runs inline:
+    its stashed arguments must not stay behind."""
+    monkeypatch.setattr(_pool, "DEQUE_CAPACITY", 2)
+    pool = Pool(1, start_method="fork")  # the zygote inherits the patched layout anyway
+    try:
+        assert pool.submit(ht.spawn_big_children, 6, 300_000).result(timeout=20) == 6 * 300_000
     finally:
         pool.shutdown(wait=True)
     assert pool._coordinator.stash == {}
