@@ -124,6 +124,9 @@ class WorkerHandle:
     pidfd: int
     drained: bool = False
     retiring: bool = False  # max_tasks_per_worker reached: its exit is not a crash
+    # It retired with children whose futures had not settled (kept past their task): nobody
+    # will collect those children, so their blocks are settled as a dead worker's are.
+    left_children: bool = False
 
 
 def signal_description(exitcode: int | None) -> str:
@@ -1001,6 +1004,7 @@ class Coordinator:
             self.final_stats[worker.slot] = fields[1]
         elif tag is Tag.RETIRING:
             worker.retiring = True
+            worker.left_children = bool(fields[1])
             self.retired_pids.add(worker.pid)  # before its exit, so EXITED finds it here
         elif tag is Tag.INIT_FAILED:
             error = BrokenPoolError(
@@ -1059,6 +1063,8 @@ class Coordinator:
             return
         if worker.retiring:  # a clean exit: nothing ran, nothing is held; replace it
             self.recycled += 1
+            if worker.left_children:  # else their DONE blocks were never freed
+                self.orphan_children(worker.slot, worker.pid)
             if not self.draining or not self.all_done():
                 self.spawn(worker.slot)
             return

@@ -39,6 +39,7 @@ FATAL message and a non-zero exit code (rayon ``AbortIfPanic``).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import random
@@ -248,6 +249,7 @@ class ChildFuture:
 
     def _settle(self) -> None:
         status, value = self._worker.collect_child(self._handle)
+        self._worker.unsettled -= 1
         self._handle = -1
         self._settled = True
         if status == _OK:
@@ -290,6 +292,9 @@ class Worker:
         self.fn_cache: dict[int, Callable[..., Any]] = {}
         self.fid_of: dict[Callable[..., Any], int] = {}  # reverse of fn_cache, for children
         self.abandoned: list[int] = []  # children whose futures were dropped (see __del__)
+        # Children in blocks whose futures have neither settled nor been released as
+        # abandoned: nonzero when the worker retires means futures outlived their task.
+        self.unsettled = 0
         self.depth = 0  # tasks running in this process (join-helping nests them)
         # current_task()'s raw material, innermost last: (top-level handle or -1, meta). The
         # TaskContext object is built only when a task asks for it, not for every task.
@@ -442,6 +447,7 @@ class Worker:
             return self.run_inline(payload)
         if self.header.sleepers():
             self.wake_one_sleeper()
+        self.unsettled += 1
         return ChildFuture(self, handle)
 
     def run_inline(self, payload: bytes) -> ChildFuture:
@@ -504,6 +510,7 @@ class Worker:
         """At a safe point (no lock held): children nobody waits for go to their executor."""
         while self.abandoned:
             handle = self.abandoned.pop()
+            self.unsettled -= 1
             if self.me.exchange_block_state(self.slab, handle, CHILD_ABANDONED) == CHILD_DONE:
                 self.free_unread_child(handle)
 
@@ -627,8 +634,13 @@ def worker_main(
     worker.me.bind_owner()
     try:
         if worker.main_loop():  # retired: its queues stay in shared memory for the successor
+            if worker.unsettled:  # futures in a reference cycle are dropped by a collection
+                gc.collect()
+                worker.release_abandoned()
             worker.poke()
-            conn.send_bytes(encode(Tag.RETIRING, slot))
+            # Children still unsettled (their futures kept past their task, e.g. in a module
+            # global) have nobody to collect them: the coordinator frees their blocks.
+            conn.send_bytes(encode(Tag.RETIRING, slot, worker.unsettled))
             return 0
         worker.poke()
         conn.send_bytes(encode(Tag.DRAINED, slot, worker.statistics()))

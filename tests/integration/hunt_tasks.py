@@ -187,3 +187,32 @@ def spawn_big_children(n: int, size: int) -> int:
     """Spawn ``n`` children with arguments too big for a block (stashed) and join them."""
     futures = [mpsched.submit(len, bytes([k]) * size) for k in range(n)]
     return sum(f.result() for f in futures)
+
+
+def initializer_fails_after(path: str, allowed: int) -> None:
+    """A pool initializer that works in the first ``allowed`` workers only (counted by
+    appends to the file at ``path``)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, b"x")
+    finally:
+        os.close(fd)
+    if os.path.getsize(path) > allowed:
+        raise OSError("initializer failed in a replacement")
+
+
+_kept: list[Any] = []
+
+
+def keep_child_futures(n: int) -> int:
+    """Spawn ``n`` children and keep their futures past the task's end (a module global)."""
+    _kept.extend(mpsched.submit(ident, k) for k in range(n))
+    return n
+
+
+def child_futures_in_a_cycle(n: int) -> int:
+    """Spawn ``n`` children whose futures sit in a reference cycle (freed only by the GC)."""
+    holder: dict[str, Any] = {}
+    holder["self"] = holder
+    holder["futures"] = [mpsched.submit(ident, k) for k in range(n)]
+    return n

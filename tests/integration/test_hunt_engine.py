@@ -6,10 +6,11 @@ import functools
 import os
 import signal
 import time
+from concurrent.futures import wait
 
 import pytest
 
-from mpsched import Pool, PoolClosedError, WorkerCrashedError, _pool
+from mpsched import BrokenPoolError, Pool, PoolClosedError, WorkerCrashedError, _pool
 
 from . import hunt_tasks as ht
 from . import tasks
@@ -335,3 +336,41 @@ def test_children_run_inline_on_a_full_deque_leave_no_stash(
     finally:
         pool.shutdown(wait=True)
     assert pool._coordinator.stash == {}
+
+
+# ---------------------------------------------------------------- worker lifecycle
+@pytest.mark.timeout(60)
+def test_an_initializer_failing_in_a_replacement_breaks_the_pool_without_hanging(
+    tmp_path: object,
+) -> None:
+    counter = os.path.join(str(tmp_path), "count")
+    open(counter, "wb").close()
+    pool = Pool(
+        2, max_tasks_per_worker=1, initializer=ht.initializer_fails_after, initargs=(counter, 2)
+    )
+    try:
+        futures = [pool.submit(tasks.ident, i) for i in range(20)]
+        _done, not_done = wait(futures, timeout=30)
+        assert not not_done
+        outcomes = [f.exception() for f in futures]
+        assert all(e is None or isinstance(e, BrokenPoolError) for e in outcomes)
+        assert any(isinstance(e, BrokenPoolError) for e in outcomes)
+        with pytest.raises(BrokenPoolError):
+            pool.submit(tasks.ident, 0)
+    finally:
+        pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_retired_workers_kept_child_futures_leak_no_block() -> None:
+    """A worker that retires (max_tasks_per_worker) while futures of its children are still
+    referenced (here: kept in a module global): nobody will collect those children; their
+    blocks must be freed as for a worker that died."""
+    with Pool(1, max_tasks_per_worker=1) as pool:
+        assert pool.submit(ht.keep_child_futures, 20).result(timeout=20) == 20
+        assert pool.submit(ht.keep_child_futures, 20).result(timeout=20) == 20
+        assert pool.submit(ht.child_futures_in_a_cycle, 20).result(timeout=20) == 20
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+        slab = pool._views.slab
+        assert pool.statistics().recycled >= 3
+        assert slab.free_count() == slab.capacity
