@@ -216,3 +216,16 @@ def child_futures_in_a_cycle(n: int) -> int:
     holder["self"] = holder
     holder["futures"] = [mpsched.submit(ident, k) for k in range(n)]
     return n
+
+
+def second_item_gated(started: str, gate_path: str, x: int) -> int:
+    """For ``map``: item 1 announces itself (FIFO ``started``) and waits at the gate."""
+    if x == 1:
+        started_gate_then_ident(started, gate_path)
+    return x
+
+
+def started_gate_then_ident(started: str, gate_path: str) -> None:
+    with open(started, "wb") as fifo:
+        fifo.write(b"s")
+    gate(gate_path)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import wait
 
@@ -374,3 +377,61 @@ def test_a_retired_workers_kept_child_futures_leak_no_block() -> None:
         slab = pool._views.slab
         assert pool.statistics().recycled >= 3
         assert slab.free_count() == slab.capacity
+
+
+# A garbage collection that starts inside a critical section of the coordinator's lock (any
+# allocation can start one; seen in Coordinator.submit) and finalizes an abandoned map.
+GC_IN_CRITICAL_SECTION = """
+import functools, gc, sys
+from mpsched import Pool
+from tests.integration import hunt_tasks as ht, tasks
+
+started, gate = sys.argv[1], sys.argv[2]
+gc.disable()
+pool = Pool(1, start_method="fork")
+it = pool.map(functools.partial(ht.second_item_gated, started, gate), range(100), chunksize=1)
+assert next(it) == 0
+tasks.wait_started(started)  # item 1 holds the only worker: items 2 and 3 wait unclaimed
+cycle = [it]
+cycle.append(cycle)  # only the cyclic GC can free the generator now
+del it, cycle
+with pool._coordinator.lock:
+    gc.collect()  # closes the generator, which cancels its unclaimed chunks
+tasks.open_gate(gate)
+pool.shutdown(wait=True)
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(
+    strict=True,
+    reason="self-deadlock: Pool._map's finally cancels its chunks (Coordinator.cancel takes "
+    "Coordinator.lock, _mark_cancelled the futures' module lock, cancel_injected a slot lock); "
+    "run by a GC pass that started inside one of those critical sections in the same thread, "
+    "it waits for a lock its own thread holds. A fix must defer the cancels when finalized "
+    "by the GC without a Python gc callback (one swallowed a Ctrl-C in test_interrupt)",
+)
+def test_a_map_finalized_by_a_gc_pass_inside_a_critical_section_does_not_deadlock(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The generator's cleanup cancels its chunks; run by the collector in a thread that holds
+    the coordinator's lock, it waits for that lock forever. (In a subprocess: a hang must not
+    take the test run with it.)"""
+    started, gate = tmp_path / "started", tmp_path / "gate"
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", GC_IN_CRITICAL_SECTION, str(started), str(gate)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlock: the map's cleanup waited for a lock its own thread held")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ok"]
