@@ -20,14 +20,22 @@ from collections.abc import Callable
 from itertools import islice, starmap
 from typing import Any
 
+from mpsched._protocol import dump_exception
 from mpsched._worker import announce_result
 
 
 def run_chunk(
     fn: Callable[..., Any], items: list[Any], star: bool, budget: float
-) -> tuple[list[Any], float]:
+) -> tuple[list[Any], float, bytes | None]:
     """``[fn(x) for x in items]`` (``fn(*x)`` if ``star``), or a prefix of it if ``budget``
-    seconds ran out; and the seconds it took (map sizes chunks by it)."""
+    seconds ran out; the seconds it took (map sizes chunks by it); and None, or the pickled
+    error (``dump_exception``) of the item that raised after the ones in the prefix.
+
+    An item that raises ends the chunk. If it is the first, the chunk's task fails with its
+    error; otherwise the results before it are returned with the error, so that ``map``
+    yields them before it raises, as the builtin ``map`` does (the task failing would drop
+    them, and how many items precede the error in the same chunk depends on default chunking,
+    i.e. on timing)."""
     start = time.perf_counter()
     it = iter(items)
     call = starmap(fn, it) if star else map(fn, it)
@@ -35,10 +43,16 @@ def run_chunk(
     run = 1
     try:
         while True:
-            results.extend(islice(call, run))
+            try:
+                # islice stops at the raise; extend keeps what came before it
+                results.extend(islice(call, run))
+            except BaseException as exc:  # user code: as the worker reports a task's error
+                if not results:
+                    raise
+                return results, time.perf_counter() - start, dump_exception(exc)
             seconds = time.perf_counter() - start
             if len(results) == len(items) or seconds >= budget:
-                return results, seconds
+                return results, seconds, None
             run = len(results)
     finally:
         announce_result()  # map waits for the chunks in order: no batching of this result

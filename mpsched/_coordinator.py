@@ -124,6 +124,9 @@ class WorkerHandle:
     pidfd: int
     drained: bool = False
     retiring: bool = False  # max_tasks_per_worker reached: its exit is not a crash
+    # It retired with children whose futures had not settled (kept past their task): nobody
+    # will collect those children, so their blocks are settled as a dead worker's are.
+    left_children: bool = False
 
 
 def signal_description(exitcode: int | None) -> str:
@@ -394,6 +397,7 @@ class Coordinator:
         # Withdrawn from its inbox, or taken back (queued here with its block): free the block.
         self.by_handle.pop(future._handle, None)
         self.watched.pop(future._handle, None)
+        self.drop_stashed_args([future._handle])
         self.slab.free_tasks([future._handle])
         future._handle = -1
         future._withdrawn = True
@@ -556,6 +560,7 @@ class Coordinator:
                 self.watched.pop(handle, None)
                 future._handle = -1
                 future._withdrawn = True
+            self.drop_stashed_args([h for h, _ in lost])
             self.slab.free_tasks([h for h, _ in lost])
         logger.warning("mpsched: cancelled %d task(s) lost by an interrupt", len(lost))
         for _, future in lost:
@@ -708,6 +713,17 @@ class Coordinator:
             if slot.is_sleeping() and slot.clear_sleeping():
                 os.eventfd_write(self.wake_fds[k], 1)
                 return
+
+    def drop_stashed_args(self, handles: list[int]) -> None:
+        """Before freeing the blocks of top-level tasks that will not fetch their arguments
+        (withdrawn, lost, or their worker died): drop the stashed arguments of those that
+        had them (``inject``). Only a claimer's FETCH takes them out of the stash otherwise,
+        so each cancelled task with big arguments leaked their bytes here."""
+        slab = self.slab
+        for handle in handles:
+            nbytes = slab.get_word(handle, _NBYTES)
+            if nbytes < 0:
+                self.stash.pop(-nbytes, None)
 
     def stash_put(self, data: bytes) -> int:
         self.stash_counter += 1
@@ -988,6 +1004,7 @@ class Coordinator:
             self.final_stats[worker.slot] = fields[1]
         elif tag is Tag.RETIRING:
             worker.retiring = True
+            worker.left_children = bool(fields[1])
             self.retired_pids.add(worker.pid)  # before its exit, so EXITED finds it here
         elif tag is Tag.INIT_FAILED:
             error = BrokenPoolError(
@@ -1046,6 +1063,8 @@ class Coordinator:
             return
         if worker.retiring:  # a clean exit: nothing ran, nothing is held; replace it
             self.recycled += 1
+            if worker.left_children:  # else their DONE blocks were never freed
+                self.orphan_children(worker.slot, worker.pid)
             if not self.draining or not self.all_done():
                 self.spawn(worker.slot)
             return
@@ -1096,6 +1115,7 @@ class Coordinator:
             if future is None:  # a child: its parent waits on the block
                 self.fail_child(handle, worker, code)
                 continue
+            self.drop_stashed_args([handle])  # it may have died before it fetched them
             self.slab.free_tasks([handle])
             run = future._run
             if run is not None and not run.forced and run.retries_left and future._payload:

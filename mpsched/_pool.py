@@ -49,7 +49,7 @@ from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
 from mpsched._future import Future
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
 from mpsched._options import TaskOptions
-from mpsched._protocol import PICKLE_PROTOCOL
+from mpsched._protocol import PICKLE_PROTOCOL, load_exception
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
 from mpsched._serialize import FunctionCache, dumps
 from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
@@ -549,7 +549,18 @@ class Pool:
                     return
                 future, chunk = in_flight.popleft()
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                results, seconds = future.result(remaining)
+                try:
+                    results, seconds, error = future.result(remaining)
+                except BaseException:
+                    # Popped from in_flight, so the finally below does not see it: on a
+                    # timeout (or a Ctrl-C) its chunk may still be unclaimed, and an abandoned
+                    # map must not run it (the stdlib's gh-95166). A no-op if it failed.
+                    future.cancel()
+                    raise
+                if error is not None:  # an item raised after these: they come first (_chunks)
+                    del chunk
+                    yield from results
+                    raise load_exception(error)
                 if chunksize is None:
                     sample = seconds / len(results)
                     per_item = sample if per_item is None else 0.5 * per_item + 0.5 * sample

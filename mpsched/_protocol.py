@@ -59,7 +59,9 @@ class Tag(enum.IntEnum):
     DRAINED = 15
     FATAL = 16
     INIT_FAILED = 17  # worker -> coordinator: the pool's initializer raised (exception bytes)
-    RETIRING = 18  # worker -> coordinator: max_tasks_per_worker reached; it exits cleanly next
+    # worker -> coordinator: max_tasks_per_worker reached; it exits cleanly next. Field: how many
+    # of its children's futures were still unsettled (the coordinator frees those blocks).
+    RETIRING = 18
 
 
 class ResultStatus(enum.IntEnum):

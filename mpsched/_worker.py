@@ -39,6 +39,7 @@ FATAL message and a non-zero exit code (rayon ``AbortIfPanic``).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import random
@@ -248,6 +249,7 @@ class ChildFuture:
 
     def _settle(self) -> None:
         status, value = self._worker.collect_child(self._handle)
+        self._worker.unsettled -= 1
         self._handle = -1
         self._settled = True
         if status == _OK:
@@ -290,6 +292,9 @@ class Worker:
         self.fn_cache: dict[int, Callable[..., Any]] = {}
         self.fid_of: dict[Callable[..., Any], int] = {}  # reverse of fn_cache, for children
         self.abandoned: list[int] = []  # children whose futures were dropped (see __del__)
+        # Children in blocks whose futures have neither settled nor been released as
+        # abandoned: nonzero when the worker retires means futures outlived their task.
+        self.unsettled = 0
         self.depth = 0  # tasks running in this process (join-helping nests them)
         # current_task()'s raw material, innermost last: (top-level handle or -1, meta). The
         # TaskContext object is built only when a task asks for it, not for every task.
@@ -418,21 +423,31 @@ class Worker:
     ) -> ChildFuture:
         fid = self.fid_of.get(fn, INLINE) if type(fn).__hash__ is not None else INLINE
         payload = encode_call(fid, None if fid != INLINE else fn, args, kwargs)
+        if self.depth >= MAX_NESTING - 1:
+            # join() stops helping at this depth (the run stack is full): a child pushed now
+            # would wait in our own deque for a joiner that never runs it, and with no idle
+            # peer to steal it (Pool(1)) forever. Run it inline, as when the deque is full.
+            return self.run_inline(payload)
         slab = self.slab
         handle = slab.alloc()
         if handle < 0:  # slab full: run the child here and now (rayon runs inline too)
             return self.run_inline(payload)
         uid = self.next_uid()
+        stashed = 0
         if not slab.write(handle, payload, uid=uid, parent=self.slot, state=CHILD_QUEUED):
             slab.write(handle, b"", uid=uid, parent=self.slot, state=CHILD_QUEUED)
-            slab.set_word(handle, _NBYTES, -self.stash(payload))
+            stashed = self.stash(payload)
+            slab.set_word(handle, _NBYTES, -stashed)
         self.header.add_live_children(1)
         if not self.me.push(handle):  # deque full
             self.header.add_live_children(-1)
             slab.free_children([handle])
+            if stashed:  # only a FETCH empties the coordinator's stash: drop them so
+                self.fetch(stashed)
             return self.run_inline(payload)
         if self.header.sleepers():
             self.wake_one_sleeper()
+        self.unsettled += 1
         return ChildFuture(self, handle)
 
     def run_inline(self, payload: bytes) -> ChildFuture:
@@ -456,7 +471,7 @@ class Worker:
         )
         self.header.add_live_children(-1)
         if previous == CHILD_ABANDONED:
-            self.free_child(handle)
+            self.free_unread_child(handle)
         elif self.slots[parent].clear_sleeping():
             os.eventfd_write(self.wake_fds[parent], 1)
 
@@ -480,12 +495,24 @@ class Worker:
     def free_child(self, handle: int) -> None:
         self.slab.free_children([handle])
 
+    def free_unread_child(self, handle: int) -> None:
+        """Free a DONE child whose future was dropped. An outcome too big for the block waits
+        in the coordinator's stash, which only a FETCH empties: fetch it (and drop it), or
+        every such child would leak its result's bytes in the coordinator. (A FETCH, not a
+        "drop" message: the executor's STASH may still be in flight on its own socket; the
+        coordinator parks a FETCH until the STASH comes.)"""
+        nbytes = self.slab.get_word(handle, _RESULT_NBYTES)
+        if nbytes < 0:
+            self.fetch(-nbytes)
+        self.free_child(handle)
+
     def release_abandoned(self) -> None:
         """At a safe point (no lock held): children nobody waits for go to their executor."""
         while self.abandoned:
             handle = self.abandoned.pop()
+            self.unsettled -= 1
             if self.me.exchange_block_state(self.slab, handle, CHILD_ABANDONED) == CHILD_DONE:
-                self.free_child(handle)
+                self.free_unread_child(handle)
 
     def join(self, future: ChildFuture, timeout: float | None) -> None:
         """Help until ``future``'s child is done: run other tasks, or sleep until woken."""
@@ -607,8 +634,13 @@ def worker_main(
     worker.me.bind_owner()
     try:
         if worker.main_loop():  # retired: its queues stay in shared memory for the successor
+            if worker.unsettled:  # futures in a reference cycle are dropped by a collection
+                gc.collect()
+                worker.release_abandoned()
             worker.poke()
-            conn.send_bytes(encode(Tag.RETIRING, slot))
+            # Children still unsettled (their futures kept past their task, e.g. in a module
+            # global) have nobody to collect them: the coordinator frees their blocks.
+            conn.send_bytes(encode(Tag.RETIRING, slot, worker.unsettled))
             return 0
         worker.poke()
         conn.send_bytes(encode(Tag.DRAINED, slot, worker.statistics()))

@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 import operator
 
+import pytest
+
 from mpsched import _pool
 from mpsched._chunks import run_chunk
+from mpsched._protocol import load_exception
 
 
 def test_run_chunk_runs_every_item_within_its_budget() -> None:
@@ -17,9 +20,10 @@ def test_run_chunk_runs_every_item_within_its_budget() -> None:
 
 
 def test_run_chunk_stops_at_its_budget_after_one_item_at_least() -> None:
-    results, seconds = run_chunk(abs, list(range(-5, 5)), False, 0.0)
+    results, seconds, error = run_chunk(abs, list(range(-5, 5)), False, 0.0)
     assert results == [5]  # a prefix: map sends the rest again
     assert seconds >= 0.0
+    assert error is None
     assert run_chunk(operator.add, [(1, 2), (3, 4)], True, 0.0)[0] == [3]
 
 
@@ -37,3 +41,19 @@ def test_max_chunk_bounds_the_pickled_bytes() -> None:
     assert 64 <= big <= _pool.MAP_CHUNK_BYTES // 1000
     assert _pool._max_chunk([b"x" * 10**6]) == 1
     assert _pool._max_chunk([lambda: 0]) == _pool.MAP_MAX_CHUNK  # submit reports the error
+
+
+def _fail_at_3(x: int) -> int:
+    if x == 3:
+        raise ValueError("three")
+    return x
+
+
+def test_run_chunk_returns_the_results_before_an_error_with_the_error() -> None:
+    results, _, error = run_chunk(_fail_at_3, [1, 2, 3, 4], False, math.inf)
+    assert results == [1, 2]
+    assert error is not None
+    with pytest.raises(ValueError, match="three"):
+        raise load_exception(error)
+    with pytest.raises(ValueError, match="three"):  # the first item: the chunk's task fails
+        run_chunk(_fail_at_3, [3, 4], False, math.inf)

@@ -1,0 +1,231 @@
+"""Task functions for tests/integration/test_hunt_engine.py; module-level so workers import them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+import mpsched
+
+from .tasks import gate, ident, read_log, record  # noqa: F401  (re-exported for the tests)
+
+
+def record_ident(path: str, x: int) -> int:
+    """Record ``x`` in the log at ``path`` (a side effect that shows each run), return it."""
+    return record(path, x)
+
+
+def fail_at(x: int, bad: int) -> int:
+    if x == bad:
+        raise ValueError(f"bad item {x}")
+    return x
+
+
+def started_gate_record(started: str, gate_path: str, path: str, x: int) -> int:
+    """Announce (FIFO ``started``), wait at ``gate_path``, then record ``x``."""
+    with open(started, "wb") as fifo:
+        fifo.write(b"s")
+    gate(gate_path)
+    return record(path, x)
+
+
+def parent_raises_after_children(path: str, n: int) -> None:
+    for k in range(n):
+        mpsched.submit(record, path, k)
+    raise ValueError("parent failed")
+
+
+def child_boom(message: str) -> None:
+    raise KeyError(message)
+
+
+def parent_catches_child_error() -> str:
+    child = mpsched.submit(child_boom, "from child")
+    try:
+        child.result()
+    except KeyError as exc:
+        return f"caught {exc.args[0]}"
+    return "not raised"
+
+
+def chain(depth: int) -> int:
+    """A chain of nested tasks ``depth`` deep, each joining its only child."""
+    if depth == 0:
+        return 0
+    return mpsched.submit(chain, depth - 1).result() + 1
+
+
+def cancel_own_child(gate_path: str) -> tuple[bool, bool]:
+    """Spawn a child, cancel it before anything could claim it (we hold... nothing: a peer may
+    steal it), return (cancel() returned, child.cancelled())."""
+    child = mpsched.submit(ident, 1)
+    ok = child.cancel()
+    return ok, child.cancelled()
+
+
+def exit_now(code: int) -> None:
+    os._exit(code)
+
+
+def huge_result(n: int) -> bytes:
+    return b"y" * n
+
+
+def kill_self_with_children(path: str, n: int) -> int:
+    """Push ``n`` children into this worker's deque, then SIGKILL this worker: the children
+    sit in the dead worker's deque."""
+    for k in range(n):
+        mpsched.submit(record, path, k)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return -1  # pragma: no cover
+
+
+def join_children_then_die(started: str, gate_path: str, path: str, n: int) -> int:
+    futures = [mpsched.submit(record, path, k) for k in range(n)]
+    with open(started, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    gate(gate_path)
+    return sum(f.result() for f in futures)
+
+
+def unpicklable_result() -> Any:
+    return lambda: None
+
+
+def generator_result() -> Any:
+    return (x for x in range(3))
+
+
+def version() -> str:
+    return sys.version
+
+
+def spawn_and_join(n: int) -> int:
+    """Spawn ``n`` children and join them all."""
+    return sum(f.result() for f in [mpsched.submit(ident, k) for k in range(n)])
+
+
+def child_returns_unpicklable() -> str:
+    child = mpsched.submit(generator_result)
+    try:
+        child.result()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def child_huge(n: int) -> int:
+    return len(mpsched.submit(huge_result, n).result())
+
+
+def gated_parent_of_children(started: str, gate_path: str, path: str, n: int) -> int:
+    """Spawn ``n`` recording children (pushed, unclaimed: we hold the only worker), announce,
+    wait at the gate, then join them."""
+    futures = [mpsched.submit(record, path, k) for k in range(n)]
+    with open(started, "wb") as fifo:
+        fifo.write(b"s")
+    gate(gate_path)
+    return sum(f.result() for f in futures)
+
+
+def child_signals_then_gated(to_parent: str, to_test: str, gate_path: str) -> int:
+    """A child that tells its parent it runs (FIFO ``to_parent``), tells the test its pid
+    (FIFO ``to_test``), then waits at the gate."""
+    with open(to_parent, "wb") as fifo:
+        fifo.write(b"s")
+    with open(to_test, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    gate(gate_path)
+    return os.getpid()
+
+
+def parent_of_stolen_child(to_parent: str, to_test: str, gate_path: str) -> str:
+    """Spawn the child, wait until it runs (so on a peer: this worker is busy here), join it
+    and return the error it ended with."""
+    child = mpsched.submit(child_signals_then_gated, to_parent, to_test, gate_path)
+    with open(to_parent, "rb") as fifo:
+        assert fifo.read(1) == b"s"
+    try:
+        child.result()
+    except BaseException as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def parent_dies_while_child_runs_elsewhere(
+    to_parent: str, to_test: str, gate_path: str, parent_pid: str
+) -> None:
+    child = mpsched.submit(child_signals_then_gated, to_parent, to_test, gate_path)
+    with open(to_parent, "rb") as fifo:
+        assert fifo.read(1) == b"s"
+    with open(parent_pid, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    child.result()
+
+
+def fire_children(path: str, i: int, n: int) -> int:
+    """Spawn ``n`` recording children and return without joining them."""
+    for k in range(n):
+        mpsched.submit(record, path, i * 10 + k)
+    return i
+
+
+def forget_big_children(n: int, size: int) -> int:
+    """Spawn ``n`` children with results too big for a block (stashed), and drop them."""
+    for _ in range(n):
+        mpsched.submit(huge_result, size)
+    return n
+
+
+def join_big_child_args(size: int) -> int:
+    return mpsched.submit(len, b"a" * size).result()
+
+
+def spawn_big_children(n: int, size: int) -> int:
+    """Spawn ``n`` children with arguments too big for a block (stashed) and join them."""
+    futures = [mpsched.submit(len, bytes([k]) * size) for k in range(n)]
+    return sum(f.result() for f in futures)
+
+
+def initializer_fails_after(path: str, allowed: int) -> None:
+    """A pool initializer that works in the first ``allowed`` workers only (counted by
+    appends to the file at ``path``)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, b"x")
+    finally:
+        os.close(fd)
+    if os.path.getsize(path) > allowed:
+        raise OSError("initializer failed in a replacement")
+
+
+_kept: list[Any] = []
+
+
+def keep_child_futures(n: int) -> int:
+    """Spawn ``n`` children and keep their futures past the task's end (a module global)."""
+    _kept.extend(mpsched.submit(ident, k) for k in range(n))
+    return n
+
+
+def child_futures_in_a_cycle(n: int) -> int:
+    """Spawn ``n`` children whose futures sit in a reference cycle (freed only by the GC)."""
+    holder: dict[str, Any] = {}
+    holder["self"] = holder
+    holder["futures"] = [mpsched.submit(ident, k) for k in range(n)]
+    return n
+
+
+def second_item_gated(started: str, gate_path: str, x: int) -> int:
+    """For ``map``: item 1 announces itself (FIFO ``started``) and waits at the gate."""
+    if x == 1:
+        started_gate_then_ident(started, gate_path)
+    return x
+
+
+def started_gate_then_ident(started: str, gate_path: str) -> None:
+    with open(started, "wb") as fifo:
+        fifo.write(b"s")
+    gate(gate_path)

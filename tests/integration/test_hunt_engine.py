@@ -1,0 +1,437 @@
+"""Edge cases of Pool.map, nested tasks and crashes (bug hunt of the engine)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import wait
+
+import pytest
+
+from mpsched import BrokenPoolError, Pool, PoolClosedError, WorkerCrashedError, _pool
+
+from . import hunt_tasks as ht
+from . import tasks
+
+
+@pytest.fixture
+def gates(tmp_path: object) -> tuple[str, str, str]:
+    """A FIFO the blocker announces itself on, the FIFO gate it waits at, and a log file."""
+    started = os.path.join(str(tmp_path), "started")
+    gate = os.path.join(str(tmp_path), "gate")
+    log = os.path.join(str(tmp_path), "log")
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    open(log, "wb").close()
+    return started, gate, log
+
+
+# ---------------------------------------------------------------- map
+@pytest.mark.timeout(60)
+def test_map_timeout_cancels_the_chunk_it_timed_out_on(gates: tuple[str, str, str]) -> None:
+    """A map whose result times out must cancel every chunk not yet claimed, including the
+    one it was waiting for (the stdlib fixed the same leak in gh-95166)."""
+    started, gate, log = gates
+    with Pool(1) as pool:
+        blocker = pool.submit(tasks.started_then_gated, started, gate, "blocker")
+        tasks.wait_started(started)  # the only worker is busy: every chunk stays queued
+        results = pool.map(
+            functools.partial(ht.record_ident, log), [1, 2, 3], chunksize=1, timeout=0.05
+        )
+        with pytest.raises(TimeoutError):
+            next(results)
+        tasks.open_gate(gate)
+        assert blocker.result(timeout=20) == "blocker"
+    assert tasks.read_log(log) == []  # no chunk of the abandoned map ran
+
+
+def _force_down(pool: Pool) -> None:
+    """End a pool that may be stuck: shutdown without waiting, then kill its zygote (its
+    workers die with it) if the drain does not end."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    if not pool.await_termination(10):
+        pool._zygote.kill()
+        assert pool.await_termination(20)
+
+
+# ---------------------------------------------------------------- nested tasks
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_chain_of_nested_joins_deeper_than_the_run_stack_finishes(workers: int) -> None:
+    """Each task joins its only child; join-helping runs the child inside the parent, so the
+    run stack grows by one per level. Deeper than MAX_NESTING (64), the worker stops helping
+    and sleeps, while the child it waits for sits in its own deque."""
+    pool = Pool(workers)
+    try:
+        assert pool.submit(ht.chain, 200).result(timeout=20) == 200
+    finally:
+        _force_down(pool)
+
+
+@pytest.mark.timeout(60)
+def test_a_parent_that_raises_after_spawning_children_loses_none(tmp_path: object) -> None:
+    log = os.path.join(str(tmp_path), "log")
+    open(log, "wb").close()
+    with Pool(2) as pool:
+        futures = [pool.submit(ht.parent_raises_after_children, log, 20) for _ in range(10)]
+        for f in futures:
+            with pytest.raises(ValueError, match="parent failed"):
+                f.result(timeout=20)
+    assert sorted(tasks.read_log(log)) == sorted(list(range(20)) * 10)  # every child ran once
+
+
+@pytest.mark.timeout(60)
+def test_a_parent_catches_its_childs_error(pool2: Pool) -> None:
+    assert pool2.submit(ht.parent_catches_child_error).result(timeout=20) == "caught from child"
+    # An unpicklable child result is the child's error, seen by the parent; a big one works.
+    text = pool2.submit(ht.child_returns_unpicklable).result(timeout=20)
+    assert text.startswith("RuntimeError") or "pickle" in text
+    assert pool2.submit(ht.child_huge, 3_000_000).result(timeout=20) == 3_000_000
+    assert len(pool2.submit(ht.huge_result, 8_000_000).result(timeout=20)) == 8_000_000
+
+
+@pytest.fixture
+def pool2() -> Pool:
+    with Pool(2) as pool:
+        yield pool
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_cancel_futures_with_children_pending(gates: tuple[str, str, str]) -> None:
+    """Children queued in the deque of a parent that still runs are not the coordinator's to
+    cancel: they run, the parent gets their results, and the drain ends."""
+    started, gate, log = gates
+    pool = Pool(1)
+    parent = pool.submit(ht.gated_parent_of_children, started, gate, log, 50)
+    queued = [pool.submit(tasks.ident, i) for i in range(100)]
+    tasks.wait_started(started)
+    pool.shutdown(wait=False, cancel_futures=True)
+    tasks.open_gate(gate)
+    assert pool.await_termination(20)
+    assert parent.result(timeout=0) == sum(range(50))
+    assert sorted(tasks.read_log(log)) == list(range(50))
+    assert all(f.done() for f in queued)
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_a_parent_with_children_in_its_deque(tmp_path: object) -> None:
+    """The parent fails with WorkerCrashedError; its children, queued in the dead worker's
+    deque, are ordinary tasks and still run, exactly once; nothing hangs."""
+    started = os.path.join(str(tmp_path), "started")
+    gate = os.path.join(str(tmp_path), "gate")
+    log = os.path.join(str(tmp_path), "log")
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    open(log, "wb").close()
+    with Pool(1) as pool:
+        parent = pool.submit(ht.join_children_then_die, started, gate, log, 30)
+        pid = tasks.read_pid(started)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerCrashedError):
+            parent.result(timeout=20)
+        assert pool.submit(tasks.ident, 5).result(timeout=20) == 5
+    assert sorted(tasks.read_log(log)) == list(range(30))
+    stats = pool.statistics()
+    assert stats.crashes == 1
+
+
+@pytest.mark.timeout(60)
+def test_retirement_while_tasks_with_children_queue() -> None:
+    with Pool(2, max_tasks_per_worker=1) as pool:
+        futures = [pool.submit(ht.spawn_and_join, 10) for _ in range(40)]
+        assert [f.result(timeout=30) for f in futures] == [45] * 40
+    stats = pool.statistics()
+    assert stats.crashes == 0
+    # Not 39: a worker joining its children may run further top-level tasks from its inbox
+    # (join-helping) before it can retire.
+    assert stats.recycled >= 1
+
+
+@pytest.mark.timeout(60)
+def test_os_exit_in_a_task_and_in_a_child(pool2: Pool) -> None:
+    with pytest.raises(WorkerCrashedError, match="exit code 7"):
+        pool2.submit(ht.exit_now, 7).result(timeout=20)
+    assert pool2.submit(tasks.fib, 10).result(timeout=20) == 55
+
+
+@pytest.mark.timeout(60)
+def test_statistics_count_every_task_and_child() -> None:
+    with Pool(2) as pool:
+        futures = [pool.submit(ht.spawn_and_join, 5) for _ in range(100)]
+        assert [f.result(timeout=30) for f in futures] == [10] * 100
+        assert list(pool.map(tasks.ident, range(50), chunksize=10)) == list(range(50))
+    stats = pool.statistics()
+    assert stats.submitted == stats.completed == 105
+    assert sum(w.executed for w in stats.per_worker) == 100 * 6 + 5
+
+
+# ---------------------------------------------------------------- more map
+@pytest.mark.timeout(60)
+def test_map_error_at_a_position_with_chunksize_one(pool2: Pool) -> None:
+    results = pool2.map(functools.partial(ht.fail_at, bad=5), range(10), chunksize=1)
+    assert [next(results) for _ in range(5)] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="bad item 5"):
+        next(results)
+    with pytest.raises(StopIteration):
+        next(results)
+    assert pool2.submit(tasks.ident, 1).result(timeout=20) == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunksize", [1, 3, None, 1000])
+def test_map_reads_each_item_once_and_passes_input_errors(
+    pool2: Pool, chunksize: int | None
+) -> None:
+    pulled: list[int] = []
+
+    def items():
+        for i in range(40):
+            pulled.append(i)
+            yield i
+        raise OSError("input broke")
+
+    results = pool2.map(tasks.ident, items(), chunksize=chunksize)
+    got: list[int] = []
+    with pytest.raises(OSError, match="input broke"):
+        got.extend(results)  # keeps what came before the raise
+    assert pulled == list(range(40))  # each item read once, in order
+    assert got == list(range(len(got)))
+    assert pool2.submit(tasks.ident, 2).result(timeout=20) == 2
+
+
+@pytest.mark.timeout(60)
+def test_two_maps_interleaved_and_unequal_iterables(pool2: Pool) -> None:
+    a = pool2.map(tasks.ident, range(300), chunksize=7)
+    b = pool2.map(tasks.add, range(1000), iter(range(250)), chunksize=11)
+    assert list(zip(a, b, strict=False)) == [(i, 2 * i) for i in range(250)]
+    assert list(a) == list(range(251, 300))  # zip drew one more from a
+    a.close()
+
+
+@pytest.mark.timeout(60)
+def test_map_after_and_across_shutdown() -> None:
+    pool = Pool(1)
+    results = pool.map(tasks.ident, range(10))
+    pool.shutdown()
+    with pytest.raises(PoolClosedError):
+        pool.map(tasks.ident, range(10))
+    with pytest.raises(PoolClosedError):
+        next(results)
+
+
+@pytest.fixture
+def fifos(tmp_path: object) -> list[str]:
+    paths = [os.path.join(str(tmp_path), name) for name in ("a", "b", "c", "d")]
+    for p in paths:
+        os.mkfifo(p)
+    return paths
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_the_worker_running_a_stolen_child_fails_the_childs_future(
+    fifos: list[str],
+) -> None:
+    to_parent, to_test, gate, _ = fifos
+    with Pool(2) as pool:
+        parent = pool.submit(ht.parent_of_stolen_child, to_parent, to_test, gate)
+        pid = tasks.read_pid(to_test)
+        os.kill(pid, signal.SIGKILL)
+        assert parent.result(timeout=20) == "WorkerCrashedError"
+        assert pool.submit(tasks.fib, 8).result(timeout=20) == 21
+        slab = pool._views.slab
+        assert slab.free_count() == slab.capacity
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_of_a_parent_whose_child_runs_on_a_peer(fifos: list[str]) -> None:
+    to_parent, to_test, gate, parent_pid = fifos
+    with Pool(2) as pool:
+        parent = pool.submit(
+            ht.parent_dies_while_child_runs_elsewhere, to_parent, to_test, gate, parent_pid
+        )
+        child_pid = tasks.read_pid(to_test)
+        pid = tasks.read_pid(parent_pid)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerCrashedError):
+            parent.result(timeout=20)
+        tasks.open_gate(gate)  # the orphaned child ends; its executor frees its block
+        assert pool.submit(tasks.fib, 8).result(timeout=20) == 21
+        assert child_pid != pid
+
+
+@pytest.mark.timeout(60)
+def test_retiring_workers_leave_fire_and_forget_children_that_still_run(tmp_path: object) -> None:
+    log = os.path.join(str(tmp_path), "log")
+    open(log, "wb").close()
+    with Pool(2, max_tasks_per_worker=1) as pool:
+        futures = [pool.submit(ht.fire_children, log, i, 5) for i in range(30)]
+        assert [f.result(timeout=30) for f in futures] == list(range(30))
+    expected = sorted(i * 10 + k for i in range(30) for k in range(5))
+    assert sorted(tasks.read_log(log)) == expected
+    assert pool.statistics().crashes == 0
+
+
+@pytest.mark.timeout(60)
+def test_map_error_in_the_first_default_chunk_keeps_earlier_results(pool2: Pool) -> None:
+    """Like the builtin map: the results before the failing item come first."""
+    results = pool2.map(functools.partial(ht.fail_at, bad=5), range(10))
+    got: list[int] = []
+    with pytest.raises(ValueError, match="bad item 5"):
+        got.extend(results)  # keeps what came before the raise
+    assert got == [0, 1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------- big payloads
+@pytest.mark.timeout(60)
+def test_cancelled_tasks_with_stashed_arguments_leave_no_stash(
+    gates: tuple[str, str, str],
+) -> None:
+    """Arguments too big for the slab's blocks wait in the coordinator's stash until the
+    worker that claims the task fetches them; a task cancelled in its inbox never fetches,
+    so its cancel must drop them (else each such cancel leaks its arguments' bytes)."""
+    started, gate, _ = gates
+    big = b"z" * 400_000  # more than a block chain holds: it goes through the stash
+    with Pool(1) as pool:
+        blocker = pool.submit(tasks.started_then_gated, started, gate, "blocker")
+        tasks.wait_started(started)
+        queued = [pool.submit(tasks.echo_size, big) for _ in range(5)]
+        # Bounded poll: until the coordinator thread has injected them into the inbox.
+        deadline = time.monotonic() + 20
+        while not all(f._slot >= 0 for f in queued):
+            assert time.monotonic() < deadline, "the tasks were never dispatched"
+            time.sleep(0.002)
+        assert all(f.cancel() for f in queued)
+        tasks.open_gate(gate)
+        assert blocker.result(timeout=20) == "blocker"
+        assert pool.submit(tasks.echo_size, big).result(timeout=20) == len(big)
+        assert pool._coordinator.stash == {}
+
+
+@pytest.mark.timeout(60)
+def test_dropped_children_with_stashed_results_leave_no_stash() -> None:
+    """A child's result too big for the slab goes to the coordinator's stash, which only the
+    parent's collect fetches back; a child nobody waits for (its future dropped) must not
+    leave it there."""
+    pool = Pool(2)
+    try:
+        assert pool.submit(ht.forget_big_children, 5, 400_000).result(timeout=20) == 5
+        assert pool.submit(ht.join_big_child_args, 400_000).result(timeout=20) == 400_000
+    finally:
+        pool.shutdown(wait=True)
+    assert pool._coordinator.stash == {}
+
+
+@pytest.mark.timeout(60)
+def test_children_run_inline_on_a_full_deque_leave_no_stash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A child whose arguments went to the stash, then found the deque full, runs inline:
+    its stashed arguments must not stay behind."""
+    monkeypatch.setattr(_pool, "DEQUE_CAPACITY", 2)
+    pool = Pool(1, start_method="fork")  # the zygote inherits the patched layout anyway
+    try:
+        assert pool.submit(ht.spawn_big_children, 6, 300_000).result(timeout=20) == 6 * 300_000
+    finally:
+        pool.shutdown(wait=True)
+    assert pool._coordinator.stash == {}
+
+
+# ---------------------------------------------------------------- worker lifecycle
+@pytest.mark.timeout(60)
+def test_an_initializer_failing_in_a_replacement_breaks_the_pool_without_hanging(
+    tmp_path: object,
+) -> None:
+    counter = os.path.join(str(tmp_path), "count")
+    open(counter, "wb").close()
+    pool = Pool(
+        2, max_tasks_per_worker=1, initializer=ht.initializer_fails_after, initargs=(counter, 2)
+    )
+    try:
+        futures = [pool.submit(tasks.ident, i) for i in range(20)]
+        _done, not_done = wait(futures, timeout=30)
+        assert not not_done
+        outcomes = [f.exception() for f in futures]
+        assert all(e is None or isinstance(e, BrokenPoolError) for e in outcomes)
+        assert any(isinstance(e, BrokenPoolError) for e in outcomes)
+        with pytest.raises(BrokenPoolError):
+            pool.submit(tasks.ident, 0)
+    finally:
+        pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_retired_workers_kept_child_futures_leak_no_block() -> None:
+    """A worker that retires (max_tasks_per_worker) while futures of its children are still
+    referenced (here: kept in a module global): nobody will collect those children; their
+    blocks must be freed as for a worker that died."""
+    with Pool(1, max_tasks_per_worker=1) as pool:
+        assert pool.submit(ht.keep_child_futures, 20).result(timeout=20) == 20
+        assert pool.submit(ht.keep_child_futures, 20).result(timeout=20) == 20
+        assert pool.submit(ht.child_futures_in_a_cycle, 20).result(timeout=20) == 20
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+        slab = pool._views.slab
+        assert pool.statistics().recycled >= 3
+        assert slab.free_count() == slab.capacity
+
+
+# A garbage collection that starts inside a critical section of the coordinator's lock (any
+# allocation can start one; seen in Coordinator.submit) and finalizes an abandoned map.
+GC_IN_CRITICAL_SECTION = """
+import functools, gc, sys
+from mpsched import Pool
+from tests.integration import hunt_tasks as ht, tasks
+
+started, gate = sys.argv[1], sys.argv[2]
+gc.disable()
+pool = Pool(1, start_method="fork")
+it = pool.map(functools.partial(ht.second_item_gated, started, gate), range(100), chunksize=1)
+assert next(it) == 0
+tasks.wait_started(started)  # item 1 holds the only worker: items 2 and 3 wait unclaimed
+cycle = [it]
+cycle.append(cycle)  # only the cyclic GC can free the generator now
+del it, cycle
+with pool._coordinator.lock:
+    gc.collect()  # closes the generator, which cancels its unclaimed chunks
+tasks.open_gate(gate)
+pool.shutdown(wait=True)
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(
+    strict=True,
+    reason="self-deadlock: Pool._map's finally cancels its chunks (Coordinator.cancel takes "
+    "Coordinator.lock, _mark_cancelled the futures' module lock, cancel_injected a slot lock); "
+    "run by a GC pass that started inside one of those critical sections in the same thread, "
+    "it waits for a lock its own thread holds. A fix must defer the cancels when finalized "
+    "by the GC without a Python gc callback (one swallowed a Ctrl-C in test_interrupt)",
+)
+def test_a_map_finalized_by_a_gc_pass_inside_a_critical_section_does_not_deadlock(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The generator's cleanup cancels its chunks; run by the collector in a thread that holds
+    the coordinator's lock, it waits for that lock forever. (In a subprocess: a hang must not
+    take the test run with it.)"""
+    started, gate = tmp_path / "started", tmp_path / "gate"
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", GC_IN_CRITICAL_SECTION, str(started), str(gate)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlock: the map's cleanup waited for a lock its own thread held")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ok"]
