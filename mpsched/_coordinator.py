@@ -646,6 +646,11 @@ class Coordinator:
             run.run_at,
             options.misfire_grace,
         )
+        if future._handle >= 0:
+            # Taken back from an inbox (take_back_lower): it still holds its slab block and its
+            # entry in by_handle. Withdraw it (frees both), or the pool would count it in flight
+            # for ever (found by test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block).
+            self.withdraw(future)
         future._withdrawn = True
         self.timetable.end(future, None, cancelled=True)
         self.continue_recurrence(future, skipped=True)
@@ -862,8 +867,16 @@ class Coordinator:
         special = []
         for outcome in outcomes:
             future = outcome[0]
-            if future._due is None and future._run is None:
+            run = future._run
+            if future._due is None and run is None:
                 resolve(*outcome)
+            elif run is not None and run.timed_out and outcome[1] != _OK:
+                # It ran out of time: whatever it raised (TaskCancelled, acknowledging the
+                # timeout's cooperative cancel, included) it fails with TimeoutError. Converted
+                # here, before end_runs, so that state() says FAILED as the future does (not
+                # CANCELLED: no cancel was asked for), and a recurrence ends with that error.
+                error = dump_exception(TimeoutError(timeout_message(run)))
+                special.append((future, _ERROR, error))
             else:
                 special.append(outcome)
         if not special:
@@ -877,8 +890,6 @@ class Coordinator:
                 resolve(future, status, data)
             elif run.recurrence is not None:
                 self.end_recurring_run(future, status, data)
-            elif run.timed_out and status != _OK:
-                settle_error(future, TimeoutError(timeout_message(run)))
             else:
                 resolve(future, status, data)
 
@@ -1232,7 +1243,11 @@ class Coordinator:
         has not started."""
         with self.lock:
             self.draining = True
-            stopped = [] if self.recurring_after_shutdown else self.timetable.stop_recurrences()
+            # cancel_futures stops kept recurrences too: their next runs are tasks not started,
+            # and a recurrence left going would keep the drain (and an interrupted ``with``
+            # block's exit) waiting for a cancel that nothing will send.
+            keep = self.recurring_after_shutdown and not cancel_futures
+            stopped = [] if keep else self.timetable.stop_recurrences()
             cancelled = [r.future for r in stopped]
             for rec in stopped:  # withdraw their next runs that no worker has claimed
                 pending = self.timetable.pending_future(rec.task_id)
@@ -1245,6 +1260,9 @@ class Coordinator:
                 if handed is not None:
                     cancelled.append(handed)
             if cancel_futures or not self.timed_after_shutdown:
+                # Not the next runs of kept recurrences (only left in ``recurring`` by ``keep``):
+                # withdrawn here, such a run would leave its recurrence with no next run and its
+                # future pending for ever.
                 cancelled += self.timetable.cancel_all_pending()
         for future in cancelled:
             future._mark_cancelled()

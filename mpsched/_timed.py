@@ -148,9 +148,16 @@ class Timetable:
         return state
 
     def cancel_all_pending(self) -> list[Future]:
-        """Shutdown with cancel_futures: every version still in the heap; their ids end
-        CANCELLED. Returns their futures (to be marked cancelled outside the lock)."""
-        cancelled = (self.cancel_pending(task_id) for task_id in self.heap.pending_ids())
+        """Shutdown with cancel_futures (or timed_after_shutdown=False): every version still in
+        the heap but the next runs of the recurrences still in ``recurring`` (kept after the
+        shutdown: they go on until cancelled); their ids end CANCELLED. Returns their futures
+        (to be marked cancelled outside the lock)."""
+        recurring = self.recurring
+        cancelled = (
+            self.cancel_pending(task_id)
+            for task_id in self.heap.pending_ids()
+            if task_id not in recurring
+        )
         return [f for f in cancelled if f is not None]
 
     def stop_recurrences(self) -> list[Recurrence]:

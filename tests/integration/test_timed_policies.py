@@ -1,0 +1,156 @@
+"""Timed tasks: options and policies combined with cancel, shutdown, timeouts and crashes.
+
+The cases here mix two features each (a timeout and ``state()``, a recurrence and a shutdown
+setting, a misfire and the take-back of an inbox): each test checks that the future, ``state()``
+and the side effects (tasks write to FIFOs and O_APPEND logs) tell the same story. Ordering is
+by FIFO gates and conditions of the pool polled in a bounded loop, never by sleeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import wait
+from pathlib import Path
+
+import pytest
+
+import mpsched
+from mpsched import Pool, TaskState
+
+from . import tasks
+from . import timed_tasks as tt
+
+CONDITION_TIMEOUT = 20.0  # seconds a polled condition may take before the test fails
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` (a state of the pool, not a time) until true; fail after a bound."""
+    deadline = time.monotonic() + CONDITION_TIMEOUT
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting until {what}")
+        time.sleep(0.001)
+
+
+class Fifos:
+    def __init__(self, tmp: Path) -> None:
+        self.gate = str(tmp / "gate")
+        self.started = str(tmp / "started")
+        self.log = str(tmp / "log")
+        os.mkfifo(self.gate)
+        os.mkfifo(self.started)
+
+
+@pytest.fixture
+def fifos(tmp_path: Path) -> Fifos:
+    return Fifos(tmp_path)
+
+
+# ---------------------------------------------------------------- timeouts and state()
+@pytest.mark.timeout(60)
+def test_state_of_a_task_that_timed_out_cooperatively_is_failed(fifos: Fifos) -> None:
+    """The future fails with TimeoutError: ``state()`` must say FAILED, not CANCELLED (no cancel
+    was asked for; the task ran out of time)."""
+    with Pool(1) as pool:
+        f = pool.with_options(timeout=0.05).schedule(
+            "slow", 0.0, 0, tt.wait_for_cancel, fifos.started, False
+        )
+        tasks.wait_started(fifos.started)
+        with pytest.raises(TimeoutError):
+            f.result(timeout=CONDITION_TIMEOUT)
+        assert pool.state("slow") is TaskState.FAILED
+
+
+@pytest.mark.timeout(60)
+def test_recurrence_whose_run_times_out_ends_with_timeout_error(fifos: Fifos) -> None:
+    """A run that acknowledges its timeout's cooperative cancel ran out of time: as for a
+    one-shot task, that is a TimeoutError, and the recurrence ends with it (a run's error ends
+    a recurrence), not as if it had been cancelled."""
+    with Pool(1) as pool:
+        rec = pool.with_options(every=30.0, timeout=0.05).schedule(
+            "r", 0.0, 0, tt.wait_for_cancel, fifos.started, False
+        )
+        tasks.wait_started(fifos.started)
+        wait([rec], timeout=CONDITION_TIMEOUT)
+        assert not rec.cancelled(), "a timed-out run ended its recurrence as cancelled"
+        with pytest.raises(TimeoutError):
+            rec.result(timeout=0)
+        assert pool.state("r") is TaskState.FAILED
+
+
+# ---------------------------------------------------------------- misfire
+MISFIRE_GRACE = 0.05  # s; a run that starts later than this after its due time misfires
+
+
+@pytest.mark.timeout(60)
+def test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block(
+    fifos: Fifos, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A recurring run waits in the inbox of the busy worker until it is late; a higher
+    priority task then takes it back to the ready queue, where the misfire policy drops it.
+    It held a slab block (it had been injected): dropping it must free that block, or the pool
+    counts it in flight for ever (the drain finds it "lost" at shutdown)."""
+    with Pool(1) as pool:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
+        tasks.wait_started(fifos.started)
+        due = time.monotonic()
+        rec = pool.with_options(every=600.0, misfire="skip", misfire_grace=MISFIRE_GRACE).schedule(
+            "m", due, 0, tt.log, fifos.log, "m"
+        )
+        wait_until(lambda: pool.statistics().per_worker[0].inbox_depth == 1, "the run is injected")
+        # Lateness is the subject here: wait for the clock, not for an event.
+        wait_until(lambda: time.monotonic() > due + 2 * MISFIRE_GRACE, "the run is late")
+        high = pool.schedule("high", 0.0, 1, tasks.ident, "high")
+        wait_until(lambda: pool.statistics().misfires == 1, "the late run is skipped")
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=CONDITION_TIMEOUT) == "blocker"
+        assert high.result(timeout=CONDITION_TIMEOUT) == "high"
+        assert pool.cancel("m") is True
+        assert rec.cancelled()
+        assert pool.submit(tasks.ident, 1).result(timeout=CONDITION_TIMEOUT) == 1
+        with caplog.at_level(logging.WARNING, logger="mpsched"):
+            pool.shutdown(wait=True)
+    assert tt.read_tags(fifos.log) == []
+    lost = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+    assert not lost, f"the skipped run stayed in flight: {lost}"
+
+
+# ---------------------------------------------------------------- shutdown settings
+@pytest.mark.timeout(60)
+def test_recurrence_kept_after_shutdown_survives_timed_after_shutdown_false(
+    tmp_path: Path,
+) -> None:
+    """``timed_after_shutdown=False`` cancels one-shot versions; a recurrence kept by
+    ``recurring_after_shutdown=True`` goes on (its next run, waiting in the timetable at the
+    shutdown, is not a one-shot version), until it is cancelled."""
+    log = str(tmp_path / "log")
+    pool = Pool(1, timed_after_shutdown=False, recurring_after_shutdown=True)
+    try:
+        once = pool.schedule("once", time.monotonic() + 600, 0, tasks.ident, 1)
+        rec = pool.with_options(every=0.01).schedule(
+            "r", time.monotonic() + 600, 0, tt.log, log, "r"
+        )
+        pool.shutdown(wait=False)
+        assert once.cancelled()
+        assert not rec.done(), "the kept recurrence lost its next run at the shutdown"
+        assert pool.state("r") is TaskState.PENDING
+    finally:
+        pool.cancel("r")
+        assert pool.await_termination(timeout=CONDITION_TIMEOUT)
+    assert rec.cancelled()
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_cancel_futures_ends_a_recurrence_kept_after_shutdown(tmp_path: Path) -> None:
+    """``cancel_futures=True`` cancels every task not started; a recurrence kept after shutdown
+    has nothing running, so it ends: its future must not stay pending after the pool ended."""
+    log = str(tmp_path / "log")
+    pool = Pool(1, recurring_after_shutdown=True)
+    rec = pool.with_options(every=30.0).schedule("r", time.monotonic() + 600, 0, tt.log, log, "r")
+    pool.shutdown(wait=True, cancel_futures=True)
+    assert rec.cancelled(), "the recurrence's future was lost (never settled)"
+    assert pool.state("r") is TaskState.CANCELLED
+    assert tt.read_tags(log) == []
