@@ -264,10 +264,13 @@ class Coordinator:
             if self.broken is not None or self.draining:
                 self.check_usable()
             self.submitted += 1
+            if self.aging is not None:
+                # Before the direct dispatch too: a task injected here may be taken back to the
+                # ready queue (take_back_lower), whose aging reads this; left at 0.0 it read as
+                # waiting since the clock's epoch and jumped above every priority.
+                future._due_at = time.monotonic()
             if not self.ready and not self.by_handle and self.dispatch_one(future):
                 return future._run is not None  # a timeout needs the loop's watch
-            if self.aging is not None:
-                future._due_at = time.monotonic()
             self.ready.append(future, future._priority)
         finally:
             lock.release()

@@ -9,12 +9,14 @@ by FIFO gates and conditions of the pool polled in a bounded loop, never by slee
 from __future__ import annotations
 
 import logging
+import signal
 import os
 import time
 from collections.abc import Callable
 from concurrent.futures import wait
 from pathlib import Path
 
+import psutil
 import pytest
 
 import mpsched
@@ -154,3 +156,40 @@ def test_shutdown_cancel_futures_ends_a_recurrence_kept_after_shutdown(tmp_path:
     assert rec.cancelled(), "the recurrence's future was lost (never settled)"
     assert pool.state("r") is TaskState.CANCELLED
     assert tt.read_tags(log) == []
+
+
+# ---------------------------------------------------------------- aging
+def stop_worker(pool: Pool) -> int:
+    """SIGSTOP the only worker of ``pool`` while it sleeps (blocked in poll, holding no lock):
+    tasks injected meanwhile stay unclaimed in its inbox until ``os.kill(pid, SIGCONT)``."""
+    wait_until(lambda: pool.statistics().per_worker[0].pid != 0, "the worker is up")
+    slot = pool._views.slots[0]
+    wait_until(slot.is_sleeping, "the worker sleeps")
+    pid = pool.statistics().per_worker[0].pid
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, "it is stopped")
+    return pid
+
+
+@pytest.mark.timeout(60)
+def test_aging_keeps_priority_order_for_a_task_dispatched_to_an_idle_pool(tmp_path: Path) -> None:
+    """A task submitted to an idle pool goes straight to an inbox. Taken back there by a higher
+    priority task, it waits in the ready queue like any other: aging counts from when it was
+    submitted (a moment ago), so it must not jump ahead of the higher priority."""
+    log = str(tmp_path / "log")
+    with Pool(1, aging=600.0, dispatch_window=1) as pool:
+        pid = stop_worker(pool)
+        try:
+            low = pool.submit(tt.log, log, "low")
+            assert pool.statistics().per_worker[0].inbox_depth == 1  # injected directly
+            high = pool.schedule("high", 0.0, 1, tt.log, log, "high")
+            # Two more loop passes (each releases its nudge, ages the ready queue, then
+            # dispatches): an aging pass has run while "low" waited in the ready queue.
+            for name in ("nudge1", "nudge2"):
+                pool.schedule(name, 0.0, 0, tt.log, log, name)
+                wait_until(lambda: pool.statistics().scheduled == 0, f"{name} is released")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait([low, high], timeout=CONDITION_TIMEOUT)
+        wait_until(lambda: len(tt.read_tags(log)) == 4, "every task ran")
+    assert tt.read_tags(log) == ["high", "low", "nudge1", "nudge2"]
