@@ -434,6 +434,8 @@ class Coordinator:
                 if handed is not None and self.withdraw(handed):
                     timetable.end(handed, None, cancelled=True)
                 elif handed is not None:  # claimed: running (or finished, not collected yet)
+                    if handed._run is not None:  # if its worker dies, it is not retried
+                        handed._run.cancel_requested = True
                     self.requests.append((handed, force))
                     wake = True
                     handed = None
@@ -1112,7 +1114,17 @@ class Coordinator:
                 continue
             self.slab.free_tasks([handle])
             run = future._run
-            if run is not None and not run.forced and run.retries_left and future._payload:
+            # Retried only if nothing asked it to stop: a run asked to cancel (pool.cancel) or
+            # whose timeout expired must not start again after its worker died (it ends as a
+            # crash, or with its TimeoutError), as one killed on purpose (forced) is not.
+            if (
+                run is not None
+                and not run.forced
+                and not run.timed_out
+                and not run.cancel_requested
+                and run.retries_left
+                and future._payload
+            ):
                 run.retries_left -= 1
                 self.retried += 1
                 with self.lock:

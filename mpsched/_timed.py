@@ -172,6 +172,7 @@ class TaskRun:
     """The options of one task and their running state (coordinator thread and lock)."""
 
     __slots__ = (
+        "cancel_requested",
         "forced",
         "options",
         "recurrence",
@@ -191,3 +192,4 @@ class TaskRun:
         self.started_at: float | None = None  # first seen on a run stack (timeouts)
         self.timed_out = False  # the cooperative cancel of the timeout was sent
         self.forced = False  # cancel(force=True) or the timeout's grace ran out: killed on purpose
+        self.cancel_requested = False  # pool.cancel(id) asked this run to stop (not retried)

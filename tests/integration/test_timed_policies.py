@@ -193,3 +193,52 @@ def test_aging_keeps_priority_order_for_a_task_dispatched_to_an_idle_pool(tmp_pa
         wait([low, high], timeout=CONDITION_TIMEOUT)
         wait_until(lambda: len(tt.read_tags(log)) == 4, "every task ran")
     assert tt.read_tags(log) == ["high", "low", "nudge1", "nudge2"]
+
+
+# ---------------------------------------------------------------- retries
+@pytest.mark.timeout(60)
+def test_a_task_asked_to_cancel_is_not_retried_when_its_worker_dies(fifos: Fifos) -> None:
+    """``pool.cancel(id)`` asked the running task to stop (True); its worker then dies. The
+    retries option runs a task again after a crash, but this one was asked to stop: it must not
+    start again. It ends as a crash with no retries left does (it did not acknowledge)."""
+    with Pool(1) as pool:
+        f = pool.with_options(retries=1).schedule(
+            "r", 0.0, 0, tt.log_pid_then_gate, fifos.log, "r", fifos.gate
+        )
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "the task runs")
+        assert pool.cancel("r") is True
+        [(_, pid)] = tt.read_tags(fifos.log)
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: f.done() or len(tt.read_tags(fifos.log)) > 1, "it ends or reruns")
+        runs = len(tt.read_tags(fifos.log))
+        if runs > 1:  # let the rerun end, so that the pool can shut down
+            tasks.open_gate(fifos.gate)
+            wait([f], timeout=CONDITION_TIMEOUT)
+        assert runs == 1, "the task asked to cancel started again after its worker died"
+        with pytest.raises(mpsched.WorkerCrashedError):
+            f.result(timeout=0)
+        assert pool.state("r") is TaskState.FAILED
+        assert pool.statistics().retried == 0
+
+
+GRACE = 5.0  # s; far longer than the test takes to kill the worker once asked to stop
+
+
+@pytest.mark.timeout(60)
+def test_a_task_whose_timeout_expired_is_not_retried_when_its_worker_dies(fifos: Fifos) -> None:
+    """The timeout asked the task to stop; its worker dies before the grace period ends. It ran
+    out of time: TimeoutError, not a second run (and not a second timeout period)."""
+    with Pool(1) as pool:
+        f = pool.with_options(retries=1, timeout=0.05, timeout_grace=GRACE).submit(
+            tt.log_pid_until_asked_then_gate, fifos.log, fifos.gate
+        )
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 2, "the timeout asked it to stop")
+        pid = tt.read_tags(fifos.log)[0][1]
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: f.done() or len(tt.read_tags(fifos.log)) > 2, "it ends or reruns")
+        runs = [tag for tag, _ in tt.read_tags(fifos.log)].count("run")
+        wait([f], timeout=CONDITION_TIMEOUT)  # a rerun would be killed at the end of its grace
+        assert runs == 1, "the timed-out task started again after its worker died"
+        with pytest.raises(TimeoutError):
+            f.result(timeout=0)
+        assert pool.statistics().retried == 0

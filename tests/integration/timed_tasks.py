@@ -108,3 +108,23 @@ def logged_span(path: str, seconds: float) -> int:
         pass
     log(path, ("end", ctx.task_id, ctx.version))
     return ctx.version
+
+
+def log_pid_then_gate(path: str, tag: Any, gate_path: str) -> int:
+    """Log ``(tag, pid)`` (so the test knows which worker to kill, and how many times this
+    ran), then wait at the gate; returns the pid."""
+    log(path, (tag, os.getpid()))
+    gate(gate_path)
+    return os.getpid()
+
+
+def log_pid_until_asked_then_gate(path: str, gate_path: str) -> int:
+    """Log ``("run", pid)``, poll the cancel flag, log ``("asked", pid)`` once it is set (and
+    ignore it), then wait at the gate; returns the pid."""
+    ctx = mpsched.current_task()
+    log(path, ("run", os.getpid()))
+    while not ctx.cancel_requested:
+        pass
+    log(path, ("asked", os.getpid()))
+    gate(gate_path)
+    return os.getpid()
