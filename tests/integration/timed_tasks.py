@@ -128,3 +128,16 @@ def log_pid_until_asked_then_gate(path: str, gate_path: str) -> int:
     log(path, ("asked", os.getpid()))
     gate(gate_path)
     return os.getpid()
+
+
+def spin_checking_cancel(seconds: float, acknowledge: bool) -> str:
+    """Busy-wait up to ``seconds``; if a cancel is asked for meanwhile, acknowledge it (raise
+    TaskCancelled) or return at once."""
+    ctx = mpsched.current_task()
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        if ctx.cancel_requested:
+            if acknowledge:
+                ctx.raise_if_cancelled()
+            return "asked"
+    return "done"

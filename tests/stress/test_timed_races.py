@@ -456,3 +456,38 @@ def test_shutdown_with_cancel_futures_races_schedule_and_cancel(tmp_path: Path) 
             expected = sorted(i for i, f in everything.items() if not f.cancelled())
             assert sorted(ran) == expected, f"round {r}: ran {ran}, completed {expected}"
             assert all(f.result() > 0 for i, f in everything.items() if i in expected)
+
+
+@pytest.mark.timeout(120)
+def test_state_agrees_with_the_future_when_timeouts_race_cancels_and_completion() -> None:
+    """Tasks with ids and a timeout about as long as they run, cancelled by id (some with
+    ``force``) or by their future at random moments: whatever wins, ``state()`` and the future
+    must tell the same outcome."""
+    rng = random.Random(7)
+    n = 300
+    with Pool(2) as pool:
+        futures = {}
+        for i in range(n):
+            opts = pool.with_options(timeout=0.002, timeout_grace=0.01)
+            seconds = rng.choice([0.0, 0.001, 0.003, 0.02])
+            futures[i] = opts.schedule(i, 0.0, 0, tt.spin_checking_cancel, seconds, rng.random() < 0.5)
+            if i >= 3 and rng.random() < 0.5:
+                j = rng.randrange(i - 3, i + 1)
+                how = rng.random()
+                if how < 0.4:
+                    pool.cancel(j)
+                elif how < 0.5:
+                    pool.cancel(j, force=True)
+                else:
+                    futures[j].cancel()
+        wait(list(futures.values()), timeout=CONDITION_TIMEOUT * 3)
+        states = {i: pool.state(i) for i in futures}
+    for i, f in futures.items():
+        assert f.done(), f"task {i} never settled"
+        if f.cancelled():
+            expected = TaskState.CANCELLED
+        elif f.exception() is not None:
+            expected = TaskState.FAILED
+        else:
+            expected = TaskState.COMPLETED
+        assert states[i] is expected, f"task {i}: future says {expected}, state() {states[i]}"
