@@ -1352,7 +1352,10 @@ class Coordinator:
             self.draining = True
             futures = self.ready.drain() + list(self.by_handle.values())
             futures += [r.future for r in self.timetable.stop_recurrences()]
-            futures += self.timetable.cancel_all_pending()
+            # Every version of an id ends FAILED, as its future does (withdrawn, a pending one
+            # read CANCELLED and a handed-out one PENDING or RUNNING for ever, and state() then
+            # read the released shared memory once the pool had ended).
+            futures += self.timetable.fail_all()
             self.by_handle.clear()
         for future in futures:
             future._owner = FINISHING

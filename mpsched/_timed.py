@@ -32,6 +32,7 @@ from mpsched._task import Due, TaskState
 
 FINISHED_IDS_KEPT = 100_000  # ids whose state() still answers after they end (~200 B each)
 
+_BROKEN = RuntimeError("the pool broke")  # stands for the error in heap.finish (fail_all)
 _RUNNING = TaskState.RUNNING
 _PENDING = TaskState.PENDING
 
@@ -159,6 +160,21 @@ class Timetable:
             if task_id not in recurring
         )
         return [f for f in cancelled if f is not None]
+
+    def fail_all(self) -> list[Future]:
+        """The pool broke: end every version, handed out or waiting in the heap (deferred ones
+        included), as FAILED, as their futures are about to fail. Returns the futures of those
+        that waited in the heap (the caller has the handed-out ones). Afterwards nothing is
+        handed out, so ``state()`` never reads the pool's shared memory again (it is released
+        when the pool ends)."""
+        for future in list(self.handed.values()):
+            self.end(future, _BROKEN, cancelled=False)  # a deferred version may enter the heap
+        heap = self.heap
+        futures = []
+        while isinstance(due := heap.pop_due(math.inf), Due):
+            heap.finish(due, _BROKEN)
+            futures.append(due.fn)
+        return futures
 
     def stop_recurrences(self) -> list[Recurrence]:
         stopped = [r for r in self.recurring.values() if r.active]

@@ -242,3 +242,33 @@ def test_a_task_whose_timeout_expired_is_not_retried_when_its_worker_dies(fifos:
         with pytest.raises(TimeoutError):
             f.result(timeout=0)
         assert pool.statistics().retried == 0
+
+
+# ---------------------------------------------------------------- a broken pool
+@pytest.mark.timeout(60)
+def test_state_after_the_pool_broke_agrees_with_the_futures(fifos: Fifos) -> None:
+    """The pool breaks (its initializer fails) with a version handed out to the starting
+    worker, one waiting for its run_at and a recurrence: each future fails with
+    BrokenPoolError, and ``state()`` must say FAILED for each id, also once the pool is shut
+    down (its shared memory released), and ``cancel`` finds nothing left to cancel."""
+    pool = Pool(1, initializer=tt.gated_failing_initializer, initargs=(fifos.gate,))
+    try:
+        try:
+            due = pool.schedule("due", 0.0, 0, tasks.ident, 1)
+            later = pool.schedule("later", time.monotonic() + 600, 0, tasks.ident, 2)
+            rec = pool.with_options(every=600.0).schedule(
+                "rec", time.monotonic() + 600, 0, tasks.ident, 3
+            )
+            assert pool.state("due") is TaskState.PENDING
+        finally:
+            tasks.open_gate(fifos.gate)
+        for f in (due, later, rec):
+            with pytest.raises(mpsched.BrokenPoolError):
+                f.result(timeout=CONDITION_TIMEOUT)
+        states = {task_id: pool.state(task_id) for task_id in ("due", "later", "rec")}
+        assert states == dict.fromkeys(("due", "later", "rec"), TaskState.FAILED)
+    finally:
+        pool.shutdown(wait=True)
+    for task_id in ("due", "later", "rec"):
+        assert pool.state(task_id) is TaskState.FAILED
+        assert pool.cancel(task_id) is False

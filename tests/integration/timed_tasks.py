@@ -141,3 +141,10 @@ def spin_checking_cancel(seconds: float, acknowledge: bool) -> str:
                 ctx.raise_if_cancelled()
             return "asked"
     return "done"
+
+
+def gated_failing_initializer(gate_path: str) -> None:
+    """A pool initializer that fails once the test opens the gate (so that the test decides
+    what was scheduled before the pool broke)."""
+    gate(gate_path)
+    raise OSError("the initializer failed")
