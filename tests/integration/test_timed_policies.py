@@ -8,6 +8,7 @@ by FIFO gates and conditions of the pool polled in a bounded loop, never by slee
 
 from __future__ import annotations
 
+import fractions
 import logging
 import signal
 import os
@@ -272,3 +273,18 @@ def test_state_after_the_pool_broke_agrees_with_the_futures(fifos: Fifos) -> Non
     for task_id in ("due", "later", "rec"):
         assert pool.state(task_id) is TaskState.FAILED
         assert pool.cancel(task_id) is False
+
+
+# ---------------------------------------------------------------- bad input
+def test_a_run_at_too_large_for_a_float_is_a_value_error() -> None:
+    """An int or Fraction beyond the float range is an infinite time: ValueError at the call,
+    as for ``math.inf`` (the documented errors are TypeError and ValueError, not
+    OverflowError), and nothing is scheduled."""
+    with Pool(1) as pool:
+        for run_at in (10**400, -(10**400), fractions.Fraction(10**400, 3)):
+            with pytest.raises(ValueError, match="finite"):
+                pool.schedule("huge", run_at, 0, tasks.ident, 1)
+            with pytest.raises(ValueError, match="finite"):
+                pool.with_options(every=1.0).schedule("huge", run_at, 0, tasks.ident, 1)
+        assert pool.statistics().scheduled == 0
+        assert pool.state("huge") is None
