@@ -1117,22 +1117,25 @@ class Coordinator:
             # Retried only if nothing asked it to stop: a run asked to cancel (pool.cancel) or
             # whose timeout expired must not start again after its worker died (it ends as a
             # crash, or with its TimeoutError), as one killed on purpose (forced) is not.
-            if (
-                run is not None
-                and not run.forced
-                and not run.timed_out
-                and not run.cancel_requested
-                and run.retries_left
-                and future._payload
-            ):
-                run.retries_left -= 1
-                self.retried += 1
-                with self.lock:
+            # Decided under the lock, where cancel_id sets cancel_requested.
+            with self.lock:
+                retry = (
+                    run is not None
+                    and not run.forced
+                    and not run.timed_out
+                    and not run.cancel_requested
+                    and run.retries_left
+                    and future._payload
+                )
+                if retry:
+                    run.retries_left -= 1
+                    self.retried += 1
                     self.watched.pop(handle, None)
                     future._handle = -1
                     future._slot = -1
                     run.started_at = None
                     self.ready.putback([future])
+            if retry:
                 continue
             if run is not None and run.forced and not run.timed_out:
                 status, data = _CANCELLED, b""

@@ -167,13 +167,14 @@ class Timetable:
         that waited in the heap (the caller has the handed-out ones). Afterwards nothing is
         handed out, so ``state()`` never reads the pool's shared memory again (it is released
         when the pool ends)."""
-        for future in list(self.handed.values()):
-            self.end(future, _BROKEN, cancelled=False)  # a deferred version may enter the heap
+        for handed in list(self.handed.values()):
+            self.end(handed, _BROKEN, cancelled=False)  # a deferred version may enter the heap
         heap = self.heap
-        futures = []
+        futures: list[Future] = []
         while isinstance(due := heap.pop_due(math.inf), Due):
             heap.finish(due, _BROKEN)
-            futures.append(due.fn)
+            future: Any = due.fn  # the heap's item: the version's future
+            futures.append(future)
         return futures
 
     def stop_recurrences(self) -> list[Recurrence]:

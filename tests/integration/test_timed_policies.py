@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import fractions
 import logging
-import signal
 import os
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import wait

@@ -470,7 +470,8 @@ def test_state_agrees_with_the_future_when_timeouts_race_cancels_and_completion(
         for i in range(n):
             opts = pool.with_options(timeout=0.002, timeout_grace=0.01)
             seconds = rng.choice([0.0, 0.001, 0.003, 0.02])
-            futures[i] = opts.schedule(i, 0.0, 0, tt.spin_checking_cancel, seconds, rng.random() < 0.5)
+            ack = rng.random() < 0.5
+            futures[i] = opts.schedule(i, 0.0, 0, tt.spin_checking_cancel, seconds, ack)
             if i >= 3 and rng.random() < 0.5:
                 j = rng.randrange(i - 3, i + 1)
                 how = rng.random()
