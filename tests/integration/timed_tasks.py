@@ -148,3 +148,18 @@ def gated_failing_initializer(gate_path: str) -> None:
     what was scheduled before the pool broke)."""
     gate(gate_path)
     raise OSError("the initializer failed")
+
+
+def span_or_raise(path: str, seconds: float, fail_one_in: int) -> int:
+    """Log ``("start", id, version, pid)``, busy-wait ``seconds``, log ``("end", id, version,
+    pid)``; then raise (ending its recurrence) on versions divisible by ``fail_one_in`` (0:
+    never). The pid tells a run killed on purpose (its worker is gone) from one that overlaps."""
+    ctx = mpsched.current_task()
+    log(path, ("start", ctx.task_id, ctx.version, os.getpid()))
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+    log(path, ("end", ctx.task_id, ctx.version, os.getpid()))
+    if fail_one_in and ctx.version % fail_one_in == 0:
+        raise LookupError(f"run {ctx.version} fails")
+    return ctx.version
