@@ -870,6 +870,7 @@ class Coordinator:
         """Resolve futures; tasks with an id or options first update the timetable (so that a
         caller woken by ``result()`` sees the final ``state()``)."""
         special = []
+        loaded: dict[int, tuple[bool, Any]] = {}  # id(future) -> its result, unpickled
         for outcome in outcomes:
             future = outcome[0]
             run = future._run
@@ -882,6 +883,12 @@ class Coordinator:
                 # CANCELLED: no cancel was asked for), and a recurrence ends with that error.
                 error = dump_exception(TimeoutError(timeout_message(run)))
                 special.append((future, _ERROR, error))
+            elif outcome[1] == _OK and (run is None or run.recurrence is None):
+                # Unpickled before end_runs: a result that cannot be unpickled fails the
+                # future, and state() must then say FAILED, not COMPLETED.
+                ok, value = unpickle_result(outcome[2])
+                loaded[id(future)] = (ok, value)
+                special.append(outcome if ok else (future, _ERROR, b""))
             else:
                 special.append(outcome)
         if not special:
@@ -891,10 +898,10 @@ class Coordinator:
             self.wakeup()  # a user thread collected: the loop may have new due times
         for future, status, data in special:
             run = future._run
-            if run is None:
-                resolve(future, status, data)
-            elif run.recurrence is not None:
+            if run is not None and run.recurrence is not None:
                 self.end_recurring_run(future, status, data)
+            elif id(future) in loaded:
+                settle_loaded(future, *loaded[id(future)])
             else:
                 resolve(future, status, data)
 
@@ -1417,21 +1424,34 @@ def settle_error(future: Future, error: BaseException) -> None:
             future.set_exception(error)
 
 
+def unpickle_result(data: bytes) -> tuple[bool, Any]:
+    """``(True, value)``, or ``(False, RuntimeError)`` if the result cannot be unpickled."""
+    try:  # user code runs here (__setstate__, __reduce__): SystemExit included
+        return True, pickle.loads(data)
+    except BaseException as exc:
+        return False, RuntimeError(f"the task's result could not be unpickled: {exc!r}")
+
+
+def settle_loaded(future: Future, ok: bool, value: Any) -> None:
+    """Settle a task's future with an unpickled result (``unpickle_result``'s pair)."""
+    future._owner = FINISHING
+    if future.done():  # cancelled meanwhile: a race the claim decided; nothing to report
+        return
+    if ok:
+        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+            future.set_result(value)
+    else:
+        with contextlib.suppress(Exception):
+            future.set_exception(value)
+
+
 def resolve(future: Future, status: int, data: bytes) -> None:
     """Settle a task's future from its result bytes (coordinator thread, no lock held)."""
     future._owner = FINISHING
     if future.done():  # cancelled meanwhile: a race the claim decided; nothing to report
         return
     if status == _OK:
-        try:  # user code runs here (__setstate__, __reduce__): SystemExit included
-            value = pickle.loads(data)
-        except BaseException as exc:
-            error = RuntimeError(f"the task's result could not be unpickled: {exc!r}")
-            with contextlib.suppress(Exception):
-                future.set_exception(error)
-            return
-        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
-            future.set_result(value)
+        settle_loaded(future, *unpickle_result(data))
     elif status == _CANCELLED:
         future._mark_cancelled()
     else:

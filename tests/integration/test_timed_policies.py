@@ -23,6 +23,7 @@ import pytest
 import mpsched
 from mpsched import Pool, TaskState
 
+from . import bad_tasks as bt
 from . import tasks
 from . import timed_tasks as tt
 
@@ -288,3 +289,18 @@ def test_a_run_at_too_large_for_a_float_is_a_value_error() -> None:
                 pool.with_options(every=1.0).schedule("huge", run_at, 0, tasks.ident, 1)
         assert pool.statistics().scheduled == 0
         assert pool.state("huge") is None
+
+
+# ---------------------------------------------------------------- results
+@pytest.mark.timeout(60)
+def test_state_of_a_task_whose_result_cannot_be_unpickled_is_failed() -> None:
+    """The task returned, but its result cannot be unpickled in the pool's process: the future
+    fails (RuntimeError), so ``state()`` must say FAILED, not COMPLETED."""
+    with Pool(1) as pool:
+        f = pool.schedule("u", 0.0, 0, bt.return_instance, bt.ErrorAtUnpickle)
+        with pytest.raises(RuntimeError, match="could not be unpickled"):
+            f.result(timeout=CONDITION_TIMEOUT)
+        assert pool.state("u") is TaskState.FAILED
+        g = pool.schedule("ok", 0.0, 0, tasks.ident, 7)
+        assert g.result(timeout=CONDITION_TIMEOUT) == 7
+        assert pool.state("ok") is TaskState.COMPLETED
