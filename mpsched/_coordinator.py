@@ -771,15 +771,21 @@ class Coordinator:
             if worker is None or handle not in slot.running():
                 continue
             try:
-                os.kill(worker.pid, signal.SIGSTOP)
-                wait_stopped(worker.pid)
+                send_signal(worker, signal.SIGSTOP)
+                # A worker that died on its own meanwhile (a zombie, or already reaped by the
+                # zygote: its run stack still holds the task until the crash path runs) is not
+                # stopped: reading its /proc entry raised FileNotFoundError here, out of the
+                # loop, and broke the pool (found by
+                # test_forced_cancel_of_a_task_whose_worker_dies_meanwhile_keeps_the_pool).
+                if not wait_stopped(worker.pid):
+                    return  # the crash path reports it
                 if handle in slot.running():
                     if future._run is None:
                         future._run = TaskRun(TaskOptions())
                     future._run.forced = True
-                    os.kill(worker.pid, signal.SIGKILL)
+                    send_signal(worker, signal.SIGKILL)
                 else:
-                    os.kill(worker.pid, signal.SIGCONT)
+                    send_signal(worker, signal.SIGCONT)
             except ProcessLookupError:
                 pass  # it died on its own: the crash path reports it
             return
@@ -1405,16 +1411,33 @@ def pid_is_dead(pid: int) -> bool:
     return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"Z", b"X")
 
 
-def wait_stopped(pid: int) -> None:
-    """Wait (bounded) until ``pid`` shows as stopped: SIGSTOP is delivered asynchronously."""
+def send_signal(worker: WorkerHandle, sig: int) -> None:
+    """Signal the worker through its pidfd (never another process that reused its pid once the
+    zygote reaped it); by pid if it has none. ProcessLookupError if it was reaped."""
+    if worker.pidfd >= 0:
+        signal.pidfd_send_signal(worker.pidfd, sig)
+    else:
+        os.kill(worker.pid, sig)
+
+
+def wait_stopped(pid: int) -> bool:
+    """Wait (bounded) until ``pid`` shows as stopped: SIGSTOP is delivered asynchronously.
+    False if it is dead (a zombie, or reaped: it runs no more code)."""
     deadline = time.monotonic() + STOP_WAIT
     path = f"/proc/{pid}/stat"
     while time.monotonic() < deadline:
-        with open(path, "rb") as f:
-            stat = f.read()
-        if stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"T", b"t"):
-            return
+        try:
+            with open(path, "rb") as f:
+                stat = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        state = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3]
+        if state in (b"T", b"t"):
+            return True
+        if state in (b"Z", b"X"):
+            return False
         os.sched_yield()
+    return True  # not shown as stopped in time: the run-stack check still decides
 
 
 def settle_error(future: Future, error: BaseException) -> None:

@@ -304,3 +304,18 @@ def test_state_of_a_task_whose_result_cannot_be_unpickled_is_failed() -> None:
         g = pool.schedule("ok", 0.0, 0, tasks.ident, 7)
         assert g.result(timeout=CONDITION_TIMEOUT) == 7
         assert pool.state("ok") is TaskState.COMPLETED
+
+
+# ---------------------------------------------------------------- forced cancel
+@pytest.mark.timeout(60)
+def test_forced_cancel_of_a_task_whose_worker_dies_meanwhile_keeps_the_pool(fifos: Fifos) -> None:
+    """``cancel(force=True)`` sets the task's cancel flag, then stops and kills its worker; this
+    task ends its worker itself as soon as it sees the flag, so the kill meets a process that
+    is exiting or already reaped. The pool must go on (the task ends cancelled or crashed)."""
+    with Pool(1) as pool:
+        f = pool.schedule("x", 0.0, 0, tt.exit_when_asked, fifos.started)
+        tasks.wait_started(fifos.started)
+        assert pool.cancel("x", force=True) is True
+        wait([f], timeout=CONDITION_TIMEOUT)
+        assert f.cancelled() or isinstance(f.exception(), mpsched.WorkerCrashedError)
+        assert pool.submit(tasks.ident, 1).result(timeout=CONDITION_TIMEOUT) == 1

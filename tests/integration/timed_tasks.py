@@ -163,3 +163,13 @@ def span_or_raise(path: str, seconds: float, fail_one_in: int) -> int:
     if fail_one_in and ctx.version % fail_one_in == 0:
         raise LookupError(f"run {ctx.version} fails")
     return ctx.version
+
+
+def exit_when_asked(started: str) -> None:
+    """Announce, poll the cancel flag, and end the worker process (os._exit) once it is set:
+    a worker that dies on its own just as the pool kills it."""
+    ctx = mpsched.current_task()
+    announce(started)
+    while not ctx.cancel_requested:
+        pass
+    os._exit(3)
