@@ -319,3 +319,49 @@ def test_forced_cancel_of_a_task_whose_worker_dies_meanwhile_keeps_the_pool(fifo
         wait([f], timeout=CONDITION_TIMEOUT)
         assert f.cancelled() or isinstance(f.exception(), mpsched.WorkerCrashedError)
         assert pool.submit(tasks.ident, 1).result(timeout=CONDITION_TIMEOUT) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_retried_run_goes_running_again_and_completes(fifos: Fifos) -> None:
+    """A task with retries whose worker is killed runs again (in the replacement): ``state()``
+    says RUNNING for that run too, and the future and ``state()`` end COMPLETED."""
+    with Pool(1) as pool:
+        f = pool.with_options(retries=1).schedule(
+            "r", 0.0, 0, tt.log_pid_then_gate, fifos.log, "r", fifos.gate
+        )
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "the first run runs")
+        assert pool.state("r") is TaskState.RUNNING
+        [(_, first_pid)] = tt.read_tags(fifos.log)
+        os.kill(first_pid, signal.SIGKILL)
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 2, "the retry runs")
+        assert pool.state("r") is TaskState.RUNNING
+        assert not f.done()
+        tasks.open_gate(fifos.gate)
+        second_pid = f.result(timeout=CONDITION_TIMEOUT)
+        assert second_pid != first_pid
+        assert pool.state("r") is TaskState.COMPLETED
+        assert pool.statistics().retried == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_recurrence_kept_after_shutdown_runs_until_its_future_is_cancelled(
+    tmp_path: Path,
+) -> None:
+    """``recurring_after_shutdown=True``: the recurrence goes on after ``shutdown``, the drain
+    waits for it, and ``future.cancel()`` stops it and lets the pool end."""
+    log = str(tmp_path / "log")
+    pool = Pool(1, recurring_after_shutdown=True)
+    rec = pool.with_options(every=0.005).schedule("r", 0.0, 0, tt.log, log, "r")
+    try:
+        wait_until(lambda: len(tt.read_tags(log)) >= 1, "a first run")
+        pool.shutdown(wait=False)
+        n = len(tt.read_tags(log))
+        wait_until(lambda: len(tt.read_tags(log)) >= n + 2, "runs go on after the shutdown")
+        assert not pool.await_termination(timeout=0)
+    finally:
+        assert rec.cancel()
+        assert pool.await_termination(timeout=CONDITION_TIMEOUT)
+    n = len(tt.read_tags(log))
+    assert rec.cancelled()
+    assert pool.state("r") in (TaskState.CANCELLED, TaskState.COMPLETED)
+    assert len(tt.read_tags(log)) == n
