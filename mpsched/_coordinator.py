@@ -267,10 +267,13 @@ class Coordinator:
             if self.broken is not None or self.draining:
                 self.check_usable()
             self.submitted += 1
+            if self.aging is not None:
+                # Before the direct dispatch too: a task injected here may be taken back to the
+                # ready queue (take_back_lower), whose aging reads this; left at 0.0 it read as
+                # waiting since the clock's epoch and jumped above every priority.
+                future._due_at = time.monotonic()
             if not self.ready and not self.by_handle and self.dispatch_one(future):
                 return future._run is not None  # a timeout needs the loop's watch
-            if self.aging is not None:
-                future._due_at = time.monotonic()
             self.ready.append(future, future._priority)
         finally:
             lock.release()
@@ -435,6 +438,8 @@ class Coordinator:
                 if handed is not None and self.withdraw(handed):
                     timetable.end(handed, None, cancelled=True)
                 elif handed is not None:  # claimed: running (or finished, not collected yet)
+                    if handed._run is not None:  # if its worker dies, it is not retried
+                        handed._run.cancel_requested = True
                     self.requests.append((handed, force))
                     wake = True
                     handed = None
@@ -651,6 +656,11 @@ class Coordinator:
             run.run_at,
             options.misfire_grace,
         )
+        if future._handle >= 0:
+            # Taken back from an inbox (take_back_lower): it still holds its slab block and its
+            # entry in by_handle. Withdraw it (frees both), or the pool would count it in flight
+            # for ever (found by test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block).
+            self.withdraw(future)
         future._withdrawn = True
         self.timetable.end(future, None, cancelled=True)
         self.continue_recurrence(future, skipped=True)
@@ -777,15 +787,21 @@ class Coordinator:
             if worker is None or handle not in slot.running():
                 continue
             try:
-                os.kill(worker.pid, signal.SIGSTOP)
-                wait_stopped(worker.pid)
+                send_signal(worker, signal.SIGSTOP)
+                # A worker that died on its own meanwhile (a zombie, or already reaped by the
+                # zygote: its run stack still holds the task until the crash path runs) is not
+                # stopped: reading its /proc entry raised FileNotFoundError here, out of the
+                # loop, and broke the pool (found by
+                # test_forced_cancel_of_a_task_whose_worker_dies_meanwhile_keeps_the_pool).
+                if not wait_stopped(worker.pid):
+                    return  # the crash path reports it
                 if handle in slot.running():
                     if future._run is None:
                         future._run = TaskRun(TaskOptions())
                     future._run.forced = True
-                    os.kill(worker.pid, signal.SIGKILL)
+                    send_signal(worker, signal.SIGKILL)
                 else:
-                    os.kill(worker.pid, signal.SIGCONT)
+                    send_signal(worker, signal.SIGCONT)
             except ProcessLookupError:
                 pass  # it died on its own: the crash path reports it
             return
@@ -876,10 +892,25 @@ class Coordinator:
         """Resolve futures; tasks with an id or options first update the timetable (so that a
         caller woken by ``result()`` sees the final ``state()``)."""
         special = []
+        loaded: dict[int, tuple[bool, Any]] = {}  # id(future) -> its result, unpickled
         for outcome in outcomes:
             future = outcome[0]
-            if future._due is None and future._run is None:
+            run = future._run
+            if future._due is None and run is None:
                 resolve(*outcome)
+            elif run is not None and run.timed_out and outcome[1] != _OK:
+                # It ran out of time: whatever it raised (TaskCancelled, acknowledging the
+                # timeout's cooperative cancel, included) it fails with TimeoutError. Converted
+                # here, before end_runs, so that state() says FAILED as the future does (not
+                # CANCELLED: no cancel was asked for), and a recurrence ends with that error.
+                error = dump_exception(TimeoutError(timeout_message(run)))
+                special.append((future, _ERROR, error))
+            elif outcome[1] == _OK and (run is None or run.recurrence is None):
+                # Unpickled before end_runs: a result that cannot be unpickled fails the
+                # future, and state() must then say FAILED, not COMPLETED.
+                ok, value = unpickle_result(outcome[2])
+                loaded[id(future)] = (ok, value)
+                special.append(outcome if ok else (future, _ERROR, b""))
             else:
                 special.append(outcome)
         if not special:
@@ -889,12 +920,10 @@ class Coordinator:
             self.wakeup()  # a user thread collected: the loop may have new due times
         for future, status, data in special:
             run = future._run
-            if run is None:
-                resolve(future, status, data)
-            elif run.recurrence is not None:
+            if run is not None and run.recurrence is not None:
                 self.end_recurring_run(future, status, data)
-            elif run.timed_out and status != _OK:
-                settle_error(future, TimeoutError(timeout_message(run)))
+            elif id(future) in loaded:
+                settle_loaded(future, *loaded[id(future)])
             else:
                 resolve(future, status, data)
 
@@ -1118,15 +1147,28 @@ class Coordinator:
             self.drop_stashed_args([handle])  # it may have died before it fetched them
             self.slab.free_tasks([handle])
             run = future._run
-            if run is not None and not run.forced and run.retries_left and future._payload:
-                run.retries_left -= 1
-                self.retried += 1
-                with self.lock:
+            # Retried only if nothing asked it to stop: a run asked to cancel (pool.cancel) or
+            # whose timeout expired must not start again after its worker died (it ends as a
+            # crash, or with its TimeoutError), as one killed on purpose (forced) is not.
+            # Decided under the lock, where cancel_id sets cancel_requested.
+            with self.lock:
+                retry = (
+                    run is not None
+                    and not run.forced
+                    and not run.timed_out
+                    and not run.cancel_requested
+                    and run.retries_left
+                    and future._payload
+                )
+                if retry:
+                    run.retries_left -= 1
+                    self.retried += 1
                     self.watched.pop(handle, None)
                     future._handle = -1
                     future._slot = -1
                     run.started_at = None
                     self.ready.putback([future])
+            if retry:
                 continue
             if run is not None and run.forced and not run.timed_out:
                 status, data = _CANCELLED, b""
@@ -1252,7 +1294,11 @@ class Coordinator:
         has not started."""
         with self.lock:
             self.draining = True
-            stopped = [] if self.recurring_after_shutdown else self.timetable.stop_recurrences()
+            # cancel_futures stops kept recurrences too: their next runs are tasks not started,
+            # and a recurrence left going would keep the drain (and an interrupted ``with``
+            # block's exit) waiting for a cancel that nothing will send.
+            keep = self.recurring_after_shutdown and not cancel_futures
+            stopped = [] if keep else self.timetable.stop_recurrences()
             cancelled = [r.future for r in stopped]
             for rec in stopped:  # withdraw their next runs that no worker has claimed
                 pending = self.timetable.pending_future(rec.task_id)
@@ -1265,6 +1311,9 @@ class Coordinator:
                 if handed is not None:
                     cancelled.append(handed)
             if cancel_futures or not self.timed_after_shutdown:
+                # Not the next runs of kept recurrences (only left in ``recurring`` by ``keep``):
+                # withdrawn here, such a run would leave its recurrence with no next run and its
+                # future pending for ever.
                 cancelled += self.timetable.cancel_all_pending()
         for future in cancelled:
             future._mark_cancelled()
@@ -1339,7 +1388,10 @@ class Coordinator:
             self.draining = True
             futures = self.ready.drain() + list(self.by_handle.values())
             futures += [r.future for r in self.timetable.stop_recurrences()]
-            futures += self.timetable.cancel_all_pending()
+            # Every version of an id ends FAILED, as its future does (withdrawn, a pending one
+            # read CANCELLED and a handed-out one PENDING or RUNNING for ever, and state() then
+            # read the released shared memory once the pool had ended).
+            futures += self.timetable.fail_all()
             self.by_handle.clear()
         for future in futures:
             future._owner = FINISHING
@@ -1379,16 +1431,33 @@ def pid_is_dead(pid: int) -> bool:
     return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"Z", b"X")
 
 
-def wait_stopped(pid: int) -> None:
-    """Wait (bounded) until ``pid`` shows as stopped: SIGSTOP is delivered asynchronously."""
+def send_signal(worker: WorkerHandle, sig: int) -> None:
+    """Signal the worker through its pidfd (never another process that reused its pid once the
+    zygote reaped it); by pid if it has none. ProcessLookupError if it was reaped."""
+    if worker.pidfd >= 0:
+        signal.pidfd_send_signal(worker.pidfd, sig)
+    else:
+        os.kill(worker.pid, sig)
+
+
+def wait_stopped(pid: int) -> bool:
+    """Wait (bounded) until ``pid`` shows as stopped: SIGSTOP is delivered asynchronously.
+    False if it is dead (a zombie, or reaped: it runs no more code)."""
     deadline = time.monotonic() + STOP_WAIT
     path = f"/proc/{pid}/stat"
     while time.monotonic() < deadline:
-        with open(path, "rb") as f:
-            stat = f.read()
-        if stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"T", b"t"):
-            return
+        try:
+            with open(path, "rb") as f:
+                stat = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        state = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3]
+        if state in (b"T", b"t"):
+            return True
+        if state in (b"Z", b"X"):
+            return False
         os.sched_yield()
+    return True  # not shown as stopped in time: the run-stack check still decides
 
 
 def settle_error(future: Future, error: BaseException) -> None:
@@ -1398,21 +1467,34 @@ def settle_error(future: Future, error: BaseException) -> None:
             future.set_exception(error)
 
 
+def unpickle_result(data: bytes) -> tuple[bool, Any]:
+    """``(True, value)``, or ``(False, RuntimeError)`` if the result cannot be unpickled."""
+    try:  # user code runs here (__setstate__, __reduce__): SystemExit included
+        return True, pickle.loads(data)
+    except BaseException as exc:
+        return False, RuntimeError(f"the task's result could not be unpickled: {exc!r}")
+
+
+def settle_loaded(future: Future, ok: bool, value: Any) -> None:
+    """Settle a task's future with an unpickled result (``unpickle_result``'s pair)."""
+    future._owner = FINISHING
+    if future.done():  # cancelled meanwhile: a race the claim decided; nothing to report
+        return
+    if ok:
+        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+            future.set_result(value)
+    else:
+        with contextlib.suppress(Exception):
+            future.set_exception(value)
+
+
 def resolve(future: Future, status: int, data: bytes) -> None:
     """Settle a task's future from its result bytes (coordinator thread, no lock held)."""
     future._owner = FINISHING
     if future.done():  # cancelled meanwhile: a race the claim decided; nothing to report
         return
     if status == _OK:
-        try:  # user code runs here (__setstate__, __reduce__): SystemExit included
-            value = pickle.loads(data)
-        except BaseException as exc:
-            error = RuntimeError(f"the task's result could not be unpickled: {exc!r}")
-            with contextlib.suppress(Exception):
-                future.set_exception(error)
-            return
-        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
-            future.set_result(value)
+        settle_loaded(future, *unpickle_result(data))
     elif status == _CANCELLED:
         future._mark_cancelled()
     else:

@@ -145,7 +145,7 @@ class Pool:
             when due (default True, as Java's ScheduledThreadPoolExecutor); False cancels them.
         recurring_after_shutdown: whether recurring tasks go on after ``shutdown`` (default
             False: they stop and their futures are cancelled). If True, ``shutdown(wait=True)``
-            returns only once they are cancelled.
+            returns only once they are cancelled (``cancel_futures=True`` cancels them).
         max_tasks_per_worker: None (default) or a positive int: a worker that has run this many
             tasks (children not counted) exits cleanly and is replaced; what waits in its queues
             stays in shared memory for the successor.

@@ -36,7 +36,11 @@ def check_run_at(run_at: object) -> float:
     if type(run_at) is not float:
         if isinstance(run_at, bool) or not isinstance(run_at, numbers.Real):
             raise TypeError(f"run_at must be a real number of seconds, not {type(run_at).__name__}")
-        run_at = float(run_at)
+        try:
+            run_at = float(run_at)
+        except OverflowError:  # an int or Fraction beyond the float range: infinite, as inf is
+            kind = type(run_at).__name__  # not its repr: an int's may be refused (too long)
+            raise ValueError(f"run_at must be finite, not an {kind} beyond floats") from None
     if not math.isfinite(run_at):
         raise ValueError(f"run_at must be finite, not {run_at!r}")
     return run_at

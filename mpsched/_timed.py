@@ -32,6 +32,7 @@ from mpsched._task import Due, TaskState
 
 FINISHED_IDS_KEPT = 100_000  # ids whose state() still answers after they end (~200 B each)
 
+_BROKEN = RuntimeError("the pool broke")  # stands for the error in heap.finish (fail_all)
 _RUNNING = TaskState.RUNNING
 _PENDING = TaskState.PENDING
 
@@ -148,10 +149,33 @@ class Timetable:
         return state
 
     def cancel_all_pending(self) -> list[Future]:
-        """Shutdown with cancel_futures: every version still in the heap; their ids end
-        CANCELLED. Returns their futures (to be marked cancelled outside the lock)."""
-        cancelled = (self.cancel_pending(task_id) for task_id in self.heap.pending_ids())
+        """Shutdown with cancel_futures (or timed_after_shutdown=False): every version still in
+        the heap but the next runs of the recurrences still in ``recurring`` (kept after the
+        shutdown: they go on until cancelled); their ids end CANCELLED. Returns their futures
+        (to be marked cancelled outside the lock)."""
+        recurring = self.recurring
+        cancelled = (
+            self.cancel_pending(task_id)
+            for task_id in self.heap.pending_ids()
+            if task_id not in recurring
+        )
         return [f for f in cancelled if f is not None]
+
+    def fail_all(self) -> list[Future]:
+        """The pool broke: end every version, handed out or waiting in the heap (deferred ones
+        included), as FAILED, as their futures are about to fail. Returns the futures of those
+        that waited in the heap (the caller has the handed-out ones). Afterwards nothing is
+        handed out, so ``state()`` never reads the pool's shared memory again (it is released
+        when the pool ends)."""
+        for handed in list(self.handed.values()):
+            self.end(handed, _BROKEN, cancelled=False)  # a deferred version may enter the heap
+        heap = self.heap
+        futures: list[Future] = []
+        while isinstance(due := heap.pop_due(math.inf), Due):
+            heap.finish(due, _BROKEN)
+            future: Any = due.fn  # the heap's item: the version's future
+            futures.append(future)
+        return futures
 
     def stop_recurrences(self) -> list[Recurrence]:
         stopped = [r for r in self.recurring.values() if r.active]
@@ -165,6 +189,7 @@ class TaskRun:
     """The options of one task and their running state (coordinator thread and lock)."""
 
     __slots__ = (
+        "cancel_requested",
         "forced",
         "options",
         "recurrence",
@@ -184,3 +209,4 @@ class TaskRun:
         self.started_at: float | None = None  # first seen on a run stack (timeouts)
         self.timed_out = False  # the cooperative cancel of the timeout was sent
         self.forced = False  # cancel(force=True) or the timeout's grace ran out: killed on purpose
+        self.cancel_requested = False  # pool.cancel(id) asked this run to stop (not retried)

@@ -108,3 +108,68 @@ def logged_span(path: str, seconds: float) -> int:
         pass
     log(path, ("end", ctx.task_id, ctx.version))
     return ctx.version
+
+
+def log_pid_then_gate(path: str, tag: Any, gate_path: str) -> int:
+    """Log ``(tag, pid)`` (so the test knows which worker to kill, and how many times this
+    ran), then wait at the gate; returns the pid."""
+    log(path, (tag, os.getpid()))
+    gate(gate_path)
+    return os.getpid()
+
+
+def log_pid_until_asked_then_gate(path: str, gate_path: str) -> int:
+    """Log ``("run", pid)``, poll the cancel flag, log ``("asked", pid)`` once it is set (and
+    ignore it), then wait at the gate; returns the pid."""
+    ctx = mpsched.current_task()
+    log(path, ("run", os.getpid()))
+    while not ctx.cancel_requested:
+        pass
+    log(path, ("asked", os.getpid()))
+    gate(gate_path)
+    return os.getpid()
+
+
+def spin_checking_cancel(seconds: float, acknowledge: bool) -> str:
+    """Busy-wait up to ``seconds``; if a cancel is asked for meanwhile, acknowledge it (raise
+    TaskCancelled) or return at once."""
+    ctx = mpsched.current_task()
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        if ctx.cancel_requested:
+            if acknowledge:
+                ctx.raise_if_cancelled()
+            return "asked"
+    return "done"
+
+
+def gated_failing_initializer(gate_path: str) -> None:
+    """A pool initializer that fails once the test opens the gate (so that the test decides
+    what was scheduled before the pool broke)."""
+    gate(gate_path)
+    raise OSError("the initializer failed")
+
+
+def span_or_raise(path: str, seconds: float, fail_one_in: int) -> int:
+    """Log ``("start", id, version, pid)``, busy-wait ``seconds``, log ``("end", id, version,
+    pid)``; then raise (ending its recurrence) on versions divisible by ``fail_one_in`` (0:
+    never). The pid tells a run killed on purpose (its worker is gone) from one that overlaps."""
+    ctx = mpsched.current_task()
+    log(path, ("start", ctx.task_id, ctx.version, os.getpid()))
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+    log(path, ("end", ctx.task_id, ctx.version, os.getpid()))
+    if fail_one_in and ctx.version % fail_one_in == 0:
+        raise LookupError(f"run {ctx.version} fails")
+    return ctx.version
+
+
+def exit_when_asked(started: str) -> None:
+    """Announce, poll the cancel flag, and end the worker process (os._exit) once it is set:
+    a worker that dies on its own just as the pool kills it."""
+    ctx = mpsched.current_task()
+    announce(started)
+    while not ctx.cancel_requested:
+        pass
+    os._exit(3)

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 import mpsched
@@ -235,6 +236,7 @@ def test_future_cancel_and_cancel_by_id_race_the_claim(tmp_path: Path) -> None:
         states = {i: pool.state(i) for i in range(rounds)}
     ran = tt.read_tags(log)
     assert len(ran) == len(set(ran)), "a version ran twice"
+    assert len(ran) > 20, "the runs were not exercised"
     ran_set = set(ran)
     problems = []
     for i in range(rounds):
@@ -387,6 +389,7 @@ def test_reschedules_racing_a_running_version_never_overlap(tmp_path: Path) -> N
             assert running.pop(task_id) == version
     assert running == {}
     assert len(ran) == len(set(ran)), "a version ran twice"
+    assert len(ran) > 20, "the runs were not exercised"
     completed = sorted(f.result() for f in futures if not f.cancelled())
     assert completed == sorted(version for _, version in ran), "ran and completed differ"
     assert 0 < len(completed) < len(futures), "the race was not exercised"
@@ -456,3 +459,97 @@ def test_shutdown_with_cancel_futures_races_schedule_and_cancel(tmp_path: Path) 
             expected = sorted(i for i, f in everything.items() if not f.cancelled())
             assert sorted(ran) == expected, f"round {r}: ran {ran}, completed {expected}"
             assert all(f.result() > 0 for i, f in everything.items() if i in expected)
+
+
+@pytest.mark.timeout(120)
+def test_state_agrees_with_the_future_when_timeouts_race_cancels_and_completion() -> None:
+    """Tasks with ids and a timeout about as long as they run, cancelled by id (some with
+    ``force``) or by their future at random moments: whatever wins, ``state()`` and the future
+    must tell the same outcome."""
+    rng = random.Random(7)
+    n = 300
+    with Pool(2) as pool:
+        futures = {}
+        for i in range(n):
+            opts = pool.with_options(timeout=0.002, timeout_grace=0.01)
+            seconds = rng.choice([0.0, 0.001, 0.003, 0.02])
+            ack = rng.random() < 0.5
+            futures[i] = opts.schedule(i, 0.0, 0, tt.spin_checking_cancel, seconds, ack)
+            if i >= 3 and rng.random() < 0.5:
+                j = rng.randrange(i - 3, i + 1)
+                how = rng.random()
+                if how < 0.4:
+                    pool.cancel(j)
+                elif how < 0.5:
+                    pool.cancel(j, force=True)
+                else:
+                    futures[j].cancel()
+        wait(list(futures.values()), timeout=CONDITION_TIMEOUT * 3)
+        states = {i: pool.state(i) for i in futures}
+    for i, f in futures.items():
+        assert f.done(), f"task {i} never settled"
+        if f.cancelled():
+            expected = TaskState.CANCELLED
+        elif f.exception() is not None:
+            expected = TaskState.FAILED
+        else:
+            expected = TaskState.COMPLETED
+        assert states[i] is expected, f"task {i}: future says {expected}, state() {states[i]}"
+
+
+@pytest.mark.timeout(120)
+def test_recurrences_with_every_overlap_policy_under_cancels_reschedules_and_shutdown(
+    tmp_path: Path,
+) -> None:
+    """Recurrences (each overlap policy, some with a timeout, some whose runs raise) on ids
+    that are cancelled, rescheduled (as one-shot tasks or new recurrences) and finally stopped
+    by the shutdown, from the test thread while their runs go on. Afterwards: every future
+    ended (none lost), no two runs of an id overlapped, and no version ran twice."""
+    log = str(tmp_path / "log")
+    rng = random.Random(11)
+    ids = 12
+    futures: list[mpsched.Future] = []
+    pool = Pool(2)
+    try:
+        for step in range(200):
+            task_id = rng.randrange(ids)
+            action = rng.random()
+            if action < 0.55:
+                options = pool.with_options(
+                    every=rng.choice([0.001, 0.003]),
+                    overlap=rng.choice(["skip", "coalesce", "queue"]),
+                    timeout=rng.choice([None, 0.002]),
+                    timeout_grace=0.005,
+                )
+                seconds = rng.choice([0.0, 0.002, 0.006])
+                args = (log, seconds, rng.choice([0, 3]))
+                futures.append(options.schedule(task_id, 0.0, 0, tt.span_or_raise, *args))
+            elif action < 0.7:
+                args = (log, 0.001, 0)
+                futures.append(pool.schedule(task_id, 0.0, 0, tt.span_or_raise, *args))
+            elif action < 0.9:
+                pool.cancel(task_id, force=rng.random() < 0.1)
+            elif futures:
+                rng.choice(futures).cancel()
+            if step % 4 == 0:  # let a run or two happen in between (bounded: maybe none can)
+                seen = len(tt.read_tags(log))
+                deadline = time.monotonic() + 0.05
+                while len(tt.read_tags(log)) < seen + 2 and time.monotonic() < deadline:
+                    time.sleep(0.0005)
+    finally:
+        pool.shutdown(wait=True)
+    not_done = [f for f in futures if not f.done()]
+    assert not not_done, f"{len(not_done)} futures never ended"
+    running: dict[Any, tuple[int, int]] = {}
+    ran: list[tuple[Any, int]] = []
+    for kind, task_id, version, pid in tt.read_tags(log):
+        if kind == "start":
+            if task_id in running:  # only if that run's worker was killed (timeout, force)
+                other, other_pid = running[task_id]
+                assert not psutil.pid_exists(other_pid), f"{task_id}: v{version} overlaps v{other}"
+            running[task_id] = (version, pid)
+            ran.append((task_id, version))
+        else:
+            assert running.pop(task_id) == (version, pid)
+    assert len(ran) == len(set(ran)), "a version ran twice"
+    assert len(ran) > 20, "the runs were not exercised"

@@ -1,0 +1,367 @@
+"""Timed tasks: options and policies combined with cancel, shutdown, timeouts and crashes.
+
+The cases here mix two features each (a timeout and ``state()``, a recurrence and a shutdown
+setting, a misfire and the take-back of an inbox): each test checks that the future, ``state()``
+and the side effects (tasks write to FIFOs and O_APPEND logs) tell the same story. Ordering is
+by FIFO gates and conditions of the pool polled in a bounded loop, never by sleeping.
+"""
+
+from __future__ import annotations
+
+import fractions
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import wait
+from pathlib import Path
+
+import psutil
+import pytest
+
+import mpsched
+from mpsched import Pool, TaskState
+
+from . import bad_tasks as bt
+from . import tasks
+from . import timed_tasks as tt
+
+CONDITION_TIMEOUT = 20.0  # seconds a polled condition may take before the test fails
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` (a state of the pool, not a time) until true; fail after a bound."""
+    deadline = time.monotonic() + CONDITION_TIMEOUT
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting until {what}")
+        time.sleep(0.001)
+
+
+class Fifos:
+    def __init__(self, tmp: Path) -> None:
+        self.gate = str(tmp / "gate")
+        self.started = str(tmp / "started")
+        self.log = str(tmp / "log")
+        os.mkfifo(self.gate)
+        os.mkfifo(self.started)
+
+
+@pytest.fixture
+def fifos(tmp_path: Path) -> Fifos:
+    return Fifos(tmp_path)
+
+
+# ---------------------------------------------------------------- timeouts and state()
+@pytest.mark.timeout(60)
+def test_state_of_a_task_that_timed_out_cooperatively_is_failed(fifos: Fifos) -> None:
+    """The future fails with TimeoutError: ``state()`` must say FAILED, not CANCELLED (no cancel
+    was asked for; the task ran out of time)."""
+    with Pool(1) as pool:
+        f = pool.with_options(timeout=0.05).schedule(
+            "slow", 0.0, 0, tt.wait_for_cancel, fifos.started, False
+        )
+        tasks.wait_started(fifos.started)
+        with pytest.raises(TimeoutError):
+            f.result(timeout=CONDITION_TIMEOUT)
+        assert pool.state("slow") is TaskState.FAILED
+
+
+@pytest.mark.timeout(60)
+def test_recurrence_whose_run_times_out_ends_with_timeout_error(fifos: Fifos) -> None:
+    """A run that acknowledges its timeout's cooperative cancel ran out of time: as for a
+    one-shot task, that is a TimeoutError, and the recurrence ends with it (a run's error ends
+    a recurrence), not as if it had been cancelled."""
+    with Pool(1) as pool:
+        rec = pool.with_options(every=30.0, timeout=0.05).schedule(
+            "r", 0.0, 0, tt.wait_for_cancel, fifos.started, False
+        )
+        tasks.wait_started(fifos.started)
+        wait([rec], timeout=CONDITION_TIMEOUT)
+        assert not rec.cancelled(), "a timed-out run ended its recurrence as cancelled"
+        with pytest.raises(TimeoutError):
+            rec.result(timeout=0)
+        assert pool.state("r") is TaskState.FAILED
+
+
+# ---------------------------------------------------------------- misfire
+MISFIRE_GRACE = 0.05  # s; a run that starts later than this after its due time misfires
+
+
+@pytest.mark.timeout(60)
+def test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block(
+    fifos: Fifos, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A recurring run waits in the inbox of the busy worker until it is late; a higher
+    priority task then takes it back to the ready queue, where the misfire policy drops it.
+    It held a slab block (it had been injected): dropping it must free that block, or the pool
+    counts it in flight for ever (the drain finds it "lost" at shutdown)."""
+    with Pool(1) as pool:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
+        tasks.wait_started(fifos.started)
+        due = time.monotonic()
+        rec = pool.with_options(every=600.0, misfire="skip", misfire_grace=MISFIRE_GRACE).schedule(
+            "m", due, 0, tt.log, fifos.log, "m"
+        )
+        wait_until(lambda: pool.statistics().per_worker[0].inbox_depth == 1, "the run is injected")
+        # Lateness is the subject here: wait for the clock, not for an event.
+        wait_until(lambda: time.monotonic() > due + 2 * MISFIRE_GRACE, "the run is late")
+        high = pool.schedule("high", 0.0, 1, tasks.ident, "high")
+        wait_until(lambda: pool.statistics().misfires == 1, "the late run is skipped")
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=CONDITION_TIMEOUT) == "blocker"
+        assert high.result(timeout=CONDITION_TIMEOUT) == "high"
+        assert pool.cancel("m") is True
+        assert rec.cancelled()
+        assert pool.submit(tasks.ident, 1).result(timeout=CONDITION_TIMEOUT) == 1
+        with caplog.at_level(logging.WARNING, logger="mpsched"):
+            pool.shutdown(wait=True)
+    assert tt.read_tags(fifos.log) == []
+    lost = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+    assert not lost, f"the skipped run stayed in flight: {lost}"
+
+
+# ---------------------------------------------------------------- shutdown settings
+@pytest.mark.timeout(60)
+def test_recurrence_kept_after_shutdown_survives_timed_after_shutdown_false(
+    tmp_path: Path,
+) -> None:
+    """``timed_after_shutdown=False`` cancels one-shot versions; a recurrence kept by
+    ``recurring_after_shutdown=True`` goes on (its next run, waiting in the timetable at the
+    shutdown, is not a one-shot version), until it is cancelled."""
+    log = str(tmp_path / "log")
+    pool = Pool(1, timed_after_shutdown=False, recurring_after_shutdown=True)
+    try:
+        once = pool.schedule("once", time.monotonic() + 600, 0, tasks.ident, 1)
+        rec = pool.with_options(every=0.01).schedule(
+            "r", time.monotonic() + 600, 0, tt.log, log, "r"
+        )
+        pool.shutdown(wait=False)
+        assert once.cancelled()
+        assert not rec.done(), "the kept recurrence lost its next run at the shutdown"
+        assert pool.state("r") is TaskState.PENDING
+    finally:
+        pool.cancel("r")
+        assert pool.await_termination(timeout=CONDITION_TIMEOUT)
+    assert rec.cancelled()
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_cancel_futures_ends_a_recurrence_kept_after_shutdown(tmp_path: Path) -> None:
+    """``cancel_futures=True`` cancels every task not started; a recurrence kept after shutdown
+    has nothing running, so it ends: its future must not stay pending after the pool ended."""
+    log = str(tmp_path / "log")
+    pool = Pool(1, recurring_after_shutdown=True)
+    rec = pool.with_options(every=30.0).schedule("r", time.monotonic() + 600, 0, tt.log, log, "r")
+    pool.shutdown(wait=True, cancel_futures=True)
+    assert rec.cancelled(), "the recurrence's future was lost (never settled)"
+    assert pool.state("r") is TaskState.CANCELLED
+    assert tt.read_tags(log) == []
+
+
+# ---------------------------------------------------------------- aging
+def stop_worker(pool: Pool) -> int:
+    """SIGSTOP the only worker of ``pool`` while it sleeps (blocked in poll, holding no lock):
+    tasks injected meanwhile stay unclaimed in its inbox until ``os.kill(pid, SIGCONT)``."""
+    wait_until(lambda: pool.statistics().per_worker[0].pid != 0, "the worker is up")
+    slot = pool._views.slots[0]
+    wait_until(slot.is_sleeping, "the worker sleeps")
+    pid = pool.statistics().per_worker[0].pid
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, "it is stopped")
+    return pid
+
+
+@pytest.mark.timeout(60)
+def test_aging_keeps_priority_order_for_a_task_dispatched_to_an_idle_pool(tmp_path: Path) -> None:
+    """A task submitted to an idle pool goes straight to an inbox. Taken back there by a higher
+    priority task, it waits in the ready queue like any other: aging counts from when it was
+    submitted (a moment ago), so it must not jump ahead of the higher priority."""
+    log = str(tmp_path / "log")
+    with Pool(1, aging=600.0, dispatch_window=1) as pool:
+        pid = stop_worker(pool)
+        try:
+            low = pool.submit(tt.log, log, "low")
+            assert pool.statistics().per_worker[0].inbox_depth == 1  # injected directly
+            high = pool.schedule("high", 0.0, 1, tt.log, log, "high")
+            # Two more loop passes (each releases its nudge, ages the ready queue, then
+            # dispatches): an aging pass has run while "low" waited in the ready queue.
+            for name in ("nudge1", "nudge2"):
+                pool.schedule(name, 0.0, 0, tt.log, log, name)
+                wait_until(lambda: pool.statistics().scheduled == 0, f"{name} is released")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait([low, high], timeout=CONDITION_TIMEOUT)
+        wait_until(lambda: len(tt.read_tags(log)) == 4, "every task ran")
+    assert tt.read_tags(log) == ["high", "low", "nudge1", "nudge2"]
+
+
+# ---------------------------------------------------------------- retries
+@pytest.mark.timeout(60)
+def test_a_task_asked_to_cancel_is_not_retried_when_its_worker_dies(fifos: Fifos) -> None:
+    """``pool.cancel(id)`` asked the running task to stop (True); its worker then dies. The
+    retries option runs a task again after a crash, but this one was asked to stop: it must not
+    start again. It ends as a crash with no retries left does (it did not acknowledge)."""
+    with Pool(1) as pool:
+        f = pool.with_options(retries=1).schedule(
+            "r", 0.0, 0, tt.log_pid_then_gate, fifos.log, "r", fifos.gate
+        )
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "the task runs")
+        assert pool.cancel("r") is True
+        [(_, pid)] = tt.read_tags(fifos.log)
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: f.done() or len(tt.read_tags(fifos.log)) > 1, "it ends or reruns")
+        runs = len(tt.read_tags(fifos.log))
+        if runs > 1:  # let the rerun end, so that the pool can shut down
+            tasks.open_gate(fifos.gate)
+            wait([f], timeout=CONDITION_TIMEOUT)
+        assert runs == 1, "the task asked to cancel started again after its worker died"
+        with pytest.raises(mpsched.WorkerCrashedError):
+            f.result(timeout=0)
+        assert pool.state("r") is TaskState.FAILED
+        assert pool.statistics().retried == 0
+
+
+GRACE = 5.0  # s; far longer than the test takes to kill the worker once asked to stop
+
+
+@pytest.mark.timeout(60)
+def test_a_task_whose_timeout_expired_is_not_retried_when_its_worker_dies(fifos: Fifos) -> None:
+    """The timeout asked the task to stop; its worker dies before the grace period ends. It ran
+    out of time: TimeoutError, not a second run (and not a second timeout period)."""
+    with Pool(1) as pool:
+        f = pool.with_options(retries=1, timeout=0.05, timeout_grace=GRACE).submit(
+            tt.log_pid_until_asked_then_gate, fifos.log, fifos.gate
+        )
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 2, "the timeout asked it to stop")
+        pid = tt.read_tags(fifos.log)[0][1]
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: f.done() or len(tt.read_tags(fifos.log)) > 2, "it ends or reruns")
+        runs = [tag for tag, _ in tt.read_tags(fifos.log)].count("run")
+        wait([f], timeout=CONDITION_TIMEOUT)  # a rerun would be killed at the end of its grace
+        assert runs == 1, "the timed-out task started again after its worker died"
+        with pytest.raises(TimeoutError):
+            f.result(timeout=0)
+        assert pool.statistics().retried == 0
+
+
+# ---------------------------------------------------------------- a broken pool
+@pytest.mark.timeout(60)
+def test_state_after_the_pool_broke_agrees_with_the_futures(fifos: Fifos) -> None:
+    """The pool breaks (its initializer fails) with a version handed out to the starting
+    worker, one waiting for its run_at and a recurrence: each future fails with
+    BrokenPoolError, and ``state()`` must say FAILED for each id, also once the pool is shut
+    down (its shared memory released), and ``cancel`` finds nothing left to cancel."""
+    pool = Pool(1, initializer=tt.gated_failing_initializer, initargs=(fifos.gate,))
+    try:
+        try:
+            due = pool.schedule("due", 0.0, 0, tasks.ident, 1)
+            later = pool.schedule("later", time.monotonic() + 600, 0, tasks.ident, 2)
+            rec = pool.with_options(every=600.0).schedule(
+                "rec", time.monotonic() + 600, 0, tasks.ident, 3
+            )
+            assert pool.state("due") is TaskState.PENDING
+        finally:
+            tasks.open_gate(fifos.gate)
+        for f in (due, later, rec):
+            with pytest.raises(mpsched.BrokenPoolError):
+                f.result(timeout=CONDITION_TIMEOUT)
+        states = {task_id: pool.state(task_id) for task_id in ("due", "later", "rec")}
+        assert states == dict.fromkeys(("due", "later", "rec"), TaskState.FAILED)
+    finally:
+        pool.shutdown(wait=True)
+    for task_id in ("due", "later", "rec"):
+        assert pool.state(task_id) is TaskState.FAILED
+        assert pool.cancel(task_id) is False
+
+
+# ---------------------------------------------------------------- bad input
+def test_a_run_at_too_large_for_a_float_is_a_value_error() -> None:
+    """An int or Fraction beyond the float range is an infinite time: ValueError at the call,
+    as for ``math.inf`` (the documented errors are TypeError and ValueError, not
+    OverflowError), and nothing is scheduled."""
+    with Pool(1) as pool:
+        for run_at in (10**400, -(10**400), fractions.Fraction(10**400, 3)):
+            with pytest.raises(ValueError, match="finite"):
+                pool.schedule("huge", run_at, 0, tasks.ident, 1)
+            with pytest.raises(ValueError, match="finite"):
+                pool.with_options(every=1.0).schedule("huge", run_at, 0, tasks.ident, 1)
+        assert pool.statistics().scheduled == 0
+        assert pool.state("huge") is None
+
+
+# ---------------------------------------------------------------- results
+@pytest.mark.timeout(60)
+def test_state_of_a_task_whose_result_cannot_be_unpickled_is_failed() -> None:
+    """The task returned, but its result cannot be unpickled in the pool's process: the future
+    fails (RuntimeError), so ``state()`` must say FAILED, not COMPLETED."""
+    with Pool(1) as pool:
+        f = pool.schedule("u", 0.0, 0, bt.return_instance, bt.ErrorAtUnpickle)
+        with pytest.raises(RuntimeError, match="could not be unpickled"):
+            f.result(timeout=CONDITION_TIMEOUT)
+        assert pool.state("u") is TaskState.FAILED
+        g = pool.schedule("ok", 0.0, 0, tasks.ident, 7)
+        assert g.result(timeout=CONDITION_TIMEOUT) == 7
+        assert pool.state("ok") is TaskState.COMPLETED
+
+
+# ---------------------------------------------------------------- forced cancel
+@pytest.mark.timeout(60)
+def test_forced_cancel_of_a_task_whose_worker_dies_meanwhile_keeps_the_pool(fifos: Fifos) -> None:
+    """``cancel(force=True)`` sets the task's cancel flag, then stops and kills its worker; this
+    task ends its worker itself as soon as it sees the flag, so the kill meets a process that
+    is exiting or already reaped. The pool must go on (the task ends cancelled or crashed)."""
+    with Pool(1) as pool:
+        f = pool.schedule("x", 0.0, 0, tt.exit_when_asked, fifos.started)
+        tasks.wait_started(fifos.started)
+        assert pool.cancel("x", force=True) is True
+        wait([f], timeout=CONDITION_TIMEOUT)
+        assert f.cancelled() or isinstance(f.exception(), mpsched.WorkerCrashedError)
+        assert pool.submit(tasks.ident, 1).result(timeout=CONDITION_TIMEOUT) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_retried_run_goes_running_again_and_completes(fifos: Fifos) -> None:
+    """A task with retries whose worker is killed runs again (in the replacement): ``state()``
+    says RUNNING for that run too, and the future and ``state()`` end COMPLETED."""
+    with Pool(1) as pool:
+        f = pool.with_options(retries=1).schedule(
+            "r", 0.0, 0, tt.log_pid_then_gate, fifos.log, "r", fifos.gate
+        )
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "the first run runs")
+        assert pool.state("r") is TaskState.RUNNING
+        [(_, first_pid)] = tt.read_tags(fifos.log)
+        os.kill(first_pid, signal.SIGKILL)
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 2, "the retry runs")
+        assert pool.state("r") is TaskState.RUNNING
+        assert not f.done()
+        tasks.open_gate(fifos.gate)
+        second_pid = f.result(timeout=CONDITION_TIMEOUT)
+        assert second_pid != first_pid
+        assert pool.state("r") is TaskState.COMPLETED
+        assert pool.statistics().retried == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_recurrence_kept_after_shutdown_runs_until_its_future_is_cancelled(
+    tmp_path: Path,
+) -> None:
+    """``recurring_after_shutdown=True``: the recurrence goes on after ``shutdown``, the drain
+    waits for it, and ``future.cancel()`` stops it and lets the pool end."""
+    log = str(tmp_path / "log")
+    pool = Pool(1, recurring_after_shutdown=True)
+    rec = pool.with_options(every=0.005).schedule("r", 0.0, 0, tt.log, log, "r")
+    try:
+        wait_until(lambda: len(tt.read_tags(log)) >= 1, "a first run")
+        pool.shutdown(wait=False)
+        n = len(tt.read_tags(log))
+        wait_until(lambda: len(tt.read_tags(log)) >= n + 2, "runs go on after the shutdown")
+        assert not pool.await_termination(timeout=0)
+    finally:
+        assert rec.cancel()
+        assert pool.await_termination(timeout=CONDITION_TIMEOUT)
+    n = len(tt.read_tags(log))
+    assert rec.cancelled()
+    assert pool.state("r") in (TaskState.CANCELLED, TaskState.COMPLETED)
+    assert len(tt.read_tags(log)) == n
