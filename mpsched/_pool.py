@@ -580,7 +580,17 @@ class Pool:
             # Not from the coordinator thread (a done-callback calling shutdown()): it would
             # wait for its own end, forever; the thread drains once the callback returns.
             if wait and threading.get_ident() != self._coordinator.thread_id:
-                self.await_termination()
+                try:
+                    self.await_termination()
+                except BaseException as exc:
+                    # Ctrl-C (a non-Exception) while waiting for the drain means "stop now",
+                    # as when it leaves a ``with`` block: cancel what has not started and kill
+                    # the workers running tasks. Else the interpreter's exit (the atexit hook,
+                    # or __exit__ after this) would wait for every running task to end.
+                    if not isinstance(exc, Exception):
+                        self._coordinator.begin_shutdown(True)
+                        self._coordinator.abort_running()
+                    raise
 
     def await_termination(self, timeout: float | None = None) -> bool:
         """Wait until all work is done and the workers are gone; False on timeout."""
