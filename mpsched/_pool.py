@@ -52,7 +52,13 @@ from mpsched._options import TaskOptions
 from mpsched._protocol import PICKLE_PROTOCOL
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
 from mpsched._serialize import FunctionCache, dumps
-from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
+from mpsched._shm import (
+    AnonSegment,
+    SharedFd,
+    create_eventfd,
+    disown_inherited_process,
+    sweep_stale_names,
+)
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
 from mpsched._wakeup import Wakeup
@@ -214,6 +220,7 @@ class Pool:
         self._recurring_after_shutdown = bool(recurring_after_shutdown)
         self._shutdown_lock = threading.Lock()
         self._closed = False
+        self._closed_message = POOL_CLOSED_MESSAGE  # another one in a forked child
         self._started = False
         self._start()
 
@@ -276,6 +283,7 @@ class Pool:
         finally:
             locks.unlink_names()  # from here on, nothing of the pool has a name
         self._coordinator.go.set()
+        self._coordinator_pid = os.getpid()
         self._started = True
         _live_pools.add(self)
 
@@ -376,7 +384,7 @@ class Pool:
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         if self._closed:  # early, before pickling; the coordinator decides under its lock
-            raise PoolClosedError(POOL_CLOSED_MESSAGE)
+            raise PoolClosedError(self._closed_message)
         payload = self._functions.encode(fn, args, kwargs)
         future = Future(self._coordinator, payload)
         if options is not None and not options.is_plain:
@@ -433,7 +441,7 @@ class Pool:
         except Exception as exc:
             raise TypeError(f"task_id must be hashable and picklable: {exc!r}") from exc
         if self._closed:  # early, before pickling; the coordinator decides under its lock
-            raise PoolClosedError(POOL_CLOSED_MESSAGE)
+            raise PoolClosedError(self._closed_message)
         coordinator = self._coordinator
         call = self._functions.encode(fn, args, kwargs, (task_id,))
         future = Future(coordinator, call, priority)
@@ -512,7 +520,7 @@ class Pool:
         if chunksize is not None and (not isinstance(chunksize, int) or chunksize < 1):
             raise ValueError(f"chunksize must be a positive int or None, not {chunksize!r}")
         if self._closed:
-            raise PoolClosedError(POOL_CLOSED_MESSAGE)
+            raise PoolClosedError(self._closed_message)
         deadline = None if timeout is None else time.monotonic() + timeout
         if len(iterables) == 1:  # the items go as they are (see _chunks)
             return self._map(fn, iter(iterables[0]), False, chunksize, deadline)
@@ -727,6 +735,32 @@ def _max_chunk(chunk: list[Any]) -> int:
     except Exception:  # submit says why, with cloudpickle's help; size by count meanwhile
         return MAP_MAX_CHUNK
     return max(1, min(MAP_MAX_CHUNK, MAP_CHUNK_BYTES * len(sample) // max(1, nbytes)))
+
+
+FORKED_CHILD_MESSAGE = (
+    "this pool belongs to the process that created it (pid {pid}); this process is a child of "
+    "os.fork() and cannot use it: create a new Pool here"
+)
+
+
+def _disown_pools_in_forked_child() -> None:
+    """``os.fork()`` (by user code, or a zygote under the fork start method): the child has
+    copies of the pools' objects but not their coordinator threads, and shares their memory
+    with the parent. The pools stay the parent's: here a submit would write into the parent's
+    shared memory behind its coordinator's back (which then breaks on a block it never
+    handed out), and a shutdown (the atexit hook at the child's exit) would wait forever for a
+    coordinator thread that this process does not have. So the child's copies refuse work
+    with a clear error and their shutdown does nothing (the parent's pool goes on)."""
+    for pool in list(_live_pools):
+        pool._closed_message = FORKED_CHILD_MESSAGE.format(pid=pool._coordinator_pid)
+        pool._closed = True
+        pool._started = False
+        if not isinstance(pool._zygote, ForkedZygote):  # a Process of the parent's
+            disown_inherited_process(pool._zygote)
+    _live_pools.clear()
+
+
+os.register_at_fork(after_in_child=_disown_pools_in_forked_child)
 
 
 @atexit.register

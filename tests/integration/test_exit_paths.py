@@ -218,3 +218,68 @@ def test_an_interrupted_exit_kills_a_task_on_a_worker_not_registered_yet(
         if not pool.await_termination(timeout=0):  # failed: do not wait for the 30 s task
             os.kill(pool._zygote.pid, signal.SIGKILL)
         pool.shutdown(wait=True)
+
+
+# os.fork() by user code while a pool is alive: the child inherits the Pool object but not its
+# coordinator thread. The child tries the pool, then ends normally (its atexit hooks run).
+USER_FORK = """
+import os
+
+if __name__ == "__main__":
+    pool = mpsched.Pool(2, start_method=sys.argv[1])
+    assert pool.submit(abs, -3).result(timeout=20) == 3
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            pool.submit(abs, -4)
+            outcome = "submit worked"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        os.write(write_end, outcome.encode())
+        os.close(write_end)
+        sys.exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        print("child:", pipe.read(), flush=True)
+    deadline = time.monotonic() + 10.0
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            print("child hung at exit", flush=True)
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.01)
+    else:
+        print("child exited", flush=True)
+    print("parent:", pool.submit(abs, -5).result(timeout=20), flush=True)
+    pool.shutdown()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_user_fork_child_neither_uses_nor_waits_for_the_parents_pool(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    """The pool belongs to the process that created it. In a child of ``os.fork()`` it must
+    refuse work with a clear error (a submit there went to the parent's workers through the
+    shared memory, behind the parent's coordinator's back), and the child's exit must not wait
+    for a drain that no thread of the child will ever run (the atexit hook hung)."""
+    script = tmp_path / "prog.py"
+    script.write_text(PRELUDE + USER_FORK)
+    result = subprocess.run(
+        [sys.executable, str(script), start_method],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "child: PoolClosedError" in result.stdout, result.stdout
+    assert "os.fork()" in result.stdout, result.stdout  # the error says why
+    assert "child exited" in result.stdout, result.stdout
+    assert "parent: 5" in result.stdout, result.stdout
+    assert result.stderr == ""
