@@ -48,7 +48,7 @@ from mpsched._coordinator import Coordinator
 from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
 from mpsched._future import Future
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
-from mpsched._options import TaskOptions
+from mpsched._options import TaskOptions, check_seconds
 from mpsched._protocol import PICKLE_PROTOCOL
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
 from mpsched._serialize import FunctionCache, dumps
@@ -196,8 +196,9 @@ class Pool:
             raise TypeError(f"dispatch_window must be an int, not {type(dispatch_window).__name__}")
         if not 1 <= dispatch_window <= DISPATCH_WINDOW_MAX:
             raise ValueError(f"dispatch_window must be in 1..{DISPATCH_WINDOW_MAX}")
-        if aging is not None:
-            TaskOptions(timeout=aging)  # the same check: a finite positive number of seconds
+        # A finite positive number of seconds, checked under its own name (the error named
+        # "timeout" when this borrowed TaskOptions' check).
+        check_seconds("aging", aging, allow_none=True, positive=True)
         if max_tasks_per_worker is not None and (
             isinstance(max_tasks_per_worker, bool)
             or not isinstance(max_tasks_per_worker, int)
