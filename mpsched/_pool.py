@@ -596,7 +596,7 @@ class Pool:
                     # as when it leaves a ``with`` block: cancel what has not started and kill
                     # the workers running tasks. Else the interpreter's exit (the atexit hook,
                     # or __exit__ after this) would wait for every running task to end.
-                    if not isinstance(exc, Exception):
+                    if not isinstance(exc, Exception) and not self._coordinator.finished.is_set():
                         self._coordinator.begin_shutdown(True)
                         self._coordinator.abort_running()
                     raise
