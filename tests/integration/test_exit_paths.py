@@ -283,3 +283,70 @@ def test_a_user_fork_child_neither_uses_nor_waits_for_the_parents_pool(
     assert "child exited" in result.stdout, result.stdout
     assert "parent: 5" in result.stdout, result.stdout
     assert result.stderr == ""
+
+
+# Task functions defined in the main module (spawn and forkserver import it again, as
+# __mp_main__), and a pool that is never shut down: the interpreter's exit (the atexit hook)
+# must still run what was submitted and end every process, quietly.
+MAIN_MODULE_TASKS = """
+import os
+import psutil
+
+def square(x):
+    return x * x
+
+def record(path, x):
+    time.sleep(0.05)  # still running when the script ends
+    with open(path, "a") as f:
+        f.write(f"{x}\\n")
+
+class AddOne:
+    def __call__(self, x):
+        return x + 1
+
+if __name__ == "__main__":
+    pool = mpsched.Pool(2, start_method=sys.argv[1])
+    print(pool.submit(square, 3).result(timeout=20), list(pool.map(square, range(4))))
+    print(pool.submit(AddOne(), 1).result(timeout=20), pool.submit(lambda: 7).result(timeout=20))
+    for x in range(4):
+        pool.submit(record, "done.txt", x)
+    children = psutil.Process().children(recursive=True)
+    print("pids", *[f"{p.pid}@{p.create_time()}" for p in children], flush=True)
+    del pool  # dropped, never shut down
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_main_module_tasks_and_a_pool_never_shut_down(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    script = tmp_path / "prog.py"
+    script.write_text(PRELUDE + MAIN_MODULE_TASKS)
+    result = subprocess.run(
+        [sys.executable, str(script), start_method],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[:2] == ["9 [0, 1, 4, 9]", "2 7"], result.stdout
+    assert sorted((tmp_path / "done.txt").read_text().split()) == ["0", "1", "2", "3"]
+    started = [p.split("@") for p in lines[2].split()[1:]]
+    assert started
+    procs = []
+    for pid, create_time in started:
+        try:
+            proc = psutil.Process(int(pid))
+        except psutil.NoSuchProcess:
+            continue
+        if proc.create_time() == float(create_time):  # not a new process with a reused pid
+            procs.append(proc)
+    _, alive = psutil.wait_procs(procs, timeout=GONE_DEADLINE)
+    for leftover in alive:
+        leftover.kill()
+    assert not alive, f"processes of the script still alive after its exit: {alive}"
