@@ -751,13 +751,29 @@ def _disown_pools_in_forked_child() -> None:
     shared memory behind its coordinator's back (which then breaks on a block it never
     handed out), and a shutdown (the atexit hook at the child's exit) would wait forever for a
     coordinator thread that this process does not have. So the child's copies refuse work
-    with a clear error and their shutdown does nothing (the parent's pool goes on)."""
+    with a clear error and their shutdown does nothing (the parent's pool goes on). The
+    child also closes its copies of the coordinator's sockets: the zygote learns of its
+    coordinator's death by EOF on the control socket, which a copy here kept open, so the
+    parent's workers outlived a SIGKILLed parent as long as this child lived."""
     for pool in list(_live_pools):
         pool._closed_message = FORKED_CHILD_MESSAGE.format(pid=pool._coordinator_pid)
         pool._closed = True
         pool._started = False
         if not isinstance(pool._zygote, ForkedZygote):  # a Process of the parent's
             disown_inherited_process(pool._zygote)
+        if pool._zygote_conn is not None:
+            # /dev/null takes the number, rather than close(): under the fork start method
+            # this child may be a new zygote, which closes the numbers of its config's
+            # close_fds (listed before the fork), and a freed number may be reused by then.
+            fd = pool._zygote_conn.fileno()
+            _coordinator_fds.discard(fd)
+            null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            os.dup2(null, fd, inheritable=False)
+            os.close(null)
+        for worker in pool._coordinator.workers:
+            if worker is not None:
+                with contextlib.suppress(OSError):
+                    worker.conn.close()
     _live_pools.clear()
 
 

@@ -7,6 +7,8 @@ code raised."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import pathlib
 import signal
@@ -350,3 +352,64 @@ def test_main_module_tasks_and_a_pool_never_shut_down(
     for leftover in alive:
         leftover.kill()
     assert not alive, f"processes of the script still alive after its exit: {alive}"
+
+
+# A user's fork child that outlives its parent; the parent is then SIGKILLed.
+USER_FORK_OUTLIVES = """
+import json, os, signal
+
+if __name__ == "__main__":
+    pool = mpsched.Pool(2, start_method=sys.argv[1])
+    assert pool.submit(abs, -3).result(timeout=20) == 3
+    deadline = time.monotonic() + 20.0
+    while not all(w.pid for w in pool.statistics().per_worker):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    ours = [w.pid for w in pool.statistics().per_worker] + [pool._zygote.pid]
+    child = os.fork()
+    if child == 0:
+        signal.pause()  # until the test kills it
+        os._exit(0)
+    print(json.dumps({"pool": ours, "child": child}), flush=True)
+    signal.pause()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_user_fork_child_does_not_keep_the_pool_alive_after_its_parent_died(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    """The zygote learns of its coordinator's death by EOF on the control socket; a copy of
+    the coordinator's end inherited by a user's fork child kept it open, so the workers and
+    the zygote outlived a SIGKILLed coordinator for as long as that child lived."""
+    script = tmp_path / "prog.py"
+    script.write_text(PRELUDE + USER_FORK_OUTLIVES)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), start_method],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    pool_procs: list[psutil.Process] = []
+    child: psutil.Process | None = None
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        child = psutil.Process(info["child"])
+        pool_procs = [psutil.Process(pid) for pid in info["pool"]]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        _, alive = psutil.wait_procs(pool_procs, timeout=GONE_DEADLINE)
+        assert child.is_running(), "the fork child should still be alive here"
+        assert not alive, f"the pool outlived its SIGKILLed coordinator: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        for leftover in [*pool_procs, *([child] if child is not None else [])]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                leftover.kill()

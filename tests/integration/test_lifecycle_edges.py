@@ -97,3 +97,17 @@ def test_a_shut_down_pool_refuses_work_and_await_termination_says_when_it_ended(
     assert pool.cancel("x") is False
     assert pool.state("x") is None
     assert pool.statistics().completed == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first", ["fork", "forkserver"])
+def test_a_fork_pool_made_while_another_pool_lives(first: str) -> None:
+    """The zygote of a fork pool is an ``os.fork()`` of this process, taken while the other
+    pool is alive: the after-fork hook that disowns that pool in a fork child, and the zygote's
+    closing of the other pool's control socket, must leave both pools working (and the
+    workers' ``parent_process()`` intact)."""
+    with Pool(1, start_method=first) as a, Pool(2, start_method="fork") as b:
+        name, daemon, parent, parent_alive, _ = b.submit(tasks.process_context).result(timeout=20)
+        assert (name, daemon, parent, parent_alive) == ("mpsched-zygote", True, os.getpid(), True)
+        assert a.submit(tasks.add, 1, 2).result(timeout=20) == 3
+        assert b.submit(tasks.add, 3, 4).result(timeout=20) == 7
