@@ -748,13 +748,17 @@ class Coordinator:
         so a block whose future is still in ``by_handle`` is still that task's."""
         with self.lock:
             requests, self.requests = self.requests, []
+        later = []
         for future, force in requests:
             handle = future._handle
             if handle < 0 or self.by_handle.get(handle) is not future:
                 continue  # finished meanwhile
             self.slab.set_word(handle, _STATE, _CANCEL_REQUESTED)
-            if force:
-                self.kill_running(future)
+            if force and not self.kill_running(future):
+                later.append((future, force))
+        if later:  # retried at the next pass (the 5 ms sweep: these tasks are in flight)
+            with self.lock:
+                self.requests[:0] = later
 
     def check_timeouts(self) -> None:
         """Tasks with a timeout: note when each is first seen running (claims are not reported;
@@ -778,14 +782,20 @@ class Coordinator:
             elif overdue >= run.options.timeout_grace and not run.forced:
                 self.kill_running(future)
 
-    def kill_running(self, future: Future) -> None:
+    def kill_running(self, future: Future) -> bool:
         """Kill the worker running ``future``'s task, and no other: the worker is stopped
-        first, and killed only if the task is still on its run stack (else it continues)."""
+        first, and killed only if the task is still on its run stack (else it continues).
+
+        Returns False if the task runs on a worker not registered yet (its SPAWNED not read:
+        a worker takes tasks before that, see ``dispatch_one``): its pid is unknown, so the
+        caller must try again later; dropping the request would let the task run on."""
         handle = future._handle
         for k, slot in enumerate(self.slots):
-            worker = self.workers[k]
-            if worker is None or handle not in slot.running():
+            if handle not in slot.running():
                 continue
+            worker = self.workers[k]
+            if worker is None:
+                return False
             try:
                 send_signal(worker, signal.SIGSTOP)
                 # A worker that died on its own meanwhile (a zombie, or already reaped by the
@@ -794,7 +804,7 @@ class Coordinator:
                 # loop, and broke the pool (found by
                 # test_forced_cancel_of_a_task_whose_worker_dies_meanwhile_keeps_the_pool).
                 if not wait_stopped(worker.pid):
-                    return  # the crash path reports it
+                    return True  # dead: the crash path reports it
                 if handle in slot.running():
                     if future._run is None:
                         future._run = TaskRun(TaskOptions())
@@ -804,7 +814,8 @@ class Coordinator:
                     send_signal(worker, signal.SIGCONT)
             except ProcessLookupError:
                 pass  # it died on its own: the crash path reports it
-            return
+            return True
+        return True
 
     # ------------------------------------------------------------------ results
     def help_wait(self, future: Future) -> None:

@@ -40,7 +40,7 @@ DEFAULT_TIMEOUT_GRACE = 1.0  # seconds between the cooperative cancel of a timeo
 DEFAULT_MISFIRE_GRACE = 1.0  # seconds late a recurring run may start before it is a misfire
 
 
-def _check_seconds(name: str, value: object, *, allow_none: bool, positive: bool) -> None:
+def check_seconds(name: str, value: object, *, allow_none: bool, positive: bool) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -81,10 +81,10 @@ class TaskOptions:
     misfire_grace: float = DEFAULT_MISFIRE_GRACE
 
     def __post_init__(self) -> None:
-        _check_seconds("timeout", self.timeout, allow_none=True, positive=True)
-        _check_seconds("timeout_grace", self.timeout_grace, allow_none=False, positive=False)
-        _check_seconds("every", self.every, allow_none=True, positive=True)
-        _check_seconds("misfire_grace", self.misfire_grace, allow_none=False, positive=False)
+        check_seconds("timeout", self.timeout, allow_none=True, positive=True)
+        check_seconds("timeout_grace", self.timeout_grace, allow_none=False, positive=False)
+        check_seconds("every", self.every, allow_none=True, positive=True)
+        check_seconds("misfire_grace", self.misfire_grace, allow_none=False, positive=False)
         if isinstance(self.retries, bool) or not isinstance(self.retries, int):
             raise TypeError(f"retries must be an int, not {type(self.retries).__name__}")
         if self.retries < 0:

@@ -48,11 +48,17 @@ from mpsched._coordinator import Coordinator
 from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
 from mpsched._future import Future
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
-from mpsched._options import TaskOptions
+from mpsched._options import TaskOptions, check_seconds
 from mpsched._protocol import PICKLE_PROTOCOL, load_exception
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
 from mpsched._serialize import FunctionCache, dumps
-from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
+from mpsched._shm import (
+    AnonSegment,
+    SharedFd,
+    create_eventfd,
+    disown_inherited_process,
+    sweep_stale_names,
+)
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
 from mpsched._wakeup import Wakeup
@@ -190,8 +196,9 @@ class Pool:
             raise TypeError(f"dispatch_window must be an int, not {type(dispatch_window).__name__}")
         if not 1 <= dispatch_window <= DISPATCH_WINDOW_MAX:
             raise ValueError(f"dispatch_window must be in 1..{DISPATCH_WINDOW_MAX}")
-        if aging is not None:
-            TaskOptions(timeout=aging)  # the same check: a finite positive number of seconds
+        # A finite positive number of seconds, checked under its own name (the error named
+        # "timeout" when this borrowed TaskOptions' check).
+        check_seconds("aging", aging, allow_none=True, positive=True)
         if max_tasks_per_worker is not None and (
             isinstance(max_tasks_per_worker, bool)
             or not isinstance(max_tasks_per_worker, int)
@@ -214,6 +221,7 @@ class Pool:
         self._recurring_after_shutdown = bool(recurring_after_shutdown)
         self._shutdown_lock = threading.Lock()
         self._closed = False
+        self._closed_message = POOL_CLOSED_MESSAGE  # another one in a forked child
         self._started = False
         self._start()
 
@@ -276,6 +284,7 @@ class Pool:
         finally:
             locks.unlink_names()  # from here on, nothing of the pool has a name
         self._coordinator.go.set()
+        self._coordinator_pid = os.getpid()
         self._started = True
         _live_pools.add(self)
 
@@ -376,7 +385,7 @@ class Pool:
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         if self._closed:  # early, before pickling; the coordinator decides under its lock
-            raise PoolClosedError(POOL_CLOSED_MESSAGE)
+            raise PoolClosedError(self._closed_message)
         payload = self._functions.encode(fn, args, kwargs)
         future = Future(self._coordinator, payload)
         if options is not None and not options.is_plain:
@@ -433,7 +442,7 @@ class Pool:
         except Exception as exc:
             raise TypeError(f"task_id must be hashable and picklable: {exc!r}") from exc
         if self._closed:  # early, before pickling; the coordinator decides under its lock
-            raise PoolClosedError(POOL_CLOSED_MESSAGE)
+            raise PoolClosedError(self._closed_message)
         coordinator = self._coordinator
         call = self._functions.encode(fn, args, kwargs, (task_id,))
         future = Future(coordinator, call, priority)
@@ -512,7 +521,7 @@ class Pool:
         if chunksize is not None and (not isinstance(chunksize, int) or chunksize < 1):
             raise ValueError(f"chunksize must be a positive int or None, not {chunksize!r}")
         if self._closed:
-            raise PoolClosedError(POOL_CLOSED_MESSAGE)
+            raise PoolClosedError(self._closed_message)
         deadline = None if timeout is None else time.monotonic() + timeout
         if len(iterables) == 1:  # the items go as they are (see _chunks)
             return self._map(fn, iter(iterables[0]), False, chunksize, deadline)
@@ -591,7 +600,17 @@ class Pool:
             # Not from the coordinator thread (a done-callback calling shutdown()): it would
             # wait for its own end, forever; the thread drains once the callback returns.
             if wait and threading.get_ident() != self._coordinator.thread_id:
-                self.await_termination()
+                try:
+                    self.await_termination()
+                except BaseException as exc:
+                    # Ctrl-C (a non-Exception) while waiting for the drain means "stop now",
+                    # as when it leaves a ``with`` block: cancel what has not started and kill
+                    # the workers running tasks. Else the interpreter's exit (the atexit hook,
+                    # or __exit__ after this) would wait for every running task to end.
+                    if not isinstance(exc, Exception) and not self._coordinator.finished.is_set():
+                        self._coordinator.begin_shutdown(True)
+                        self._coordinator.abort_running()
+                    raise
 
     def await_termination(self, timeout: float | None = None) -> bool:
         """Wait until all work is done and the workers are gone; False on timeout."""
@@ -728,6 +747,48 @@ def _max_chunk(chunk: list[Any]) -> int:
     except Exception:  # submit says why, with cloudpickle's help; size by count meanwhile
         return MAP_MAX_CHUNK
     return max(1, min(MAP_MAX_CHUNK, MAP_CHUNK_BYTES * len(sample) // max(1, nbytes)))
+
+
+FORKED_CHILD_MESSAGE = (
+    "this pool belongs to the process that created it (pid {pid}); this process is a child of "
+    "os.fork() and cannot use it: create a new Pool here"
+)
+
+
+def _disown_pools_in_forked_child() -> None:
+    """``os.fork()`` (by user code, or a zygote under the fork start method): the child has
+    copies of the pools' objects but not their coordinator threads, and shares their memory
+    with the parent. The pools stay the parent's: here a submit would write into the parent's
+    shared memory behind its coordinator's back (which then breaks on a block it never
+    handed out), and a shutdown (the atexit hook at the child's exit) would wait forever for a
+    coordinator thread that this process does not have. So the child's copies refuse work
+    with a clear error and their shutdown does nothing (the parent's pool goes on). The
+    child also closes its copies of the coordinator's sockets: the zygote learns of its
+    coordinator's death by EOF on the control socket, which a copy here kept open, so the
+    parent's workers outlived a SIGKILLed parent as long as this child lived."""
+    for pool in list(_live_pools):
+        pool._closed_message = FORKED_CHILD_MESSAGE.format(pid=pool._coordinator_pid)
+        pool._closed = True
+        pool._started = False
+        if not isinstance(pool._zygote, ForkedZygote):  # a Process of the parent's
+            disown_inherited_process(pool._zygote)
+        if pool._zygote_conn is not None:
+            # /dev/null takes the number, rather than close(): under the fork start method
+            # this child may be a new zygote, which closes the numbers of its config's
+            # close_fds (listed before the fork), and a freed number may be reused by then.
+            fd = pool._zygote_conn.fileno()
+            _coordinator_fds.discard(fd)
+            null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            os.dup2(null, fd, inheritable=False)
+            os.close(null)
+        for worker in pool._coordinator.workers:
+            if worker is not None:
+                with contextlib.suppress(OSError):
+                    worker.conn.close()
+    _live_pools.clear()
+
+
+os.register_at_fork(after_in_child=_disown_pools_in_forked_child)
 
 
 @atexit.register

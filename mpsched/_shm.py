@@ -16,7 +16,8 @@ What this module owns:
       started by a bare ``os.fork()`` (fork start method) keeps.
     This is the ONLY module that touches private CPython API (``_multiprocessing``; ``_ctypes``
     for that one ``prctl`` call, see ``death_signal_setter``; ``multiprocessing.process`` and
-    ``multiprocessing.util`` internals in ``become_forked_child``):
+    ``multiprocessing.util`` internals in ``become_forked_child``, ``process._children`` in
+    ``disown_inherited_process``):
     ``SemLock(kind, value, maxvalue, name, unlink)``, ``SemLock._rebuild(handle, kind, maxvalue,
     name)`` and ``sem_unlink(name)``, as in 3.11's Modules/_multiprocessing/semaphore.c (the same
     calls ``multiprocessing.synchronize`` makes). If they change, only this file changes.
@@ -77,6 +78,7 @@ __all__ = (
     "create_lock",
     "create_semaphore",
     "death_signal_setter",
+    "disown_inherited_process",
     "open_lock",
     "sweep_stale_names",
     "unlink_lock_name",
@@ -500,6 +502,17 @@ def become_forked_child(name: str, parent_pid: int, stdin: TextIO | None) -> Non
     threading.main_thread()._set_native_id()  # type: ignore[attr-defined]
     util._finalizer_registry.clear()  # type: ignore[attr-defined]
     util._run_after_forkers()  # type: ignore[attr-defined]
+
+
+def disown_inherited_process(proc: object) -> None:
+    """In a child of a user's ``os.fork()``: ``proc``, a ``multiprocessing.Process`` started
+    by the parent (a pool's zygote), is not this process's child. Drop it from
+    ``multiprocessing``'s record of children, whose exit hook (3.11 ``util._exit_function``)
+    would otherwise SIGTERM it at this process's exit, as a daemonic child (the parent's pool
+    then breaks), and fail to join it ("can only join a child process")."""
+    from multiprocessing import process
+
+    process._children.discard(proc)  # type: ignore[attr-defined]
 
 
 def create_eventfd() -> int:

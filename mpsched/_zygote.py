@@ -119,7 +119,10 @@ class _Zygote:
         self.stopping = False
 
     def serve(self) -> None:
-        self.conn.send_bytes(encode(Tag.READY))
+        try:
+            self.conn.send_bytes(encode(Tag.READY))
+        except OSError:  # EPIPE: Pool() gave up before READY (a Ctrl-C in it): exit quietly,
+            self._coordinator_gone()  # not with a traceback on the user's terminal
         for slot in self.cfg.initial_slots:
             self._spawn(slot)
         while not (self.stopping and not self.children):

@@ -1,0 +1,415 @@
+"""How a program that uses a pool ends: Ctrl-C at each place the main thread can block (the
+``with`` block's exit, ``shutdown(wait=True)``, ``Pool()`` itself), SIGTERM and a dropped pool
+at interpreter exit. Each runs in a fresh interpreter (a script in ``tmp_path``, like a user's
+program), and the test checks the aftermath: the exit comes in time, every process the script
+started is gone, nothing of it is left in /dev/shm, and stderr holds only what the user's own
+code raised."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from mpsched import Pool
+from mpsched._coordinator import Coordinator
+
+from . import tasks
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXIT_DEADLINE = 20.0  # s from the signal to the script's exit (the tasks spin for 60 s)
+GONE_DEADLINE = 5.0  # s from the script's exit until every process it started is gone
+
+# The script's helpers: a task that spins, and ``when_main_in(name)``, which prints "ready"
+# once the main thread's stack holds a frame of the function ``name`` (polled with a deadline:
+# the test then knows where the main thread blocks when it sends the signal).
+PRELUDE = """
+import json, sys, threading, time
+import mpsched
+
+def spin(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return seconds
+
+def when_main_in(name):
+    main = threading.main_thread().ident
+    def watch():
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            frame = sys._current_frames().get(main)
+            while frame is not None:
+                if frame.f_code.co_name == name:
+                    print("ready", flush=True)
+                    return
+                frame = frame.f_back
+            time.sleep(0.001)
+    threading.Thread(target=watch, daemon=True).start()
+"""
+
+# Ctrl-C while leaving a ``with`` block normally: __exit__ waits for two 60 s tasks.
+WITH_EXIT = """
+if __name__ == "__main__":
+    with mpsched.Pool(2, start_method=sys.argv[1]) as pool:
+        futures = [pool.submit(spin, 60.0) for _ in range(2)]
+        when_main_in("await_termination")
+"""
+
+# Ctrl-C while an explicit shutdown(wait=True) waits for two 60 s tasks.
+SHUTDOWN_WAIT = """
+if __name__ == "__main__":
+    pool = mpsched.Pool(2, start_method=sys.argv[1])
+    futures = [pool.submit(spin, 60.0) for _ in range(2)]
+    when_main_in("await_termination")
+    pool.shutdown(wait=True)
+"""
+
+
+def _run_and_interrupt(
+    tmp_path: pathlib.Path, body: str, start_method: str, sig: int = signal.SIGINT
+) -> tuple[int, str, str]:
+    """Run PRELUDE + ``body``; once it prints "ready", send ``sig``. Returns (returncode,
+    stdout, stderr) after checking that the exit came within EXIT_DEADLINE and that every
+    process the script started is gone within GONE_DEADLINE."""
+    script = tmp_path / "prog.py"
+    script.write_text(PRELUDE + body)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), start_method],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    descendants: list[psutil.Process] = []
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", line + (proc.stderr.read() if proc.stderr else "")
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        if sig:  # 0: the script interrupts itself
+            os.kill(proc.pid, sig)
+        try:
+            out, err = proc.communicate(timeout=EXIT_DEADLINE)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the script did not exit within {EXIT_DEADLINE} s of the signal")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        _, alive = psutil.wait_procs(descendants, timeout=GONE_DEADLINE)
+        for leftover in alive:
+            leftover.kill()
+    assert not alive, f"processes of the script still alive after its exit: {alive}"
+    left = [n for n in os.listdir("/dev/shm") if f"mpsched-{proc.pid}-" in n]
+    assert not left, f"left in /dev/shm: {left}"
+    return proc.returncode, out, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+@pytest.mark.parametrize("body", [WITH_EXIT, SHUTDOWN_WAIT], ids=["with-exit", "shutdown"])
+def test_ctrl_c_while_waiting_for_the_shutdown_stops_running_tasks(
+    tmp_path: pathlib.Path, body: str, start_method: str
+) -> None:
+    """Ctrl-C means "stop now" (design.md, "Ctrl-C"): also when it comes while the pool already
+    waits for its running tasks, in ``__exit__`` or in ``shutdown(wait=True)``. The interpreter's
+    exit must not then wait (in the atexit hook) for the 60 s tasks."""
+    code, _, err = _run_and_interrupt(tmp_path, body, start_method)
+    assert code != 0
+    assert err.count("Traceback (most recent call last)") == 1, err
+    assert err.rstrip().endswith("KeyboardInterrupt"), err
+
+
+# Ctrl-C inside Pool(), before the zygote's READY. Under spawn the zygote imports the main
+# module as __mp_main__ before it reads its config: there it sends the SIGINT to the script,
+# then waits until the script has closed its end of the control socket (its Pool() gave up)
+# and only then goes on to send READY.
+CTOR = """
+import os, select, signal
+
+def _wait_for_hang_up():
+    sockets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                sockets.append(int(fd))
+        except OSError:  # the fd of the listing itself
+            pass
+    poller = select.poll()
+    for fd in sockets:
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+    poller.poll(30_000)
+
+if __name__ == "__mp_main__":  # the zygote, importing the main module
+    os.kill(os.getppid(), signal.SIGINT)
+    _wait_for_hang_up()
+
+if __name__ == "__main__":
+    print("ready", flush=True)
+    try:
+        mpsched.Pool(2, start_method=sys.argv[1])
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_in_pool_creation_leaves_nothing_and_prints_nothing(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The zygote finds its coordinator gone when it reports READY: it must exit quietly (no
+    BrokenPipeError traceback on the user's terminal), like after READY (``_coordinator_gone``)."""
+    code, out, err = _run_and_interrupt(tmp_path, CTOR, "spawn", sig=0)
+    assert code == 0, err
+    assert "interrupted" in out
+    assert err == ""
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_exit_kills_a_task_on_a_worker_not_registered_yet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker runs tasks before the coordinator thread has read its SPAWNED (design.md:
+    "No worker is waited for"). A kill request (Ctrl-C leaving a ``with`` block, i.e.
+    ``abort_running``; or ``cancel(force=True)``) for a task running there must not be dropped
+    because the worker's pid is not known yet: it must wait for the registration. Here the
+    coordinator thread is kept from reading the zygote's messages until the request was seen."""
+    gate = threading.Event()
+    applied = threading.Event()
+    read_zygote_message = Coordinator.on_zygote_message
+    apply_requests = Coordinator.apply_requests
+
+    def gated(self: Coordinator, block: bool) -> None:
+        if gate.is_set():
+            read_zygote_message(self, block)
+
+    def noted(self: Coordinator) -> None:
+        apply_requests(self)
+        applied.set()
+
+    monkeypatch.setattr(Coordinator, "on_zygote_message", gated)
+    monkeypatch.setattr(Coordinator, "apply_requests", noted)
+    pool = Pool(1, start_method="fork")
+    try:
+        future = pool.submit(tasks.spin, 30.0)
+        deadline = time.monotonic() + 20.0
+        while pool._views.slots[0].run_depth() < 1:  # the unregistered worker runs it
+            assert time.monotonic() < deadline, "the worker did not start the task"
+            time.sleep(0.001)
+        assert pool._coordinator.workers == [None]
+        # What __exit__ does on a KeyboardInterrupt.
+        pool.shutdown(wait=False, cancel_futures=True)
+        pool._coordinator.abort_running()
+        assert applied.wait(20.0), "the coordinator thread did not take the kill request"
+        gate.set()
+        assert pool.await_termination(timeout=10.0), "the running task was not killed"
+        assert future.cancelled()
+    finally:
+        gate.set()
+        if not pool.await_termination(timeout=0):  # failed: do not wait for the 30 s task
+            os.kill(pool._zygote.pid, signal.SIGKILL)
+        pool.shutdown(wait=True)
+
+
+# os.fork() by user code while a pool is alive: the child inherits the Pool object but not its
+# coordinator thread. The child tries the pool, then ends normally (its atexit hooks run).
+USER_FORK = """
+import os
+
+if __name__ == "__main__":
+    pool = mpsched.Pool(2, start_method=sys.argv[1])
+    assert pool.submit(abs, -3).result(timeout=20) == 3
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        try:
+            pool.submit(abs, -4)
+            outcome = "submit worked"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        os.write(write_end, outcome.encode())
+        os.close(write_end)
+        sys.exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        print("child:", pipe.read(), flush=True)
+    deadline = time.monotonic() + 10.0
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            print("child hung at exit", flush=True)
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.01)
+    else:
+        print("child exited", flush=True)
+    print("parent:", pool.submit(abs, -5).result(timeout=20), flush=True)
+    pool.shutdown()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_user_fork_child_neither_uses_nor_waits_for_the_parents_pool(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    """The pool belongs to the process that created it. In a child of ``os.fork()`` it must
+    refuse work with a clear error (a submit there went to the parent's workers through the
+    shared memory, behind the parent's coordinator's back), and the child's exit must not wait
+    for a drain that no thread of the child will ever run (the atexit hook hung)."""
+    script = tmp_path / "prog.py"
+    script.write_text(PRELUDE + USER_FORK)
+    result = subprocess.run(
+        [sys.executable, str(script), start_method],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "child: PoolClosedError" in result.stdout, result.stdout
+    assert "os.fork()" in result.stdout, result.stdout  # the error says why
+    assert "child exited" in result.stdout, result.stdout
+    assert "parent: 5" in result.stdout, result.stdout
+    assert result.stderr == ""
+
+
+# Task functions defined in the main module (spawn and forkserver import it again, as
+# __mp_main__), and a pool that is never shut down: the interpreter's exit (the atexit hook)
+# must still run what was submitted and end every process, quietly.
+MAIN_MODULE_TASKS = """
+import os
+import psutil
+
+def square(x):
+    return x * x
+
+def record(path, x):
+    time.sleep(0.05)  # still running when the script ends
+    with open(path, "a") as f:
+        f.write(f"{x}\\n")
+
+class AddOne:
+    def __call__(self, x):
+        return x + 1
+
+if __name__ == "__main__":
+    pool = mpsched.Pool(2, start_method=sys.argv[1])
+    print(pool.submit(square, 3).result(timeout=20), list(pool.map(square, range(4))))
+    print(pool.submit(AddOne(), 1).result(timeout=20), pool.submit(lambda: 7).result(timeout=20))
+    for x in range(4):
+        pool.submit(record, "done.txt", x)
+    children = psutil.Process().children(recursive=True)
+    print("pids", *[f"{p.pid}@{p.create_time()}" for p in children], flush=True)
+    del pool  # dropped, never shut down
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_main_module_tasks_and_a_pool_never_shut_down(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    script = tmp_path / "prog.py"
+    script.write_text(PRELUDE + MAIN_MODULE_TASKS)
+    result = subprocess.run(
+        [sys.executable, str(script), start_method],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[:2] == ["9 [0, 1, 4, 9]", "2 7"], result.stdout
+    assert sorted((tmp_path / "done.txt").read_text().split()) == ["0", "1", "2", "3"]
+    started = [p.split("@") for p in lines[2].split()[1:]]
+    assert started
+    procs = []
+    for pid, create_time in started:
+        try:
+            proc = psutil.Process(int(pid))
+        except psutil.NoSuchProcess:
+            continue
+        if proc.create_time() == float(create_time):  # not a new process with a reused pid
+            procs.append(proc)
+    _, alive = psutil.wait_procs(procs, timeout=GONE_DEADLINE)
+    for leftover in alive:
+        leftover.kill()
+    assert not alive, f"processes of the script still alive after its exit: {alive}"
+
+
+# A user's fork child that outlives its parent; the parent is then SIGKILLed.
+USER_FORK_OUTLIVES = """
+import json, os, signal
+
+if __name__ == "__main__":
+    pool = mpsched.Pool(2, start_method=sys.argv[1])
+    assert pool.submit(abs, -3).result(timeout=20) == 3
+    deadline = time.monotonic() + 20.0
+    while not all(w.pid for w in pool.statistics().per_worker):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    ours = [w.pid for w in pool.statistics().per_worker] + [pool._zygote.pid]
+    child = os.fork()
+    if child == 0:
+        signal.pause()  # until the test kills it
+        os._exit(0)
+    print(json.dumps({"pool": ours, "child": child}), flush=True)
+    signal.pause()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_user_fork_child_does_not_keep_the_pool_alive_after_its_parent_died(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    """The zygote learns of its coordinator's death by EOF on the control socket; a copy of
+    the coordinator's end inherited by a user's fork child kept it open, so the workers and
+    the zygote outlived a SIGKILLed coordinator for as long as that child lived."""
+    script = tmp_path / "prog.py"
+    script.write_text(PRELUDE + USER_FORK_OUTLIVES)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), start_method],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    pool_procs: list[psutil.Process] = []
+    child: psutil.Process | None = None
+    try:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        child = psutil.Process(info["child"])
+        pool_procs = [psutil.Process(pid) for pid in info["pool"]]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        _, alive = psutil.wait_procs(pool_procs, timeout=GONE_DEADLINE)
+        assert child.is_running(), "the fork child should still be alive here"
+        assert not alive, f"the pool outlived its SIGKILLed coordinator: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        for leftover in [*pool_procs, *([child] if child is not None else [])]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                leftover.kill()

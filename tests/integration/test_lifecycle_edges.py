@@ -1,0 +1,113 @@
+"""The edges of a pool's life, in the test's own process: bad constructor arguments (a clear
+error naming the argument, and nothing started: the no_leaks fixture checks processes, fds and
+/dev/shm), many pools in a row (no fd left behind), a pool made and ended in another thread,
+and what a shut-down pool answers."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from mpsched import Pool, PoolClosedError
+
+from . import tasks
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"workers": 0}, ValueError, "workers"),
+        ({"workers": -1}, ValueError, "workers"),
+        ({"workers": 1.5}, TypeError, "workers"),
+        ({"workers": "2"}, TypeError, "workers"),
+        ({"workers": True}, TypeError, "workers"),
+        ({"start_method": "nope"}, ValueError, "start_method"),
+        ({"dispatch_window": 0}, ValueError, "dispatch_window"),
+        ({"aging": -1}, ValueError, "aging"),
+        ({"aging": math.nan}, ValueError, "aging"),
+        ({"aging": "slow"}, TypeError, "aging"),
+        ({"max_tasks_per_worker": 0}, ValueError, "max_tasks_per_worker"),
+        ({"initializer": 1}, TypeError, "initializer"),
+    ],
+    ids=str,
+)
+def test_a_bad_constructor_argument_is_named_in_the_error(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        Pool(**kwargs)
+
+
+def _fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_twenty_pools_in_a_row_leave_no_fd_behind(start_method: str) -> None:
+    with Pool(1, start_method=start_method) as pool:  # lazily made fds of the stdlib, first
+        pool.submit(tasks.ident, 0).result(timeout=20)
+    before = _fds()
+    for i in range(20):
+        with Pool(2, start_method=start_method) as pool:
+            assert pool.submit(tasks.ident, i).result(timeout=20) == i
+    assert _fds() - before == set()
+
+
+@pytest.mark.timeout(60)
+def test_a_pool_made_and_shut_down_in_another_thread() -> None:
+    results: list[Any] = []
+
+    def run() -> None:
+        try:
+            with Pool(2) as pool:
+                results.append(pool.submit(tasks.add, 2, 3).result(timeout=20))
+                results.append(list(pool.map(tasks.ident, range(5))))
+        except BaseException as exc:  # reported below, in the test's thread
+            results.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(50)
+    assert not thread.is_alive()
+    assert results == [5, [0, 1, 2, 3, 4]]
+
+
+@pytest.mark.timeout(60)
+def test_a_shut_down_pool_refuses_work_and_await_termination_says_when_it_ended() -> None:
+    pool = Pool(1)
+    gate = pool.submit(tasks.spin, 0.3)
+    assert pool.await_termination(timeout=0.01) is False  # running: no shutdown asked
+    pool.shutdown(wait=False)
+    with pytest.raises(PoolClosedError):
+        pool.submit(tasks.ident, 1)
+    with pytest.raises(PoolClosedError):
+        pool.map(tasks.ident, [1])
+    with pytest.raises(PoolClosedError):
+        pool.schedule("x", time.monotonic(), 0, tasks.ident, 1)
+    assert pool.await_termination(timeout=20) is True
+    assert gate.result(timeout=0) == 0.3  # the drain ran it
+    assert pool.await_termination(timeout=0) is True  # and again: still ended
+    pool.shutdown(wait=True)  # a no-op
+    assert pool.cancel("x") is False
+    assert pool.state("x") is None
+    assert pool.statistics().completed == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first", ["fork", "forkserver"])
+def test_a_fork_pool_made_while_another_pool_lives(first: str) -> None:
+    """The zygote of a fork pool is an ``os.fork()`` of this process, taken while the other
+    pool is alive: the after-fork hook that disowns that pool in a fork child, and the zygote's
+    closing of the other pool's control socket, must leave both pools working (and the
+    workers' ``parent_process()`` intact)."""
+    with Pool(1, start_method=first) as a, Pool(2, start_method="fork") as b:
+        name, daemon, parent, parent_alive, _ = b.submit(tasks.process_context).result(timeout=20)
+        assert (name, daemon, parent, parent_alive) == ("mpsched-zygote", True, os.getpid(), True)
+        assert a.submit(tasks.add, 1, 2).result(timeout=20) == 3
+        assert b.submit(tasks.add, 3, 4).result(timeout=20) == 7
