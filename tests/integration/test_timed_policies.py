@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
 from concurrent.futures import wait
 from pathlib import Path
 
@@ -26,31 +25,7 @@ from mpsched import Pool, TaskState
 from . import bad_tasks as bt
 from . import tasks
 from . import timed_tasks as tt
-
-CONDITION_TIMEOUT = 20.0  # seconds a polled condition may take before the test fails
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    """Poll ``condition`` (a state of the pool, not a time) until true; fail after a bound."""
-    deadline = time.monotonic() + CONDITION_TIMEOUT
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting until {what}")
-        time.sleep(0.001)
-
-
-class Fifos:
-    def __init__(self, tmp: Path) -> None:
-        self.gate = str(tmp / "gate")
-        self.started = str(tmp / "started")
-        self.log = str(tmp / "log")
-        os.mkfifo(self.gate)
-        os.mkfifo(self.started)
-
-
-@pytest.fixture
-def fifos(tmp_path: Path) -> Fifos:
-    return Fifos(tmp_path)
+from .conditions import CONDITION_TIMEOUT, Fifos, wait_until
 
 
 # ---------------------------------------------------------------- timeouts and state()
