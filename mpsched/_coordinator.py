@@ -20,6 +20,12 @@ of a higher priority than one waiting in an inbox takes the lower ones back (``t
 so that it never waits behind them. The done rings are sized for ``max_inflight``, so they
 cannot overflow.
 
+Deferred cancels (``cancel_later``): a cleanup that may run inside any critical section of its
+own thread (a ``Pool.map`` generator finalized by the cyclic garbage collector, which runs
+inside any allocation) must take no lock: it appends the futures to ``deferred_cancels`` (a
+``collections.deque``: append and popleft are atomic under the GIL) and wakes the loop without
+a lock (``wakeup_nowait``); the loop cancels them on its next pass, before it dispatches.
+
 Cancel (``withdraw``): a task in the timetable or the ready queue is dropped; a task in an inbox
 is cancelled with ``cancel_injected`` under the slot lock, where it races the claim and exactly
 one wins; a claimed task gets the cooperative flag in its block (``apply_requests``), or, forced,
@@ -29,6 +35,7 @@ argument.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -38,7 +45,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -156,6 +163,7 @@ class Coordinator:
         aging: float | None = None,
         timed_after_shutdown: bool = True,
         recurring_after_shutdown: bool = False,
+        wakeup_nowait: Any = None,
     ) -> None:
         self.slots = views.slots
         self.slab = views.slab
@@ -164,6 +172,10 @@ class Coordinator:
         self.zygote = zygote_conn
         self.wakeup = wakeup
         self.clear_wakeup = clear_wakeup
+        self.wakeup_nowait = wakeup if wakeup_nowait is None else wakeup_nowait
+        # Futures to cancel on the loop's next pass (cancel_later). Written by: any thread,
+        # without a lock (append). Read by: the coordinator thread (popleft).
+        self.deferred_cancels: collections.deque[Future] = collections.deque()
         self.n_workers = n_workers
         self.window = window
         self.max_inflight = max_inflight
@@ -376,6 +388,22 @@ class Coordinator:
                 self.timetable.withdrawn(future)
             return True
 
+    def cancel_later(self, futures: Iterable[Future]) -> None:
+        """Any thread, in any context: have the loop cancel ``futures`` (``Future.cancel``) on
+        its next pass. Takes no lock, so it may run inside a critical section of the calling
+        thread: a generator finalized by the garbage collector while this thread holds
+        ``self.lock``, the futures' module lock, a slot lock or the wakeup's lock would wait for
+        itself in ``Future.cancel``. For futures without user callbacks (``Pool.map``'s): the
+        loop's cancel would run them in this thread."""
+        self.deferred_cancels.extend(futures)
+        self.wakeup_nowait()
+
+    def cancel_deferred(self) -> None:
+        """Coordinator thread, no lock held: cancel what ``cancel_later`` handed over."""
+        deferred = self.deferred_cancels
+        while deferred:
+            deferred.popleft().cancel()
+
     def withdraw(self, future: Future) -> bool:
         """Under ``self.lock``: make sure a task no worker has claimed never runs. True if it
         will not run (withdrawn now or before); False if it was claimed or has finished."""
@@ -490,6 +518,8 @@ class Coordinator:
                     worker = self.by_fd.get(fd)
                     if worker is not None:
                         self.on_worker_readable(worker)
+            if self.deferred_cancels:  # before dispatch: a cancelled chunk is never injected
+                self.cancel_deferred()
             self.collect()
             if self.requests:
                 self.apply_requests()
