@@ -907,27 +907,77 @@ class Coordinator:
             if not slot.done_depth():
                 continue
             handles = slot.take_done()
-            outcomes = []
-            unknown = []
+            outcomes: list[tuple[Future, int, bytes]] = []
+            unknown: list[int] = []
+            read = 0  # handles[:read] are in outcomes or unknown
             try:
                 for handle in handles:
-                    future = self.by_handle.pop(handle, None)
+                    future = self.by_handle.get(handle)
                     if future is None:
                         unknown.append(handle)
-                        continue
-                    status = slab.get_word(handle, _RESULT_STATUS)
-                    nbytes = slab.get_word(handle, _RESULT_NBYTES)
-                    if nbytes >= 0:
-                        data = slab.read_result(handle)[1]
                     else:
-                        data = self.stash_take(-nbytes, k)
-                    outcomes.append((future, status, data))
-            finally:  # settle what was taken even if one entry is bad: nothing is lost
+                        status, data = self.read_outcome(handle, k)
+                        outcomes.append((self.by_handle.pop(handle), status, data))
+                    read += 1
+            except BaseException as exc:
+                # Every handle taken from the ring ends its future, even when reading one
+                # raised (a stash lost with its worker, a user-thread collector's wait for a
+                # stash timed out or was interrupted): its block is freed below, so a future
+                # left out would never settle and its waiter would hang.
+                self.fail_unread(handles[read:], k, exc, outcomes, unknown)
+                raise
+            finally:
                 slab.free_tasks([h for h in handles if h not in unknown] if unknown else handles)
                 self.completed += len(outcomes)
                 self.settle(outcomes)
             if unknown:
                 raise InternalError(f"worker {k} completed unknown task blocks {unknown}")
+
+    def read_outcome(self, handle: int, slot: int) -> tuple[int, bytes]:
+        """A completed top-level task's status and result bytes (from its blocks or the
+        stash)."""
+        slab = self.slab
+        status = slab.get_word(handle, _RESULT_STATUS)
+        nbytes = slab.get_word(handle, _RESULT_NBYTES)
+        if nbytes >= 0:
+            return status, slab.read_result(handle)[1]
+        return status, self.stash_take(-nbytes, slot)
+
+    def fail_unread(
+        self,
+        handles: list[int],
+        slot: int,
+        exc: BaseException,
+        outcomes: list[tuple[Future, int, bytes]],
+        unknown: list[int],
+    ) -> None:
+        """``collect_locked``, after reading ``handles[0]``'s result raised ``exc``: every one
+        of ``handles`` gets an outcome. Results in their blocks are
+        still read (that cannot block); the others fail with the error, without waiting for
+        another stash (a user thread would wait for each), and their stashed bytes, if they
+        came, are dropped."""
+        # BrokenPoolError: in the coordinator thread the exception goes on to break the pool,
+        # and every other unfinished future fails with that error too.
+        error = BrokenPoolError(
+            f"the result of this task could not be read: reading the results of worker "
+            f"{slot} raised {exc!r}"
+        )
+        error.__cause__ = exc
+        failed = dump_exception(error)
+        slab = self.slab
+        for i, handle in enumerate(handles):
+            future = self.by_handle.pop(handle, None)
+            if future is None:
+                unknown.append(handle)
+                continue
+            nbytes = slab.get_word(handle, _RESULT_NBYTES)
+            if i and nbytes >= 0:
+                status = slab.get_word(handle, _RESULT_STATUS)
+                outcomes.append((future, status, slab.read_result(handle)[1]))
+                continue
+            if nbytes < 0:
+                self.stash.pop(-nbytes, None)
+            outcomes.append((future, _ERROR, failed))
 
     def settle(self, outcomes: list[tuple[Future, int, bytes]]) -> None:
         """Resolve futures; tasks with an id or options first update the timetable (so that a

@@ -229,3 +229,9 @@ def started_gate_then_ident(started: str, gate_path: str) -> None:
     with open(started, "wb") as fifo:
         fifo.write(b"s")
     gate(gate_path)
+
+
+def announce(started: str) -> None:
+    """Write one byte to the FIFO ``started`` (blocks until the test reads it), then return."""
+    with open(started, "wb") as fifo:
+        fifo.write(b"s")

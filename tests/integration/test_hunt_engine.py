@@ -8,12 +8,21 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import wait
 
 import pytest
 
-from mpsched import BrokenPoolError, Pool, PoolClosedError, WorkerCrashedError, _pool
+from mpsched import (
+    BrokenPoolError,
+    Pool,
+    PoolClosedError,
+    WorkerCrashedError,
+    _pool,
+)
+from mpsched._coordinator import Coordinator
+from mpsched._errors import ProtocolError
 
 from . import hunt_tasks as ht
 from . import tasks
@@ -57,6 +66,55 @@ def _force_down(pool: Pool) -> None:
     if not pool.await_termination(10):
         pool._zygote.kill()
         assert pool.await_termination(20)
+
+
+@pytest.mark.timeout(60)
+def test_results_taken_with_one_that_cannot_be_read_all_settle(
+    gates: tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A collector takes a batch of handles from a done ring and frees their blocks. When
+    reading one result raised (here the stash), the futures of that one and of those after it
+    in the batch never settled: a waiter hung, and completed tasks failed with the broken pool's
+    error. Now the unreadable one fails (BrokenPoolError) and the rest keep their results."""
+    started, gate, _ = gates
+    announced = os.path.join(os.path.dirname(started), "announced")
+    os.mkfifo(announced)
+    collecting = threading.Event()
+    real_collect = Coordinator.collect
+
+    def gated_collect(self: Coordinator) -> None:  # skipped until the batch is complete
+        if collecting.is_set():
+            real_collect(self)
+
+    def lost_stash(self: Coordinator, key: int, slot: int) -> bytes:
+        raise ProtocolError(f"stashed result {key} lost (injected)")
+
+    monkeypatch.setattr(Coordinator, "collect", gated_collect)
+    monkeypatch.setattr(Coordinator, "stash_take", lost_stash)
+    pool = Pool(1, start_method="fork")
+    try:
+        first = pool.submit(tasks.started_then_gated, started, gate, "first")
+        tasks.wait_started(started)  # the one worker is busy: the rest queue in its inbox
+        big = pool.submit(tasks.make_bytes, 500_000)  # too big for a block chain: stashed
+        small = [pool.submit(tasks.ident, i) for i in range(3)]
+        last = pool.submit(ht.announce, announced)
+        tasks.open_gate(gate)
+        # The worker runs them in order: once the last one runs, the others are in the ring.
+        tasks.wait_started(announced)
+        collecting.set()
+        pool._wakeup.wakeup()
+        not_done = wait([first, big, *small], timeout=20).not_done
+        assert not not_done, "a future of a handle taken from the done ring never settled"
+        assert first.result() == "first"
+        assert [f.result() for f in small] == [0, 1, 2]
+        error = big.exception()
+        assert isinstance(error, BrokenPoolError)
+        assert "could not be read" in str(error)
+        assert "lost (injected)" in str(error)
+        assert wait([last], timeout=20).done  # the pool broke (a lost stash) or it ran
+    finally:
+        collecting.set()
+        _force_down(pool)
 
 
 # ---------------------------------------------------------------- nested tasks
