@@ -201,6 +201,9 @@ class Coordinator:
         self.inbox_low = [_NO_LOW] * n_workers  # lowest priority injected since inbox emptied
         self.by_handle: dict[int, Future] = {}  # dispatched, unfinished
         self.stash: dict[int, bytes] = {}
+        # Keys of stashed child results dropped before their STASH was read (orphan_children:
+        # a live executor's socket may still hold it): dropped when they come.
+        self.unwanted_stash: set[int] = set()
         self.parked_fetches: dict[int, list[Connection]] = {}
         self.workers: list[WorkerHandle | None] = [None] * n_workers
         # Slots whose worker was asked for (SPAWN) and not registered yet (SPAWNED not read).
@@ -1108,6 +1111,9 @@ class Coordinator:
             return  # the done rings are collected after every wake
         if tag is Tag.STASH:
             key, data = fields
+            if self.unwanted_stash and key in self.unwanted_stash:
+                self.unwanted_stash.discard(key)
+                return
             with self.stash_arrived:
                 self.stash[key] = data
                 self.stash_arrived.notify_all()
@@ -1289,6 +1295,8 @@ class Coordinator:
         reachable.update(h for slot in self.slots for h in slot.running())
         parent_slot = self.slots[k]
         to_free = []
+        done = []  # their results, if stashed, are in the stash: only a FETCH empties it
+        unpublished = []  # their arguments, if stashed, too
         for handle in range(slab.capacity):
             # A child's uid holds its spawner's pid, and free_children clears it: a block that
             # a live worker is reusing (its parent and state words still stale, or half
@@ -1301,16 +1309,36 @@ class Coordinator:
                 continue
             state = slab.get_word(handle, _STATE)
             if state == _CHILD_DONE:
-                to_free.append(handle)
+                done.append(handle)
             elif state == _CHILD_QUEUED and handle not in reachable:
-                to_free.append(handle)  # never published
+                unpublished.append(handle)
             elif state == _CHILD_QUEUED:
                 previous = parent_slot.exchange_block_state(slab, handle, _CHILD_ABANDONED)
                 if previous == _CHILD_DONE:  # it finished meanwhile: nobody else will free it
                     parent_slot.exchange_block_state(slab, handle, 0)
-                    to_free.append(handle)
+                    done.append(handle)
+        # The spawner wrote the block (uid, NBYTES 0) before it stashed the arguments and
+        # stored their key; its socket was read to EOF before this runs, so its STASH is in.
+        self.drop_stashed_args(unpublished)
+        self.drop_stashed_results(done)
+        to_free = done + unpublished
         if to_free:
             slab.free_children(to_free)
+
+    def drop_stashed_results(self, handles: list[int]) -> None:
+        """Before freeing DONE child blocks that nobody will read (``orphan_children``): drop
+        their stashed results, as a worker's ``free_unread_child`` does. The executor sent the
+        STASH before it marked the child DONE; a live executor's may still be unread in its
+        socket: its key is noted and the bytes are dropped when they come."""
+        slab = self.slab
+        live = {w.pid for w in self.workers if w is not None}
+        for handle in handles:
+            nbytes = slab.get_word(handle, _RESULT_NBYTES)
+            if nbytes >= 0:
+                continue
+            key = -nbytes
+            if self.stash.pop(key, None) is None and key >> _UID_PID_SHIFT in live:
+                self.unwanted_stash.add(key)
 
     def release_orphans(self) -> None:
         """After a death: free locks the dead worker took but died before recording."""

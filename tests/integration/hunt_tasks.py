@@ -235,3 +235,15 @@ def announce(started: str) -> None:
     """Write one byte to the FIFO ``started`` (blocks until the test reads it), then return."""
     with open(started, "wb") as fifo:
         fifo.write(b"s")
+
+
+def keep_done_big_children(n: int, size: int, die: bool) -> int:
+    """Spawn ``n`` children with results too big for a block (stashed), let them run to DONE
+    without reading them, and keep their futures past the task's end (a module global), or
+    die with them unread (``die``: SIGKILL)."""
+    last = mpsched.submit(ident, n)  # joined below; the deque pops LIFO: the big ones first
+    _kept.extend(mpsched.submit(huge_result, size) for _ in range(n))
+    result: int = last.result()
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result

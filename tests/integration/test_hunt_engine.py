@@ -437,6 +437,28 @@ def test_a_retired_workers_kept_child_futures_leak_no_block() -> None:
         assert slab.free_count() == slab.capacity
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("die", [False, True], ids=["retired", "killed"])
+def test_a_retired_workers_done_children_leave_no_stashed_results(die: bool) -> None:
+    """Children that ran to DONE with results too big for a block (stashed in the coordinator),
+    kept unread by futures that outlive the worker: when it retires or dies, the coordinator
+    frees their blocks and must drop their stashed results too (only a FETCH empties the
+    stash; nobody will send it)."""
+    with Pool(1, max_tasks_per_worker=1) as pool:
+        parent = pool.submit(ht.keep_done_big_children, 3, 300_000, die)
+        if die:
+            with pytest.raises(WorkerCrashedError):
+                parent.result(timeout=20)
+        else:
+            assert parent.result(timeout=20) == 3
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1  # after the retirement
+        slab = pool._views.slab
+        stats = pool.statistics()
+        assert stats.crashes == 1 if die else stats.recycled >= 1
+        assert slab.free_count() == slab.capacity
+        assert pool._coordinator.stash == {}
+
+
 # A garbage collection that starts inside a critical section of the coordinator's lock (any
 # allocation can start one; seen in Coordinator.submit) and finalizes an abandoned map.
 GC_IN_CRITICAL_SECTION = """
