@@ -247,3 +247,16 @@ def keep_done_big_children(n: int, size: int, die: bool) -> int:
     if die:
         os.kill(os.getpid(), signal.SIGKILL)
     return result
+
+
+def die_after_a_peer_ran_a_big_child(size: int) -> None:
+    """Spawn a child with a result too big for a block (stashed), keep this worker busy until
+    a peer has stolen and finished it (DONE, unread), then die (SIGKILL)."""
+    from mpsched._worker import CHILD_DONE
+
+    child = mpsched.submit(huge_result, size)
+    _kept.append(child)
+    worker, handle = child._worker, child._handle  # read DONE without settling (no FETCH)
+    while worker.child_state(handle) != CHILD_DONE:
+        pass  # a peer steals it: this worker runs only this task meanwhile
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from concurrent.futures import wait
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,7 @@ from mpsched import (
 )
 from mpsched._coordinator import Coordinator
 from mpsched._errors import ProtocolError
+from mpsched._protocol import Tag, decode
 
 from . import hunt_tasks as ht
 from . import tasks
@@ -457,6 +459,42 @@ def test_a_retired_workers_done_children_leave_no_stashed_results(die: bool) -> 
         assert stats.crashes == 1 if die else stats.recycled >= 1
         assert slab.free_count() == slab.capacity
         assert pool._coordinator.stash == {}
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_parents_done_child_whose_stash_is_unread_leaves_no_stash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A child stolen by a live peer finished with a stashed result; its parent's worker died
+    before reading it. The coordinator frees the block when it recovers the death, but the
+    peer's STASH may still be unread in its socket (held here until after that): it must be
+    dropped when it comes, not kept for ever."""
+    held: list[tuple[Any, bytes]] = []
+    real_message = Coordinator.on_worker_message
+    real_orphan = Coordinator.orphan_children
+
+    def hold_stashes(self: Coordinator, worker: Any, frame: bytes) -> None:
+        if decode(frame)[0] is Tag.STASH:
+            held.append((worker, frame))
+        else:
+            real_message(self, worker, frame)
+
+    def orphan_then_deliver(self: Coordinator, k: int, pid: int) -> None:
+        real_orphan(self, k, pid)
+        monkeypatch.setattr(Coordinator, "on_worker_message", real_message)
+        for worker, frame in held:
+            real_message(self, worker, frame)
+
+    monkeypatch.setattr(Coordinator, "on_worker_message", hold_stashes)
+    monkeypatch.setattr(Coordinator, "orphan_children", orphan_then_deliver)
+    with Pool(2) as pool:
+        parent = pool.submit(ht.die_after_a_peer_ran_a_big_child, 300_000)
+        with pytest.raises(WorkerCrashedError):
+            parent.result(timeout=20)
+        assert len(held) == 1
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+        assert pool._coordinator.stash == {}
+        assert pool._coordinator.unwanted_stash == set()
 
 
 # A garbage collection that starts inside a critical section of the coordinator's lock (any
