@@ -20,6 +20,12 @@ of a higher priority than one waiting in an inbox takes the lower ones back (``t
 so that it never waits behind them. The done rings are sized for ``max_inflight``, so they
 cannot overflow.
 
+Deferred cancels (``cancel_later``): a cleanup that may run inside any critical section of its
+own thread (a ``Pool.map`` generator finalized by the cyclic garbage collector, which runs
+inside any allocation) must take no lock: it appends the futures to ``deferred_cancels`` (a
+``collections.deque``: append and popleft are atomic under the GIL) and wakes the loop without
+a lock (``wakeup_nowait``); the loop cancels them on its next pass, before it dispatches.
+
 Cancel (``withdraw``): a task in the timetable or the ready queue is dropped; a task in an inbox
 is cancelled with ``cancel_injected`` under the slot lock, where it races the claim and exactly
 one wins; a claimed task gets the cooperative flag in its block (``apply_requests``), or, forced,
@@ -29,6 +35,7 @@ argument.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -38,7 +45,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -156,6 +163,7 @@ class Coordinator:
         aging: float | None = None,
         timed_after_shutdown: bool = True,
         recurring_after_shutdown: bool = False,
+        wakeup_nowait: Any = None,
     ) -> None:
         self.slots = views.slots
         self.slab = views.slab
@@ -164,6 +172,10 @@ class Coordinator:
         self.zygote = zygote_conn
         self.wakeup = wakeup
         self.clear_wakeup = clear_wakeup
+        self.wakeup_nowait = wakeup if wakeup_nowait is None else wakeup_nowait
+        # Futures to cancel on the loop's next pass (cancel_later). Written by: any thread,
+        # without a lock (append). Read by: the coordinator thread (popleft).
+        self.deferred_cancels: collections.deque[Future] = collections.deque()
         self.n_workers = n_workers
         self.window = window
         self.max_inflight = max_inflight
@@ -189,6 +201,9 @@ class Coordinator:
         self.inbox_low = [_NO_LOW] * n_workers  # lowest priority injected since inbox emptied
         self.by_handle: dict[int, Future] = {}  # dispatched, unfinished
         self.stash: dict[int, bytes] = {}
+        # Keys of stashed child results dropped before their STASH was read (orphan_children:
+        # a live executor's socket may still hold it): dropped when they come.
+        self.unwanted_stash: set[int] = set()
         self.parked_fetches: dict[int, list[Connection]] = {}
         self.workers: list[WorkerHandle | None] = [None] * n_workers
         # Slots whose worker was asked for (SPAWN) and not registered yet (SPAWNED not read).
@@ -376,6 +391,22 @@ class Coordinator:
                 self.timetable.withdrawn(future)
             return True
 
+    def cancel_later(self, futures: Iterable[Future]) -> None:
+        """Any thread, in any context: have the loop cancel ``futures`` (``Future.cancel``) on
+        its next pass. Takes no lock, so it may run inside a critical section of the calling
+        thread: a generator finalized by the garbage collector while this thread holds
+        ``self.lock``, the futures' module lock, a slot lock or the wakeup's lock would wait for
+        itself in ``Future.cancel``. For futures without user callbacks (``Pool.map``'s): the
+        loop's cancel would run them in this thread."""
+        self.deferred_cancels.extend(futures)
+        self.wakeup_nowait()
+
+    def cancel_deferred(self) -> None:
+        """Coordinator thread, no lock held: cancel what ``cancel_later`` handed over."""
+        deferred = self.deferred_cancels
+        while deferred:
+            deferred.popleft().cancel()
+
     def withdraw(self, future: Future) -> bool:
         """Under ``self.lock``: make sure a task no worker has claimed never runs. True if it
         will not run (withdrawn now or before); False if it was claimed or has finished."""
@@ -490,6 +521,8 @@ class Coordinator:
                     worker = self.by_fd.get(fd)
                     if worker is not None:
                         self.on_worker_readable(worker)
+            if self.deferred_cancels:  # before dispatch: a cancelled chunk is never injected
+                self.cancel_deferred()
             self.collect()
             if self.requests:
                 self.apply_requests()
@@ -877,27 +910,77 @@ class Coordinator:
             if not slot.done_depth():
                 continue
             handles = slot.take_done()
-            outcomes = []
-            unknown = []
+            outcomes: list[tuple[Future, int, bytes]] = []
+            unknown: list[int] = []
+            read = 0  # handles[:read] are in outcomes or unknown
             try:
                 for handle in handles:
-                    future = self.by_handle.pop(handle, None)
+                    future = self.by_handle.get(handle)
                     if future is None:
                         unknown.append(handle)
-                        continue
-                    status = slab.get_word(handle, _RESULT_STATUS)
-                    nbytes = slab.get_word(handle, _RESULT_NBYTES)
-                    if nbytes >= 0:
-                        data = slab.read_result(handle)[1]
                     else:
-                        data = self.stash_take(-nbytes, k)
-                    outcomes.append((future, status, data))
-            finally:  # settle what was taken even if one entry is bad: nothing is lost
+                        status, data = self.read_outcome(handle, k)
+                        outcomes.append((self.by_handle.pop(handle), status, data))
+                    read += 1
+            except BaseException as exc:
+                # Every handle taken from the ring ends its future, even when reading one
+                # raised (a stash lost with its worker, a user-thread collector's wait for a
+                # stash timed out or was interrupted): its block is freed below, so a future
+                # left out would never settle and its waiter would hang.
+                self.fail_unread(handles[read:], k, exc, outcomes, unknown)
+                raise
+            finally:
                 slab.free_tasks([h for h in handles if h not in unknown] if unknown else handles)
                 self.completed += len(outcomes)
                 self.settle(outcomes)
             if unknown:
                 raise InternalError(f"worker {k} completed unknown task blocks {unknown}")
+
+    def read_outcome(self, handle: int, slot: int) -> tuple[int, bytes]:
+        """A completed top-level task's status and result bytes (from its blocks or the
+        stash)."""
+        slab = self.slab
+        status = slab.get_word(handle, _RESULT_STATUS)
+        nbytes = slab.get_word(handle, _RESULT_NBYTES)
+        if nbytes >= 0:
+            return status, slab.read_result(handle)[1]
+        return status, self.stash_take(-nbytes, slot)
+
+    def fail_unread(
+        self,
+        handles: list[int],
+        slot: int,
+        exc: BaseException,
+        outcomes: list[tuple[Future, int, bytes]],
+        unknown: list[int],
+    ) -> None:
+        """``collect_locked``, after reading ``handles[0]``'s result raised ``exc``: every one
+        of ``handles`` gets an outcome. Results in their blocks are
+        still read (that cannot block); the others fail with the error, without waiting for
+        another stash (a user thread would wait for each), and their stashed bytes, if they
+        came, are dropped."""
+        # BrokenPoolError: in the coordinator thread the exception goes on to break the pool,
+        # and every other unfinished future fails with that error too.
+        error = BrokenPoolError(
+            f"the result of this task could not be read: reading the results of worker "
+            f"{slot} raised {exc!r}"
+        )
+        error.__cause__ = exc
+        failed = dump_exception(error)
+        slab = self.slab
+        for i, handle in enumerate(handles):
+            future = self.by_handle.pop(handle, None)
+            if future is None:
+                unknown.append(handle)
+                continue
+            nbytes = slab.get_word(handle, _RESULT_NBYTES)
+            if i and nbytes >= 0:
+                status = slab.get_word(handle, _RESULT_STATUS)
+                outcomes.append((future, status, slab.read_result(handle)[1]))
+                continue
+            if nbytes < 0:
+                self.stash.pop(-nbytes, None)
+            outcomes.append((future, _ERROR, failed))
 
     def settle(self, outcomes: list[tuple[Future, int, bytes]]) -> None:
         """Resolve futures; tasks with an id or options first update the timetable (so that a
@@ -1028,6 +1111,9 @@ class Coordinator:
             return  # the done rings are collected after every wake
         if tag is Tag.STASH:
             key, data = fields
+            if self.unwanted_stash and key in self.unwanted_stash:
+                self.unwanted_stash.discard(key)
+                return
             with self.stash_arrived:
                 self.stash[key] = data
                 self.stash_arrived.notify_all()
@@ -1209,6 +1295,8 @@ class Coordinator:
         reachable.update(h for slot in self.slots for h in slot.running())
         parent_slot = self.slots[k]
         to_free = []
+        done = []  # their results, if stashed, are in the stash: only a FETCH empties it
+        unpublished = []  # their arguments, if stashed, too
         for handle in range(slab.capacity):
             # A child's uid holds its spawner's pid, and free_children clears it: a block that
             # a live worker is reusing (its parent and state words still stale, or half
@@ -1221,16 +1309,36 @@ class Coordinator:
                 continue
             state = slab.get_word(handle, _STATE)
             if state == _CHILD_DONE:
-                to_free.append(handle)
+                done.append(handle)
             elif state == _CHILD_QUEUED and handle not in reachable:
-                to_free.append(handle)  # never published
+                unpublished.append(handle)
             elif state == _CHILD_QUEUED:
                 previous = parent_slot.exchange_block_state(slab, handle, _CHILD_ABANDONED)
                 if previous == _CHILD_DONE:  # it finished meanwhile: nobody else will free it
                     parent_slot.exchange_block_state(slab, handle, 0)
-                    to_free.append(handle)
+                    done.append(handle)
+        # The spawner wrote the block (uid, NBYTES 0) before it stashed the arguments and
+        # stored their key; its socket was read to EOF before this runs, so its STASH is in.
+        self.drop_stashed_args(unpublished)
+        self.drop_stashed_results(done)
+        to_free = done + unpublished
         if to_free:
             slab.free_children(to_free)
+
+    def drop_stashed_results(self, handles: list[int]) -> None:
+        """Before freeing DONE child blocks that nobody will read (``orphan_children``): drop
+        their stashed results, as a worker's ``free_unread_child`` does. The executor sent the
+        STASH before it marked the child DONE; a live executor's may still be unread in its
+        socket: its key is noted and the bytes are dropped when they come."""
+        slab = self.slab
+        live = {w.pid for w in self.workers if w is not None}
+        for handle in handles:
+            nbytes = slab.get_word(handle, _RESULT_NBYTES)
+            if nbytes >= 0:
+                continue
+            key = -nbytes
+            if self.stash.pop(key, None) is None and key >> _UID_PID_SHIFT in live:
+                self.unwanted_stash.add(key)
 
     def release_orphans(self) -> None:
         """After a death: free locks the dead worker took but died before recording."""

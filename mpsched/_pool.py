@@ -268,6 +268,7 @@ class Pool:
                 aging=self._aging,
                 timed_after_shutdown=self._timed_after_shutdown,
                 recurring_after_shutdown=self._recurring_after_shutdown,
+                wakeup_nowait=self._wakeup.wakeup_nowait,
             )
             self._coordinator.mark_all_starting()
             self._views.slab.fill_free_stack()
@@ -583,7 +584,18 @@ class Pool:
                         in_flight.appendleft((self.submit(run_chunk, *args), piece))
                 del chunk
                 yield from results
+        except GeneratorExit:
+            # close(): by the caller, or by the garbage collector finalizing the generator,
+            # which may run inside any allocation, also while this thread holds a lock that
+            # future.cancel() takes (Coordinator.lock, the futures' module lock, a slot lock):
+            # cancelling here would wait for this thread forever. The coordinator thread
+            # cancels them instead, on its next pass (docs/design.md, Pool.map).
+            self._coordinator.cancel_later([future for future, _ in in_flight])
+            in_flight.clear()
+            raise
         finally:
+            # The map's own error, timeout or Ctrl-C, raised in this frame (every lock taken
+            # below it was released on the way out): cancel at once.
             for future, _ in in_flight:
                 future.cancel()
 

@@ -229,3 +229,34 @@ def started_gate_then_ident(started: str, gate_path: str) -> None:
     with open(started, "wb") as fifo:
         fifo.write(b"s")
     gate(gate_path)
+
+
+def announce(started: str) -> None:
+    """Write one byte to the FIFO ``started`` (blocks until the test reads it), then return."""
+    with open(started, "wb") as fifo:
+        fifo.write(b"s")
+
+
+def keep_done_big_children(n: int, size: int, die: bool) -> int:
+    """Spawn ``n`` children with results too big for a block (stashed), let them run to DONE
+    without reading them, and keep their futures past the task's end (a module global), or
+    die with them unread (``die``: SIGKILL)."""
+    last = mpsched.submit(ident, n)  # joined below; the deque pops LIFO: the big ones first
+    _kept.extend(mpsched.submit(huge_result, size) for _ in range(n))
+    result: int = last.result()
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+
+def die_after_a_peer_ran_a_big_child(size: int) -> None:
+    """Spawn a child with a result too big for a block (stashed), keep this worker busy until
+    a peer has stolen and finished it (DONE, unread), then die (SIGKILL)."""
+    from mpsched._worker import CHILD_DONE
+
+    child = mpsched.submit(huge_result, size)
+    _kept.append(child)
+    worker, handle = child._worker, child._handle  # read DONE without settling (no FETCH)
+    while worker.child_state(handle) != CHILD_DONE:
+        pass  # a peer steals it: this worker runs only this task meanwhile
+    os.kill(os.getpid(), signal.SIGKILL)
