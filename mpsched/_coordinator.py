@@ -534,7 +534,11 @@ class Coordinator:
             if self.ready:
                 self.dispatch()
             if self.watched:
-                self.check_timeouts()
+                # Under collect_lock: a user thread's collection frees a task's block before
+                # end_runs takes it out of ``watched``; in between, the block may carry a new
+                # task, and a timeout check would then flag or kill that task's worker.
+                with self.collect_lock:
+                    self.check_timeouts()
             if self.draining and self.all_done():
                 self.drain_workers()
                 return
