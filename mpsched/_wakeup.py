@@ -5,9 +5,10 @@ Owned by the coordinator; ``wakeup()`` is called from any thread of the coordina
 ``connection.wait()`` returned (CPython's ``_ThreadWakeup``). Its lock is private to this class and
 never taken while another lock is held by the caller for anything else (gh-125451).
 
-At most one byte is ever pending: ``_armed`` is set when a byte is written and cleared by
-``clear()``, so ``wakeup()`` never blocks on a full pipe (gh-105829) and costs one attribute test
-when the coordinator is already awake.
+At most one byte is ever pending from ``wakeup()``: ``_armed`` is set when a byte is written and
+cleared by ``clear()``, so ``wakeup()`` never blocks on a full pipe (gh-105829) and costs one
+attribute test when the coordinator is already awake. ``wakeup_nolock()`` (a dropped pool's
+garbage-collector callback, which must take no lock) writes without arming, non-blocking.
 """
 
 from __future__ import annotations
@@ -37,10 +38,21 @@ class Wakeup:
             self._armed = True
             os.write(self._writer, b"\0")
 
+    def wakeup_nolock(self) -> None:
+        """From a garbage collector's callback, which may run in a thread that holds
+        ``self._lock`` (inside ``wakeup``) or any other lock: write a byte without the lock.
+        It may add a byte beside a pending one; ``clear()`` reads them all. Not after
+        ``close()`` (the number could be another file's by then): the caller makes sure."""
+        if self._closed:  # hint only: the callers never race close()
+            return
+        with contextlib.suppress(BlockingIOError):  # bytes pending: the waiter wakes anyway
+            os.write(self._writer, b"\0")
+
     def clear(self) -> None:
-        """Coordinator loop only: consume the pending byte so the next wakeup() writes again."""
+        """Coordinator thread only: consume the pending bytes so the next wakeup() writes
+        again. Reads even when not armed: ``wakeup_nolock`` writes without arming."""
         with self._lock:
-            if not self._armed or self._closed:
+            if self._closed:
                 return
             with contextlib.suppress(BlockingIOError):
                 os.read(self._reader, 64)
