@@ -195,6 +195,9 @@ class Pool:
             raise TypeError(f"workers must be an int, not {type(workers).__name__}")
         if workers < 1:
             raise ValueError(f"workers must be at least 1, not {workers}")
+        given: object = start_method  # typed str | None; a caller may pass anything
+        if given is not None and not isinstance(given, str):
+            raise TypeError(f"start_method must be a str or None, not {type(given).__name__}")
         method = _default_start_method() if start_method is None else start_method
         if method not in multiprocessing.get_all_start_methods():
             raise ValueError(
@@ -218,9 +221,16 @@ class Pool:
             )
         if initializer is not None and not callable(initializer):
             raise TypeError(f"initializer must be callable, not {type(initializer).__name__}")
+        try:  # a tuple, or another iterable of the arguments (the stdlib's pools take any)
+            args = tuple(initargs)
+        except TypeError:
+            raise TypeError(
+                f"initargs must be a tuple of the initializer's arguments, "
+                f"not {type(initargs).__name__}"
+            ) from None
         self._worker_options = WorkerOptions(
             max_tasks=max_tasks_per_worker or 0,
-            initializer=b"" if initializer is None else dumps((initializer, tuple(initargs))),
+            initializer=b"" if initializer is None else dumps((initializer, args)),
         )
         self._workers = workers
         self._start_method = method
@@ -501,11 +511,17 @@ class Pool:
         than 10 ms stops, and the rest of its items go again.
 
         Raises:
+            TypeError: no iterable (as the builtin ``map``).
+            ValueError: ``chunksize`` is not a positive int (a bool is not) or None.
             PoolClosedError: the pool is shutting down or shut down.
             TimeoutError: from the iterator, if a result is not ready ``timeout`` seconds
                 after this call.
         """
-        if chunksize is not None and (not isinstance(chunksize, int) or chunksize < 1):
+        if not iterables:  # as the builtin map: at the call, not at the first next()
+            raise TypeError("Pool.map() needs at least one iterable")
+        if chunksize is not None and (
+            isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1
+        ):
             raise ValueError(f"chunksize must be a positive int or None, not {chunksize!r}")
         if self._closed:
             raise PoolClosedError(self._closed_message)
