@@ -6,7 +6,9 @@ block), the stash of payloads too big for a block, the worker handles (pid, sock
 cancel requests and timeout watch of running tasks, and the drain handshake. Called from: user
 threads through ``Pool`` (``submit``, ``schedule``, ``cancel``, ``cancel_id``, ``state``,
 ``begin_shutdown``; each takes ``self.lock`` briefly and wakes the loop if needed), and its own
-thread (``run``). Everything else below runs in the coordinator thread only.
+thread (``run``, from ``_lifecycle.run_coordinator``). Everything else below runs in the
+coordinator thread only. Nothing here references the ``Pool`` (a dropped pool must be
+collectable): when it is collected, ``owner_dropped`` is set and the loop begins the shutdown.
 
 The loop has one blocking point (``wait``), an ``epoll`` over: the wakeup pipe (user calls), the
 zygote's control socket (spawns and exits), and every worker's socket (result pokes, stashes,
@@ -211,6 +213,9 @@ class Coordinator:
         self.by_fd: dict[int, WorkerHandle] = {}
         self.exit_codes: dict[int, int] = {}  # pid -> exit code, from the zygote
         self.draining = False  # set once shutdown began: no task may come in after it
+        # The Pool was garbage-collected: the loop begins a shutdown(wait=False) itself.
+        # Written by: the drop callback (_lifecycle; takes no lock). Read by: the loop.
+        self.owner_dropped = False
         self.broken: BaseException | None = None
         self.submitted = 0
         self.next_slot = 0
@@ -539,6 +544,8 @@ class Coordinator:
                 # task, and a timeout check would then flag or kill that task's worker.
                 with self.collect_lock:
                     self.check_timeouts()
+            if self.owner_dropped and not self.draining:
+                self.begin_shutdown(False)  # what the Pool's shutdown(wait=False) does
             if self.draining and self.all_done():
                 self.drain_workers()
                 return

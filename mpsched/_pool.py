@@ -20,7 +20,9 @@ Start-up, in order (the reasons are in docs/design.md):
 Lifecycle: RUNNING -> DRAINING (shutdown called: no new work; the coordinator drains) ->
 CLOSED (workers and zygote gone, resources released). ``shutdown`` is idempotent and may be
 called from several threads; only the first starts the drain, every caller with ``wait=True``
-waits for its end.
+waits for its end. A pool nobody references any more is collected and ends like
+``shutdown(wait=False)``; what it owns lives in ``_lifecycle.PoolResources``, which the
+coordinator thread releases (docs/design.md, "Lifecycle").
 """
 
 from __future__ import annotations
@@ -48,17 +50,18 @@ from mpsched._coordinator import Coordinator
 from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
 from mpsched._future import Future
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
+from mpsched._lifecycle import (
+    PoolResources,
+    coordinator_fds,
+    disown_all,
+    join_dropped,
+    run_coordinator,
+)
 from mpsched._options import TaskOptions, check_seconds
 from mpsched._protocol import PICKLE_PROTOCOL, load_exception
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
 from mpsched._serialize import FunctionCache, dumps
-from mpsched._shm import (
-    AnonSegment,
-    SharedFd,
-    create_eventfd,
-    disown_inherited_process,
-    sweep_stale_names,
-)
+from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
 from mpsched._wakeup import Wakeup
@@ -92,11 +95,9 @@ MAP_CHUNK_BUDGET = 0.01
 _INF = float("inf")
 _NO_COUNTERS = {"executed": 0, "stolen": 0}
 
+# Pools started and not released. Weak: a dropped pool is collected, and then ends by itself
+# (docs/design.md, "Lifecycle"); its resources stay in _lifecycle's registry until released.
 _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
-# Fork start method: the control ends of live pools, which a new zygote must not keep open (the
-# zygote of a pool learns of its coordinator's death by EOF there). Kept exact: numbers are
-# removed when closed, so a reused number is never closed by mistake.
-_coordinator_fds: set[int] = set()
 
 
 @dataclass(frozen=True)
@@ -159,13 +160,21 @@ class Pool:
             replacement) before it takes a task. If it raises, the pool breaks: every future and
             later ``submit`` fail with ``BrokenPoolError``, whose cause is the initializer's
             exception (no respawn loop).
+
+    A pool that is neither shut down nor used in a ``with`` block, once nothing references it,
+    is garbage-collected and shut down like ``shutdown(wait=False)``: its pending tasks still
+    run and their futures resolve, then its processes exit. (A done-callback that refers to
+    the pool keeps it alive until its future is done and dropped.)
     """
 
+    # Aliases of what self._resources holds (set once at start-up; the hot paths read them
+    # here). Nothing the coordinator thread reaches may reference the Pool: see _lifecycle.
+    _resources: PoolResources
     _coordinator: Coordinator
     _thread: threading.Thread
     _views: SegmentViews
-    _segment: AnonSegment
     _functions: FunctionCache
+    _wakeup: Wakeup
 
     def __init__(
         self,
@@ -186,6 +195,9 @@ class Pool:
             raise TypeError(f"workers must be an int, not {type(workers).__name__}")
         if workers < 1:
             raise ValueError(f"workers must be at least 1, not {workers}")
+        given: object = start_method  # typed str | None; a caller may pass anything
+        if given is not None and not isinstance(given, str):
+            raise TypeError(f"start_method must be a str or None, not {type(given).__name__}")
         method = _default_start_method() if start_method is None else start_method
         if method not in multiprocessing.get_all_start_methods():
             raise ValueError(
@@ -209,9 +221,16 @@ class Pool:
             )
         if initializer is not None and not callable(initializer):
             raise TypeError(f"initializer must be callable, not {type(initializer).__name__}")
+        try:  # a tuple, or another iterable of the arguments (the stdlib's pools take any)
+            args = tuple(initargs)
+        except TypeError:
+            raise TypeError(
+                f"initargs must be a tuple of the initializer's arguments, "
+                f"not {type(initargs).__name__}"
+            ) from None
         self._worker_options = WorkerOptions(
             max_tasks=max_tasks_per_worker or 0,
-            initializer=b"" if initializer is None else dumps((initializer, tuple(initargs))),
+            initializer=b"" if initializer is None else dumps((initializer, args)),
         )
         self._workers = workers
         self._start_method = method
@@ -236,27 +255,27 @@ class Pool:
             done_capacity=_pow2(max(INFLIGHT_PER_WORKER, 4 * self._window) * n),
             block_count=BLOCKS_PER_WORKER * n,
         )
-        self._segment = AnonSegment.create(layout.total_bytes)
-        self._wake_fds: list[SharedFd] = []
-        self._zygote: Any = None
-        self._zygote_conn: Connection | None = None
+        segment = AnonSegment.create(layout.total_bytes)
         self._wakeup = Wakeup()
+        res = self._resources = PoolResources(segment, self._wakeup)
         locks = create_locks(n)
         try:
-            self._wake_fds = [SharedFd(create_eventfd()) for _ in range(n)]
-            guarded = locks.guarded(self._on_lock_stall)
+            res.wake_fds = [SharedFd(create_eventfd()) for _ in range(n)]
+            # The stall callback is the resources' (not a method of the Pool: the locks are
+            # the coordinator's, and nothing it reaches may keep the Pool alive).
+            guarded = locks.guarded(res.on_lock_stall)
             # Format the segment, which the zygote checks when it attaches; the bulk of it,
             # the slab's free stack, is filled below while the zygote starts up.
-            self._views = attach(self._segment, layout, guarded, init=True, fill_slab=False)
+            self._views = attach(segment, layout, guarded, init=True, fill_slab=False)
             zygote_conn = self._start_zygote(layout, locks)
             # While the zygote starts up: build the coordinator, mark every worker as starting
             # (the zygote forks them after READY), fill the free stack (no block is allocated
             # before Pool() returns) and start the coordinator thread (it waits for go). None
             # of it is then on the path to the first result.
-            self._functions = FunctionCache(self._views.functions.add)
-            self._coordinator = Coordinator(
+            self._functions = res.functions = FunctionCache(self._views.functions.add)
+            self._coordinator = res.coordinator = Coordinator(
                 self._views,
-                self._wake_fds,
+                res.wake_fds,
                 zygote_conn,
                 self._wakeup.fileno(),
                 self._wakeup.wakeup,
@@ -272,8 +291,8 @@ class Pool:
             )
             self._coordinator.mark_all_starting()
             self._views.slab.fill_free_stack()
-            self._thread = threading.Thread(
-                target=self._coordinator.run, name="mpsched-coordinator", daemon=True
+            self._thread = res.thread = threading.Thread(
+                target=run_coordinator, args=(res,), name="mpsched-coordinator", daemon=True
             )
             self._thread.start()
             # READY: the zygote opened the locks, so their names can go. The workers are not
@@ -288,81 +307,59 @@ class Pool:
         self._coordinator_pid = os.getpid()
         self._started = True
         _live_pools.add(self)
+        res.watch(self)
 
     def _abort_start(self) -> None:
         """Start-up failed: end the waiting coordinator thread, then undo the rest."""
-        coordinator = getattr(self, "_coordinator", None)
-        if coordinator is not None:
-            coordinator.start_aborted = True
-            coordinator.go.set()
-        thread = getattr(self, "_thread", None)
-        if thread is not None and thread.ident is not None:
-            thread.join()
-        self._teardown()
+        res = self._resources
+        if res.coordinator is not None:
+            res.coordinator.start_aborted = True
+            res.coordinator.go.set()
+        if res.thread is not None and res.thread.ident is not None:
+            res.thread.join()
+        res.teardown()
 
-    def _on_lock_stall(self, kind: str, index: int, lock: Any, waited: float) -> None:
-        coordinator = getattr(self, "_coordinator", None)
-        if coordinator is not None:
-            coordinator.on_lock_stall(kind, index, lock, waited)
+    @property
+    def _zygote(self) -> Any:
+        return self._resources.zygote
+
+    @property
+    def _zygote_conn(self) -> Connection | None:
+        return self._resources.zygote_conn
 
     def _start_zygote(self, layout: SegmentLayout, locks: SegmentLocks) -> Connection:
         ctx: Any = multiprocessing.get_context(self._start_method)
         parent_conn: Connection
         parent_conn, child_conn = ctx.Pipe(duplex=True)
-        self._zygote_conn = parent_conn
-        _coordinator_fds.add(parent_conn.fileno())
+        res = self._resources
+        res.zygote_conn = parent_conn
+        coordinator_fds.add(parent_conn.fileno())
         fork = self._start_method == "fork"
         cfg = ZygoteConfig(
             conn=child_conn,
-            segment=self._segment,
+            segment=res.segment,
             layout=layout,
             locks=locks,
-            wake_fds=self._wake_fds,
+            wake_fds=res.wake_fds,
             coordinator_pid=os.getpid(),
             worker_options=self._worker_options,
-            close_fds=sorted(_coordinator_fds) if fork else [],
+            close_fds=sorted(coordinator_fds) if fork else [],
             initial_slots=list(range(self._workers)),
             # Under fork the zygote inherits the workers' views: attaching here costs ~0.1 ms,
             # in the zygote (copy-on-write faults after the fork) ~0.7 ms on the start-up path.
-            views=attach(self._segment, layout, locks) if fork else None,
+            views=attach(res.segment, layout, locks) if fork else None,
         )
         try:
             if fork:  # a bare fork, lighter than a Process (see ForkedZygote)
-                self._zygote = ForkedZygote(cfg)
+                res.zygote = ForkedZygote(cfg)
             else:
-                self._zygote = ctx.Process(
+                res.zygote = ctx.Process(
                     target=zygote_main, args=(cfg,), name=ZYGOTE_NAME, daemon=True
                 )
-                self._zygote.start()
+                res.zygote.start()
         finally:
             child_conn.close()
         return parent_conn
-
-    def _teardown(self) -> None:
-        """Undo what start-up made (after a failed start, or at release): processes, fds and
-        memory, so nothing leaks."""
-        functions = getattr(self, "_functions", None)
-        if functions is not None:
-            functions.close()
-        coordinator = getattr(self, "_coordinator", None)
-        if coordinator is not None:
-            for worker in coordinator.workers:
-                if worker is not None:
-                    coordinator.forget_worker(worker)
-            coordinator.close()
-        if self._zygote_conn is not None:
-            _coordinator_fds.discard(self._zygote_conn.fileno())
-            self._zygote_conn.close()  # EOF: the zygote kills its workers and exits
-        if self._zygote is not None and self._zygote.pid is not None:
-            self._zygote.join(5.0)
-            if self._zygote.is_alive():
-                self._zygote.kill()
-                self._zygote.join()
-            self._zygote.close()
-        self._wakeup.close()
-        for fd in self._wake_fds:
-            fd.close()
-        self._segment.close()
 
     # ------------------------------------------------------------------ submitting
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
@@ -515,11 +512,17 @@ class Pool:
         than 10 ms stops, and the rest of its items go again.
 
         Raises:
+            TypeError: no iterable (as the builtin ``map``).
+            ValueError: ``chunksize`` is not a positive int (a bool is not) or None.
             PoolClosedError: the pool is shutting down or shut down.
             TimeoutError: from the iterator, if a result is not ready ``timeout`` seconds
                 after this call.
         """
-        if chunksize is not None and (not isinstance(chunksize, int) or chunksize < 1):
+        if not iterables:  # as the builtin map: at the call, not at the first next()
+            raise TypeError("Pool.map() needs at least one iterable")
+        if chunksize is not None and (
+            isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1
+        ):
             raise ValueError(f"chunksize must be a positive int or None, not {chunksize!r}")
         if self._closed:
             raise PoolClosedError(self._closed_message)
@@ -635,12 +638,13 @@ class Pool:
         return True
 
     def _release(self) -> None:
-        """After the coordinator thread ended: reap the zygote and free every resource."""
+        """After the coordinator's loop ended: let its thread reap the zygote and free every
+        resource (PoolResources.teardown), and wait for that."""
         if not self._started:
             return
-        self._started = False
+        self._started = False  # statistics() reads no shared memory from here on
+        self._resources.request_release()
         self._thread.join()
-        self._teardown()
         _live_pools.discard(self)
 
     def statistics(self) -> PoolStatistics:
@@ -782,21 +786,7 @@ def _disown_pools_in_forked_child() -> None:
         pool._closed_message = FORKED_CHILD_MESSAGE.format(pid=pool._coordinator_pid)
         pool._closed = True
         pool._started = False
-        if not isinstance(pool._zygote, ForkedZygote):  # a Process of the parent's
-            disown_inherited_process(pool._zygote)
-        if pool._zygote_conn is not None:
-            # /dev/null takes the number, rather than close(): under the fork start method
-            # this child may be a new zygote, which closes the numbers of its config's
-            # close_fds (listed before the fork), and a freed number may be reused by then.
-            fd = pool._zygote_conn.fileno()
-            _coordinator_fds.discard(fd)
-            null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-            os.dup2(null, fd, inheritable=False)
-            os.close(null)
-        for worker in pool._coordinator.workers:
-            if worker is not None:
-                with contextlib.suppress(OSError):
-                    worker.conn.close()
+    disown_all()  # every pool's, referenced or dropped: sockets, zygote processes
     _live_pools.clear()
 
 
@@ -809,3 +799,4 @@ def _shutdown_all_pools() -> None:
     for pool in list(_live_pools):
         with contextlib.suppress(Exception):
             pool.shutdown(wait=True)
+    join_dropped()

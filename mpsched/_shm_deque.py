@@ -550,6 +550,20 @@ class SlotQueues:
             w[HOLDER_PID] = 0
             self._release()
 
+    def in_deque(self, handle: int) -> bool:
+        """Whether ``handle`` still waits in the deque (not popped or stolen), under the lock.
+        A child leaves its spawner's deque only to run (a pop or a steal records it on a run
+        stack in the same lock hold), so for a child this tells queued from started."""
+        w = self._w
+        if not self._acquire(False):
+            self._acquire_contended()
+        try:
+            w[HOLDER_PID] = _pid
+            return _find(self._deque, self._dmask, w[DEQUE_FRONT], w[DEQUE_BACK], handle) >= 0
+        finally:
+            w[HOLDER_PID] = 0
+            self._release()
+
     def take_done(self) -> list[int]:
         """Coordinator only: collect every completed handle (FIFO), one lock round."""
         w = self._w

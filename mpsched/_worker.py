@@ -208,6 +208,14 @@ class ChildFuture:
     ``result()`` and ``exception()`` help: while the child is not done, this worker runs other
     tasks (its own deque first, where the child most likely still is). Not thread-safe, and not
     picklable: it refers to a block of this pool's shared memory.
+
+    It has the query methods of ``concurrent.futures.Future`` (``done``, ``running``,
+    ``cancelled``, ``cancel``, ``result``, ``exception``) but no callbacks. A child cannot be
+    cancelled: ``cancel()`` always returns False and ``cancelled()`` is always False. (A queued
+    child sits in the middle of this worker's deque, which only gives up its ends, and a peer
+    may steal it at any moment; withdrawing it safely would need a claim protocol like the
+    top-level tasks' inbox cancel.) To stop caring about a child, drop its future: a child
+    nobody waits for still runs, and its result is discarded.
     """
 
     __slots__ = ("__weakref__", "_error", "_handle", "_settled", "_value", "_worker")
@@ -230,6 +238,24 @@ class ChildFuture:
         if not self._settled and self._worker.child_state(self._handle) == CHILD_DONE:
             self._settle()
         return self._settled
+
+    def running(self) -> bool:
+        """Whether a worker has started the child and it is not done: False while it waits in
+        this worker's deque. A snapshot: a peer may steal and start it right after."""
+        if self.done():
+            return False
+        if self._worker.me.in_deque(self._handle):
+            return False
+        return not self.done()
+
+    def cancelled(self) -> bool:
+        """Always False: a child is never cancelled (see ``cancel``)."""
+        return False
+
+    def cancel(self) -> bool:
+        """Always False (as ``concurrent.futures.Future.cancel`` for a call it cannot stop): a
+        child cannot be withdrawn once spawned (see the class docstring); it runs to its end."""
+        return False
 
     def result(self, timeout: float | None = None) -> Any:
         """The child's return value; re-raises its exception. Runs other tasks while waiting."""

@@ -213,3 +213,33 @@ def die_holding_lock(which: str, record_pid: bool) -> None:
     if record_pid:
         structure._w[0 if which == "slot" else 1] = os.getpid()  # HOLDER_PID word
     os._exit(3)
+
+
+def _child_states(child: mpsched.ChildFuture) -> dict[str, bool]:
+    return {
+        "done": child.done(),
+        "running": child.running(),
+        "cancel": child.cancel(),
+        "cancelled": child.cancelled(),
+    }
+
+
+def child_future_states() -> tuple[dict[str, bool], dict[str, bool]]:
+    """In a Pool(1) task: a child's future states while it is queued, then once done."""
+    child = mpsched.submit(ident, 1)
+    before = _child_states(child)
+    assert child.result() == 1
+    return before, _child_states(child)
+
+
+def child_running_states(started: str, gate: str) -> dict[str, Any]:
+    """In a Pool(2) task: a child that the peer steals and runs (it blocks at ``gate``)."""
+    child = mpsched.submit(started_then_gated, started, gate, 7)
+    try:
+        wait_started(started)  # the peer runs it now (this worker does not help meanwhile)
+        states = {"running": child.running(), "cancel": child.cancel()}
+    finally:  # else a failure here left the child at the gate and the pool's exit waiting
+        open_gate(gate)
+    states["result"] = child.result()
+    states["after"] = child.running()
+    return states

@@ -179,9 +179,41 @@ def test_map_raises_the_task_error_in_order(pool2: Pool) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_map_bad_chunksize(pool2: Pool) -> None:
+@pytest.mark.parametrize("chunksize", [0, -1, 1.5, "2", True, False], ids=repr)
+def test_map_bad_chunksize(pool2: Pool, chunksize: object) -> None:
+    """At the call, not at the first ``next()``; a bool is not a chunk size (True is 1)."""
     with pytest.raises(ValueError, match="chunksize"):
-        pool2.map(tasks.ident, [1], chunksize=0)
+        pool2.map(tasks.ident, [1], chunksize=chunksize)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_map_without_an_iterable_raises_at_the_call(pool2: Pool) -> None:
+    """As the builtin ``map(fn)``: a TypeError at the call (it returned an empty iterator)."""
+    with pytest.raises(TypeError):
+        map(tasks.ident)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="iterable"):
+        pool2.map(tasks.ident)
+
+
+# ---------------------------------------------------------------- ChildFuture
+@pytest.mark.timeout(60)
+def test_a_child_future_has_the_future_query_methods_and_cannot_be_cancelled() -> None:
+    """Pool(1): no peer can steal the child, so it waits in the deque until ``result()``."""
+    with Pool(1) as pool:
+        before, after = pool.submit(tasks.child_future_states).result(timeout=30)
+    assert before == {"done": False, "running": False, "cancel": False, "cancelled": False}
+    assert after == {"done": True, "running": False, "cancel": False, "cancelled": False}
+
+
+@pytest.mark.timeout(60)
+def test_a_child_future_is_running_once_a_peer_started_it(tmp_path: object) -> None:
+    started = os.path.join(str(tmp_path), "started")
+    gate = os.path.join(str(tmp_path), "gate")
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    with Pool(2) as pool:
+        states = pool.submit(tasks.child_running_states, started, gate).result(timeout=30)
+    assert states == {"running": True, "cancel": False, "result": 7, "after": False}
 
 
 # ---------------------------------------------------------------- nested tasks

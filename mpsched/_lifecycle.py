@@ -1,0 +1,199 @@
+"""What a started pool owns apart from the ``Pool`` object, and who releases it, exactly once.
+
+A ``Pool`` that its user drops (no ``shutdown``, no ``with``) ends like ``shutdown(wait=False)``,
+as ``concurrent.futures.ProcessPoolExecutor`` does (its manager thread holds only a weakref to
+the executor). So nothing the coordinator thread reaches references the ``Pool``: the thread
+runs ``run_coordinator(resources)``, and ``PoolResources`` holds the processes, fds and memory,
+never the Pool. The Pool holds its ``PoolResources``; a weakref to the Pool, with a callback,
+tells them of the drop (``watch``).
+
+Who releases (``PoolResources.teardown``; a second call is a no-op):
+  - the coordinator thread, at its end, once release was asked: by ``Pool.await_termination``
+    (``shutdown(wait=True)``, the atexit hook) through ``request_release``, or by the drop.
+    After its loop ended, the thread waits on the wakeup pipe for that request, because the
+    Pool's ``statistics()`` may read the shared memory until the Pool releases it;
+  - ``Pool._abort_start``, after a failed start-up (the loop never ran).
+
+The drop callback (``_on_pool_dropped``) runs wherever the garbage collector runs: in any
+thread, possibly inside a critical section of that same thread (the coordinator's lock, the
+wakeup's lock), as the map finalizer of tests/integration/test_hunt_engine.py showed. So it
+takes no lock and waits for nothing: it sets flags and writes a byte to the wakeup pipe
+(``Wakeup.wakeup_nowait``); the coordinator loop then begins the shutdown itself.
+
+Registry (``_unreleased``): every started pool's resources until they are released. The
+atexit hook waits for those of dropped pools (``join_dropped``), and a child of ``os.fork()``
+lets go of its copies of their sockets (``disown_all``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import threading
+import weakref
+from multiprocessing.connection import Connection
+from typing import Any
+
+from mpsched._coordinator import Coordinator
+from mpsched._serialize import FunctionCache
+from mpsched._shm import AnonSegment, SharedFd, disown_inherited_process
+from mpsched._wakeup import Wakeup
+from mpsched._zygote import ForkedZygote
+
+ZYGOTE_JOIN_TIMEOUT = 5.0  # seconds the zygote gets to exit after EOF before it is killed
+
+# Resources of started pools not yet released. Written by: PoolResources.watch (the pool's
+# thread), teardown (the coordinator thread), disown_all (a fork child).
+_unreleased: set[PoolResources] = set()
+# Fork start method: the control ends of live pools, which a new zygote must not keep open (the
+# zygote of a pool learns of its coordinator's death by EOF there). Kept exact: numbers are
+# removed when closed, so a reused number is never closed by mistake.
+coordinator_fds: set[int] = set()
+
+
+class PoolResources:
+    """The processes, fds and shared memory of one pool; never a reference to the ``Pool``.
+
+    Fields are filled by ``Pool._start`` as it creates them (a failed start-up releases what
+    exists). Flags below are plain attributes written without a lock: each is set once, never
+    cleared, and read after the wakeup byte that follows its write.
+    """
+
+    def __init__(self, segment: AnonSegment, wakeup: Wakeup) -> None:
+        self.segment = segment
+        self.wakeup = wakeup
+        self.wake_fds: list[SharedFd] = []
+        self.zygote: Any = None  # a multiprocessing Process, or a ForkedZygote
+        self.zygote_conn: Connection | None = None
+        self.functions: FunctionCache | None = None
+        self.coordinator: Coordinator | None = None
+        self.thread: threading.Thread | None = None
+        # Set by request_release or the drop callback. Read by: the coordinator thread.
+        self.release_requested = False
+        self.dropped = False  # the Pool was collected. Written by: the drop callback only.
+        self.disowned = False  # a fork child's copy: none of it belongs to this process
+        self._pool_ref: weakref.ref[Any] | None = None
+        self._teardown_lock = threading.Lock()
+        self._released = False  # under _teardown_lock
+
+    def watch(self, pool: object) -> None:
+        """The pool started: be told when it is collected; count as unreleased."""
+        self._pool_ref = weakref.ref(pool, self._on_pool_dropped)
+        _unreleased.add(self)
+
+    def _on_pool_dropped(self, _: weakref.ref[Any]) -> None:
+        # The garbage collector's callback: no lock, no wait (see the module docstring).
+        coordinator = self.coordinator
+        if self.disowned or self.release_requested or coordinator is None:
+            return  # a fork child's copy, or released (or being released) by the Pool
+        self.dropped = True
+        coordinator.owner_dropped = True  # the loop begins a shutdown(wait=False)
+        self.release_requested = True  # and the thread tears down once the drain ended
+        self.wakeup.wakeup_nowait()
+
+    def on_lock_stall(self, kind: str, index: int, lock: Any, waited: float) -> None:
+        """The guarded locks' stall callback (made before the coordinator exists)."""
+        if self.coordinator is not None:
+            self.coordinator.on_lock_stall(kind, index, lock, waited)
+
+    def request_release(self) -> None:
+        """Any thread but the coordinator's, once ``coordinator.finished`` is set: let the
+        coordinator thread tear down and end (join it next)."""
+        self.release_requested = True
+        self.wakeup.wakeup()
+
+    def wait_release_requested(self) -> None:
+        """Coordinator thread, after its loop: until ``request_release`` or the drop. The
+        flag is written before the wakeup byte, which stays readable until ``clear``, so a
+        request between the check and ``select`` is not lost."""
+        fd = self.wakeup.fileno()
+        while not self.release_requested:
+            select.select([fd], [], [])
+            self.wakeup.clear()
+
+    def teardown(self) -> None:
+        """Undo what start-up made: processes, fds and memory, so nothing leaks. Once."""
+        with self._teardown_lock:
+            if self._released:
+                return
+            self._released = True
+        _unreleased.discard(self)
+        if self.functions is not None:
+            self.functions.close()
+        coordinator = self.coordinator
+        if coordinator is not None:
+            for worker in coordinator.workers:
+                if worker is not None:
+                    coordinator.forget_worker(worker)
+            coordinator.close()
+        if self.zygote_conn is not None:
+            coordinator_fds.discard(self.zygote_conn.fileno())
+            self.zygote_conn.close()  # EOF: the zygote kills its workers and exits
+        if self.zygote is not None and self.zygote.pid is not None:
+            self.zygote.join(ZYGOTE_JOIN_TIMEOUT)
+            if self.zygote.is_alive():
+                self.zygote.kill()
+                self.zygote.join()
+            self.zygote.close()
+        self.wakeup.close()
+        for fd in self.wake_fds:
+            fd.close()
+        self.segment.close()
+
+    def disown(self) -> None:
+        """In the child of ``os.fork()``: let go of the copies of the parent's sockets and
+        processes (see ``_pool._disown_pools_in_forked_child``); release nothing else."""
+        self.disowned = True
+        if self.zygote is not None and not isinstance(self.zygote, ForkedZygote):
+            disown_inherited_process(self.zygote)  # a Process of the parent's
+        if self.zygote_conn is not None:
+            # /dev/null takes the number, rather than close(): under the fork start method
+            # this child may be a new zygote, which closes the numbers of its config's
+            # close_fds (listed before the fork), and a freed number may be reused by then.
+            fd = self.zygote_conn.fileno()
+            coordinator_fds.discard(fd)
+            null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            os.dup2(null, fd, inheritable=False)
+            os.close(null)
+        if self.coordinator is not None:
+            for worker in self.coordinator.workers:
+                if worker is not None:
+                    with contextlib.suppress(OSError):
+                        worker.conn.close()
+
+
+def run_coordinator(resources: PoolResources) -> None:
+    """The coordinator thread's main: the loop, then (once release is asked) the teardown."""
+    coordinator = resources.coordinator
+    assert coordinator is not None
+    try:
+        coordinator.run()
+    finally:
+        if not coordinator.start_aborted:  # else Pool._abort_start tears down
+            resources.wait_release_requested()
+            resources.teardown()
+
+
+def disown_all() -> None:
+    """In the child of ``os.fork()``: every pool's resources are the parent's."""
+    for resources in list(_unreleased):
+        resources.disown()
+    _unreleased.clear()
+
+
+def join_dropped() -> None:
+    """Interpreter exit: wait for the pools that were dropped while their work went on (their
+    coordinator threads tear them down), as for the pools still referenced. Ctrl-C while
+    waiting stops them now, as it stops a ``with`` block's pool."""
+    for resources in list(_unreleased):
+        thread = resources.thread
+        coordinator = resources.coordinator
+        if not resources.dropped or thread is None or coordinator is None:
+            continue
+        try:
+            thread.join()
+        except BaseException:
+            coordinator.begin_shutdown(True)
+            coordinator.abort_running()
+            raise
