@@ -16,7 +16,7 @@ Who releases (``PoolResources.teardown``; a second call is a no-op):
 
 The drop callback (``_on_pool_dropped``) runs wherever the garbage collector runs: in any
 thread, possibly inside a critical section of that same thread (the coordinator's lock, the
-wakeup's lock), as the map finalizer of tests/integration/test_hunt_engine.py showed. So it
+wakeup's lock), as the map finalizer of tests/integration/test_engine_edges.py showed. So it
 takes no lock and waits for nothing: it sets flags and writes a byte to the wakeup pipe
 (``Wakeup.wakeup_nowait``); the coordinator loop then begins the shutdown itself.
 

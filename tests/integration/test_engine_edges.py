@@ -1,4 +1,4 @@
-"""Edge cases of Pool.map, nested tasks and crashes (bug hunt of the engine)."""
+"""Edge cases of Pool.map, nested tasks, the stash, retirement and crashes."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from mpsched._coordinator import Coordinator
 from mpsched._errors import ProtocolError
 from mpsched._protocol import Tag, decode
 
-from . import hunt_tasks as ht
+from . import edge_tasks as et
 from . import tasks
 
 
@@ -52,7 +52,7 @@ def test_map_timeout_cancels_the_chunk_it_timed_out_on(gates: tuple[str, str, st
         blocker = pool.submit(tasks.started_then_gated, started, gate, "blocker")
         tasks.wait_started(started)  # the only worker is busy: every chunk stays queued
         results = pool.map(
-            functools.partial(ht.record_ident, log), [1, 2, 3], chunksize=1, timeout=0.05
+            functools.partial(et.record_ident, log), [1, 2, 3], chunksize=1, timeout=0.05
         )
         with pytest.raises(TimeoutError):
             next(results)
@@ -99,7 +99,7 @@ def test_results_taken_with_one_that_cannot_be_read_all_settle(
         tasks.wait_started(started)  # the one worker is busy: the rest queue in its inbox
         big = pool.submit(tasks.make_bytes, 500_000)  # too big for a block chain: stashed
         small = [pool.submit(tasks.ident, i) for i in range(3)]
-        last = pool.submit(ht.announce, announced)
+        last = pool.submit(et.announce, announced)
         tasks.open_gate(gate)
         # The worker runs them in order: once the last one runs, the others are in the ring.
         tasks.wait_started(announced)
@@ -128,7 +128,7 @@ def test_a_chain_of_nested_joins_deeper_than_the_run_stack_finishes(workers: int
     and sleeps, while the child it waits for sits in its own deque."""
     pool = Pool(workers)
     try:
-        assert pool.submit(ht.chain, 200).result(timeout=20) == 200
+        assert pool.submit(et.chain, 200).result(timeout=20) == 200
     finally:
         _force_down(pool)
 
@@ -138,7 +138,7 @@ def test_a_parent_that_raises_after_spawning_children_loses_none(tmp_path: objec
     log = os.path.join(str(tmp_path), "log")
     open(log, "wb").close()
     with Pool(2) as pool:
-        futures = [pool.submit(ht.parent_raises_after_children, log, 20) for _ in range(10)]
+        futures = [pool.submit(et.parent_raises_after_children, log, 20) for _ in range(10)]
         for f in futures:
             with pytest.raises(ValueError, match="parent failed"):
                 f.result(timeout=20)
@@ -147,12 +147,12 @@ def test_a_parent_that_raises_after_spawning_children_loses_none(tmp_path: objec
 
 @pytest.mark.timeout(60)
 def test_a_parent_catches_its_childs_error(pool2: Pool) -> None:
-    assert pool2.submit(ht.parent_catches_child_error).result(timeout=20) == "caught from child"
+    assert pool2.submit(et.parent_catches_child_error).result(timeout=20) == "caught from child"
     # An unpicklable child result is the child's error, seen by the parent; a big one works.
-    text = pool2.submit(ht.child_returns_unpicklable).result(timeout=20)
+    text = pool2.submit(et.child_returns_unpicklable).result(timeout=20)
     assert text.startswith("RuntimeError") or "pickle" in text
-    assert pool2.submit(ht.child_huge, 3_000_000).result(timeout=20) == 3_000_000
-    assert len(pool2.submit(ht.huge_result, 8_000_000).result(timeout=20)) == 8_000_000
+    assert pool2.submit(et.child_huge, 3_000_000).result(timeout=20) == 3_000_000
+    assert len(pool2.submit(et.huge_result, 8_000_000).result(timeout=20)) == 8_000_000
 
 
 @pytest.fixture
@@ -167,7 +167,7 @@ def test_shutdown_cancel_futures_with_children_pending(gates: tuple[str, str, st
     cancel: they run, the parent gets their results, and the drain ends."""
     started, gate, log = gates
     pool = Pool(1)
-    parent = pool.submit(ht.gated_parent_of_children, started, gate, log, 50)
+    parent = pool.submit(et.gated_parent_of_children, started, gate, log, 50)
     queued = [pool.submit(tasks.ident, i) for i in range(100)]
     tasks.wait_started(started)
     pool.shutdown(wait=False, cancel_futures=True)
@@ -179,17 +179,12 @@ def test_shutdown_cancel_futures_with_children_pending(gates: tuple[str, str, st
 
 
 @pytest.mark.timeout(60)
-def test_sigkill_of_a_parent_with_children_in_its_deque(tmp_path: object) -> None:
+def test_sigkill_of_a_parent_with_children_in_its_deque(gates: tuple[str, str, str]) -> None:
     """The parent fails with WorkerCrashedError; its children, queued in the dead worker's
     deque, are ordinary tasks and still run, exactly once; nothing hangs."""
-    started = os.path.join(str(tmp_path), "started")
-    gate = os.path.join(str(tmp_path), "gate")
-    log = os.path.join(str(tmp_path), "log")
-    os.mkfifo(started)
-    os.mkfifo(gate)
-    open(log, "wb").close()
+    started, gate, log = gates
     with Pool(1) as pool:
-        parent = pool.submit(ht.join_children_then_die, started, gate, log, 30)
+        parent = pool.submit(et.join_children_then_die, started, gate, log, 30)
         pid = tasks.read_pid(started)
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(WorkerCrashedError):
@@ -203,7 +198,7 @@ def test_sigkill_of_a_parent_with_children_in_its_deque(tmp_path: object) -> Non
 @pytest.mark.timeout(60)
 def test_retirement_while_tasks_with_children_queue() -> None:
     with Pool(2, max_tasks_per_worker=1) as pool:
-        futures = [pool.submit(ht.spawn_and_join, 10) for _ in range(40)]
+        futures = [pool.submit(et.spawn_and_join, 10) for _ in range(40)]
         assert [f.result(timeout=30) for f in futures] == [45] * 40
     stats = pool.statistics()
     assert stats.crashes == 0
@@ -215,14 +210,14 @@ def test_retirement_while_tasks_with_children_queue() -> None:
 @pytest.mark.timeout(60)
 def test_os_exit_in_a_task_and_in_a_child(pool2: Pool) -> None:
     with pytest.raises(WorkerCrashedError, match="exit code 7"):
-        pool2.submit(ht.exit_now, 7).result(timeout=20)
+        pool2.submit(et.exit_now, 7).result(timeout=20)
     assert pool2.submit(tasks.fib, 10).result(timeout=20) == 55
 
 
 @pytest.mark.timeout(60)
 def test_statistics_count_every_task_and_child() -> None:
     with Pool(2) as pool:
-        futures = [pool.submit(ht.spawn_and_join, 5) for _ in range(100)]
+        futures = [pool.submit(et.spawn_and_join, 5) for _ in range(100)]
         assert [f.result(timeout=30) for f in futures] == [10] * 100
         assert list(pool.map(tasks.ident, range(50), chunksize=10)) == list(range(50))
     stats = pool.statistics()
@@ -233,7 +228,7 @@ def test_statistics_count_every_task_and_child() -> None:
 # ---------------------------------------------------------------- more map
 @pytest.mark.timeout(60)
 def test_map_error_at_a_position_with_chunksize_one(pool2: Pool) -> None:
-    results = pool2.map(functools.partial(ht.fail_at, bad=5), range(10), chunksize=1)
+    results = pool2.map(functools.partial(et.fail_at, bad=5), range(10), chunksize=1)
     assert [next(results) for _ in range(5)] == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="bad item 5"):
         next(results)
@@ -298,7 +293,7 @@ def test_sigkill_of_the_worker_running_a_stolen_child_fails_the_childs_future(
 ) -> None:
     to_parent, to_test, gate, _ = fifos
     with Pool(2) as pool:
-        parent = pool.submit(ht.parent_of_stolen_child, to_parent, to_test, gate)
+        parent = pool.submit(et.parent_of_stolen_child, to_parent, to_test, gate)
         pid = tasks.read_pid(to_test)
         os.kill(pid, signal.SIGKILL)
         assert parent.result(timeout=20) == "WorkerCrashedError"
@@ -312,7 +307,7 @@ def test_sigkill_of_a_parent_whose_child_runs_on_a_peer(fifos: list[str]) -> Non
     to_parent, to_test, gate, parent_pid = fifos
     with Pool(2) as pool:
         parent = pool.submit(
-            ht.parent_dies_while_child_runs_elsewhere, to_parent, to_test, gate, parent_pid
+            et.parent_dies_while_child_runs_elsewhere, to_parent, to_test, gate, parent_pid
         )
         child_pid = tasks.read_pid(to_test)
         pid = tasks.read_pid(parent_pid)
@@ -329,7 +324,7 @@ def test_retiring_workers_leave_fire_and_forget_children_that_still_run(tmp_path
     log = os.path.join(str(tmp_path), "log")
     open(log, "wb").close()
     with Pool(2, max_tasks_per_worker=1) as pool:
-        futures = [pool.submit(ht.fire_children, log, i, 5) for i in range(30)]
+        futures = [pool.submit(et.fire_children, log, i, 5) for i in range(30)]
         assert [f.result(timeout=30) for f in futures] == list(range(30))
     expected = sorted(i * 10 + k for i in range(30) for k in range(5))
     assert sorted(tasks.read_log(log)) == expected
@@ -339,7 +334,7 @@ def test_retiring_workers_leave_fire_and_forget_children_that_still_run(tmp_path
 @pytest.mark.timeout(60)
 def test_map_error_in_the_first_default_chunk_keeps_earlier_results(pool2: Pool) -> None:
     """Like the builtin map: the results before the failing item come first."""
-    results = pool2.map(functools.partial(ht.fail_at, bad=5), range(10))
+    results = pool2.map(functools.partial(et.fail_at, bad=5), range(10))
     got: list[int] = []
     with pytest.raises(ValueError, match="bad item 5"):
         got.extend(results)  # keeps what came before the raise
@@ -379,8 +374,8 @@ def test_dropped_children_with_stashed_results_leave_no_stash() -> None:
     leave it there."""
     pool = Pool(2)
     try:
-        assert pool.submit(ht.forget_big_children, 5, 400_000).result(timeout=20) == 5
-        assert pool.submit(ht.join_big_child_args, 400_000).result(timeout=20) == 400_000
+        assert pool.submit(et.forget_big_children, 5, 400_000).result(timeout=20) == 5
+        assert pool.submit(et.join_big_child_args, 400_000).result(timeout=20) == 400_000
     finally:
         pool.shutdown(wait=True)
     assert pool._coordinator.stash == {}
@@ -395,7 +390,7 @@ def test_children_run_inline_on_a_full_deque_leave_no_stash(
     monkeypatch.setattr(_pool, "DEQUE_CAPACITY", 2)
     pool = Pool(1, start_method="fork")  # the zygote inherits the patched layout anyway
     try:
-        assert pool.submit(ht.spawn_big_children, 6, 300_000).result(timeout=20) == 6 * 300_000
+        assert pool.submit(et.spawn_big_children, 6, 300_000).result(timeout=20) == 6 * 300_000
     finally:
         pool.shutdown(wait=True)
     assert pool._coordinator.stash == {}
@@ -409,7 +404,7 @@ def test_an_initializer_failing_in_a_replacement_breaks_the_pool_without_hanging
     counter = os.path.join(str(tmp_path), "count")
     open(counter, "wb").close()
     pool = Pool(
-        2, max_tasks_per_worker=1, initializer=ht.initializer_fails_after, initargs=(counter, 2)
+        2, max_tasks_per_worker=1, initializer=et.initializer_fails_after, initargs=(counter, 2)
     )
     try:
         futures = [pool.submit(tasks.ident, i) for i in range(20)]
@@ -430,9 +425,9 @@ def test_a_retired_workers_kept_child_futures_leak_no_block() -> None:
     referenced (here: kept in a module global): nobody will collect those children; their
     blocks must be freed as for a worker that died."""
     with Pool(1, max_tasks_per_worker=1) as pool:
-        assert pool.submit(ht.keep_child_futures, 20).result(timeout=20) == 20
-        assert pool.submit(ht.keep_child_futures, 20).result(timeout=20) == 20
-        assert pool.submit(ht.child_futures_in_a_cycle, 20).result(timeout=20) == 20
+        assert pool.submit(et.keep_child_futures, 20).result(timeout=20) == 20
+        assert pool.submit(et.keep_child_futures, 20).result(timeout=20) == 20
+        assert pool.submit(et.child_futures_in_a_cycle, 20).result(timeout=20) == 20
         assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
         slab = pool._views.slab
         assert pool.statistics().recycled >= 3
@@ -447,7 +442,7 @@ def test_a_retired_workers_done_children_leave_no_stashed_results(die: bool) -> 
     frees their blocks and must drop their stashed results too (only a FETCH empties the
     stash; nobody will send it)."""
     with Pool(1, max_tasks_per_worker=1) as pool:
-        parent = pool.submit(ht.keep_done_big_children, 3, 300_000, die)
+        parent = pool.submit(et.keep_done_big_children, 3, 300_000, die)
         if die:
             with pytest.raises(WorkerCrashedError):
                 parent.result(timeout=20)
@@ -488,7 +483,7 @@ def test_a_dead_parents_done_child_whose_stash_is_unread_leaves_no_stash(
     monkeypatch.setattr(Coordinator, "on_worker_message", hold_stashes)
     monkeypatch.setattr(Coordinator, "orphan_children", orphan_then_deliver)
     with Pool(2) as pool:
-        parent = pool.submit(ht.die_after_a_peer_ran_a_big_child, 300_000)
+        parent = pool.submit(et.die_after_a_peer_ran_a_big_child, 300_000)
         with pytest.raises(WorkerCrashedError):
             parent.result(timeout=20)
         assert len(held) == 1
@@ -502,12 +497,12 @@ def test_a_dead_parents_done_child_whose_stash_is_unread_leaves_no_stash(
 GC_IN_CRITICAL_SECTION = """
 import functools, gc, sys
 from mpsched import Pool
-from tests.integration import hunt_tasks as ht, tasks
+from tests.integration import edge_tasks as et, tasks
 
 started, gate = sys.argv[1], sys.argv[2]
 gc.disable()
 pool = Pool(1, start_method="fork")
-it = pool.map(functools.partial(ht.second_item_gated, started, gate), range(100), chunksize=1)
+it = pool.map(functools.partial(et.second_item_gated, started, gate), range(100), chunksize=1)
 assert next(it) == 0
 tasks.wait_started(started)  # item 1 holds the only worker: items 2 and 3 wait unclaimed
 cycle = [it]

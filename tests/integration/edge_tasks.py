@@ -1,4 +1,4 @@
-"""Task functions for tests/integration/test_hunt_engine.py; module-level so workers import them."""
+"""Task functions for test_engine_edges.py; module-level so that workers import them."""
 
 from __future__ import annotations
 
@@ -55,14 +55,6 @@ def chain(depth: int) -> int:
     if depth == 0:
         return 0
     return mpsched.submit(chain, depth - 1).result() + 1
-
-
-def cancel_own_child(gate_path: str) -> tuple[bool, bool]:
-    """Spawn a child, cancel it before anything could claim it (we hold... nothing: a peer may
-    steal it), return (cancel() returned, child.cancelled())."""
-    child = mpsched.submit(ident, 1)
-    ok = child.cancel()
-    return ok, child.cancelled()
 
 
 def exit_now(code: int) -> None:
