@@ -51,7 +51,7 @@ from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, c
 from mpsched._options import TaskOptions, check_seconds
 from mpsched._protocol import PICKLE_PROTOCOL, load_exception
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
-from mpsched._serialize import FunctionCache, dumps
+from mpsched._serialize import FunctionCache, dumps, portable
 from mpsched._shm import (
     AnonSegment,
     SharedFd,
@@ -211,7 +211,9 @@ class Pool:
             raise TypeError(f"initializer must be callable, not {type(initializer).__name__}")
         self._worker_options = WorkerOptions(
             max_tasks=max_tasks_per_worker or 0,
-            initializer=b"" if initializer is None else dumps((initializer, tuple(initargs))),
+            initializer=b""
+            if initializer is None
+            else dumps((portable(initializer), tuple(initargs))),
         )
         self._workers = workers
         self._start_method = method
@@ -544,6 +546,9 @@ class Pool:
         cap = 0  # largest default chunk, from the first chunk's bytes per item; 0: not yet
         limit = MAP_PREFETCH_PER_WORKER * self._workers
         exhausted = False
+        # fn travels in each chunk's arguments, not through the function table: a __main__
+        # function needs its copy by value there too (see _serialize.portable).
+        fn = portable(fn)
         try:
             while True:
                 while not exhausted and len(in_flight) < limit:
