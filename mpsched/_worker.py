@@ -664,6 +664,10 @@ def run_initializer(conn: Connection, slot: int, initializer: bytes) -> bool:
         fn, args = pickle.loads(initializer)
         fn(*args)
     except BaseException as exc:  # user code: report any error, never die silently
-        conn.send_bytes(encode(Tag.INIT_FAILED, slot, dump_exception(exc)))
+        # EPIPE: the coordinator already closed our socket (a peer's initializer failed first
+        # and broke the pool, or the pool is gone): nobody is left to tell, and the zygote
+        # would print this send's traceback as if mpsched had failed.
+        with contextlib.suppress(OSError):
+            conn.send_bytes(encode(Tag.INIT_FAILED, slot, dump_exception(exc)))
         return False
     return True

@@ -117,3 +117,57 @@ def test_a_zygote_that_cannot_start_fails_the_pool_creation(tmp_path: pathlib.Pa
     assert result.returncode == 0, result.stderr
     assert "BrokenPoolError: the pool's zygote process died" in result.stdout
     assert "threads: 1" in result.stdout
+
+
+# A pool whose initializer fails in one worker, and in its peers only after the pool broke (so
+# after the coordinator closed their sockets): their reports have nobody to go to.
+LATE_INIT_FAILURES = """
+import os, sys, time
+import psutil
+from mpsched import BrokenPoolError, Pool
+from tests.integration import tasks
+
+if __name__ == "__main__":
+    directory = sys.argv[2]
+    pool = Pool(
+        2,
+        start_method=sys.argv[1],
+        initializer=tasks.failing_initializer_late_in_peers,
+        initargs=(directory,),
+    )
+    try:
+        pool.submit(tasks.ident, 1).result(timeout=20)
+    except BrokenPoolError:
+        pass
+    assert pool._coordinator.finished.wait(20)  # broken: the workers' sockets are closed
+
+    def late_pids():
+        names = os.listdir(directory)
+        return [int(n[5:]) for n in names if n.startswith("late-") and n[5:].isdigit()]
+
+    while not late_pids():
+        time.sleep(0.005)  # the other worker writes the file; this only paces the poll
+    open(os.path.join(directory, "go"), "w").close()
+    psutil.Process(late_pids()[0]).wait(20)  # it reported its error (to a closed socket)
+    pool.shutdown(wait=True)
+    print("done", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_an_initializer_failing_after_the_pool_broke_prints_no_traceback(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", LATE_INIT_FAILURES, start_method, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=45,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "done\n"
+    assert proc.stderr == "", proc.stderr  # was: a BrokenPipeError traceback per late worker
