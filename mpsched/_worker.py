@@ -645,6 +645,11 @@ def worker_main(
         worker.poke()
         conn.send_bytes(encode(Tag.DRAINED, slot, worker.statistics()))
         return 0
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        # Our socket's other end is closed: the coordinator broke the pool (e.g. a peer's
+        # initializer failed) or is gone, and the zygote is about to kill us. The same as EOF
+        # in read_messages: exit quietly, not with a traceback that blames mpsched.
+        return 0
     except BaseException:
         import traceback  # here, not at the top: see _protocol.dump_exception
 

@@ -220,6 +220,16 @@ def failing_initializer_late_in_peers(directory: str) -> None:
     raise OSError("first initializer")
 
 
+def initializer_failing_at_gate(directory: str, gate_path: str) -> None:
+    """A pool initializer that succeeds in the first worker to get here; every other worker
+    waits at the gate ``gate_path``, then raises (breaking the pool)."""
+    try:
+        os.close(os.open(os.path.join(directory, "first"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        gate(gate_path)
+        raise OSError("initializer failed at the gate") from None
+
+
 def die_holding_lock(which: str, record_pid: bool) -> None:
     """Take one of the pool's cross-process locks and die with it held, with or without the
     holder pid recorded (the second is the window between acquire and the pid store)."""
