@@ -270,6 +270,7 @@ class Pool:
                 aging=self._aging,
                 timed_after_shutdown=self._timed_after_shutdown,
                 recurring_after_shutdown=self._recurring_after_shutdown,
+                has_initializer=bool(self._worker_options.initializer),
             )
             self._coordinator.mark_all_starting()
             self._views.slab.fill_free_stack()

@@ -220,6 +220,11 @@ def failing_initializer_late_in_peers(directory: str) -> None:
     raise OSError("first initializer")
 
 
+def exit_at_once(code: int) -> None:
+    """A pool initializer (or task) that ends its process without Python's clean-up."""
+    os._exit(code)
+
+
 def initializer_failing_at_gate(directory: str, gate_path: str) -> None:
     """A pool initializer that succeeds in the first worker to get here; every other worker
     waits at the gate ``gate_path``, then raises (breaking the pool)."""

@@ -226,3 +226,30 @@ def test_a_worker_whose_task_ends_after_the_pool_broke_prints_no_traceback(
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "done\n"
     assert proc.stderr == "", proc.stderr  # was: the poke's BrokenPipeError, "an mpsched bug"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_an_initializer_that_kills_its_worker_breaks_the_pool_without_a_respawn_loop(
+    start_method: str,
+) -> None:
+    # Was: every replacement died in the initializer too, ~1,500 respawns a second, the task
+    # never ended and shutdown(wait=True) never returned.
+    pool = Pool(2, start_method=start_method, initializer=tasks.exit_at_once, initargs=(3,))
+    try:
+        try:  # the pool may already be broken when submit runs: both are fine
+            future = pool.submit(tasks.ident, 1)
+        except BrokenPoolError as exc:
+            error: BaseException = exc
+        else:
+            with pytest.raises(BrokenPoolError) as info:
+                future.result(timeout=10)
+            error = info.value
+        assert "initializer" in str(error)
+        assert "exit code 3" in str(error)
+        with pytest.raises(BrokenPoolError):
+            pool.submit(tasks.ident, 2)
+    finally:
+        pool.shutdown(wait=False)
+        assert pool.await_termination(timeout=20)
+    assert pool.statistics().respawns == 0
