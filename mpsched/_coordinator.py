@@ -166,6 +166,7 @@ class Coordinator:
         timed_after_shutdown: bool = True,
         recurring_after_shutdown: bool = False,
         wakeup_nowait: Any = None,
+        has_initializer: bool = False,
     ) -> None:
         self.slots = views.slots
         self.slab = views.slab
@@ -182,6 +183,7 @@ class Coordinator:
         self.window = window
         self.max_inflight = max_inflight
         self.aging = aging
+        self.has_initializer = has_initializer  # workers run the pool's initializer first
         self.locks = locks  # the guarded locks of the segment (orphan release after a crash)
         self.repair_lock = threading.Lock()  # one lock repair at a time, from any thread
         self.collect_lock = threading.Lock()  # one collector at a time (help_wait: any thread)
@@ -1209,6 +1211,16 @@ class Coordinator:
             return
         self.crashes += 1
         code = self.wait_exit_code(worker.pid)
+        if self.has_initializer and self.slots[worker.slot].owner_pid() != worker.pid:
+            # It died before bind_owner, i.e. inside the initializer (os._exit, a signal, a
+            # crash in native code): an initializer that raises breaks the pool (INIT_FAILED),
+            # and so must this one, or every replacement died the same way, in a respawn loop
+            # that never ended the pool's futures nor its shutdown.
+            raise BrokenPoolError(
+                f"worker {worker.slot} (pid {worker.pid}) died with {signal_description(code)} "
+                "while it ran the pool's initializer; no task can run. Check the initializer "
+                "for os._exit(), a crash in native code, or memory use (the OOM killer)."
+            )
         self.recover_slot(worker, code)
         if not self.draining or not self.all_done():
             self.respawns += 1

@@ -60,7 +60,7 @@ from mpsched._lifecycle import (
 from mpsched._options import TaskOptions, check_seconds
 from mpsched._protocol import PICKLE_PROTOCOL, load_exception
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
-from mpsched._serialize import FunctionCache, dumps
+from mpsched._serialize import FunctionCache, dumps, portable
 from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
@@ -230,7 +230,7 @@ class Pool:
             ) from None
         self._worker_options = WorkerOptions(
             max_tasks=max_tasks_per_worker or 0,
-            initializer=b"" if initializer is None else dumps((initializer, args)),
+            initializer=b"" if initializer is None else dumps((portable(initializer), args)),
         )
         self._workers = workers
         self._start_method = method
@@ -288,6 +288,7 @@ class Pool:
                 timed_after_shutdown=self._timed_after_shutdown,
                 recurring_after_shutdown=self._recurring_after_shutdown,
                 wakeup_nowait=self._wakeup.wakeup_nowait,
+                has_initializer=bool(self._worker_options.initializer),
             )
             self._coordinator.mark_all_starting()
             self._views.slab.fill_free_stack()
@@ -548,6 +549,9 @@ class Pool:
         cap = 0  # largest default chunk, from the first chunk's bytes per item; 0: not yet
         limit = MAP_PREFETCH_PER_WORKER * self._workers
         exhausted = False
+        # fn travels in each chunk's arguments, not through the function table: a __main__
+        # function needs its copy by value there too (see _serialize.portable).
+        fn = portable(fn)
         try:
             while True:
                 while not exhausted and len(in_flight) < limit:

@@ -20,13 +20,16 @@ second one for the id alone cost a tenth of a ``Pool.schedule``. Then:
   call, because their captured state may change between calls.
 * ``fid == -1``: ``fn`` is inline.
 
-Plain pickle is tried first (fast, and by reference); cloudpickle is the fallback for lambdas,
-local functions and objects defined in ``__main__`` that a worker cannot import.
+Plain pickle is tried first (fast, and by reference); cloudpickle is the fallback for lambdas
+and local functions. A function of ``__main__`` pickles by reference in the caller but a worker
+may not have that name (see ``portable``), so it carries a copy by value as well. Other objects
+of ``__main__`` (classes, their instances in arguments) still go by reference.
 """
 
 from __future__ import annotations
 
 import pickle
+import sys
 import threading
 import types
 from collections.abc import Callable
@@ -139,11 +142,64 @@ def decode_call(data: bytes | memoryview) -> Call:
 
 
 def function_bytes(fn: Callable[..., Any]) -> bytes | None:
-    """``fn`` pickled by reference, or None if plain pickle cannot (so it must go inline)."""
+    """``fn`` pickled by reference (with a copy by value for a ``__main__`` function: see
+    ``portable``), or None if plain pickle cannot (so it must go inline)."""
     try:
-        return _dumps(fn, PICKLE_PROTOCOL)
+        return _dumps(portable(fn), PICKLE_PROTOCOL)
     except Exception:
         return None
+
+
+MAIN_BY_VALUE_MAX = 64 * 1024  # bytes; a bigger copy (large captured globals) is not carried
+
+
+def portable(fn: Any) -> Any:
+    """``fn``, or for a function of ``__main__`` that plain pickle serializes by reference, a
+    stand-in that unpickles to ``__main__.<qualname>`` where that name exists, else to a copy of
+    ``fn`` made by cloudpickle.
+
+    Why: the name resolves in the pool's process, but a worker's ``__main__`` differs: under
+    spawn and forkserver it is the main script run again as ``__mp_main__`` without its
+    ``if __name__ == "__main__":`` block, or empty (``python -c``, notebooks); under fork it is
+    the copy taken when the zygote forked, without what was defined later. By reference alone,
+    such a task or initializer failed in the worker with "Can't get attribute". The name is
+    tried first so that a function the worker can see keeps the worker's globals (e.g. those
+    an initializer set), as before.
+    """
+    if getattr(fn, "__module__", None) != "__main__" or type(fn) not in _TABLED_TYPES:
+        return fn
+    try:
+        _dumps(fn, PICKLE_PROTOCOL)  # by reference, or not at all: then cloudpickle inline
+        by_value = _cloudpickle().dumps(fn, PICKLE_PROTOCOL)
+    except Exception:
+        return fn
+    if len(by_value) > MAIN_BY_VALUE_MAX:
+        return fn
+    return _MainFunction(fn.__qualname__, by_value)
+
+
+class _MainFunction:
+    """Pickles as ``load_main_function(qualname, by_value)`` (see ``portable``)."""
+
+    __slots__ = ("by_value", "qualname")
+
+    def __init__(self, qualname: str, by_value: bytes) -> None:
+        self.qualname = qualname
+        self.by_value = by_value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (load_main_function, (self.qualname, self.by_value))
+
+
+def load_main_function(qualname: str, by_value: bytes) -> Any:
+    """In a worker: ``__main__.<qualname>`` if it exists there, else the copy ``by_value``."""
+    obj: Any = sys.modules.get("__main__")
+    try:
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        return _cloudpickle().loads(by_value)
+    return obj
 
 
 # Plain pickle serializes these by reference only, so their bytes never go stale. Bound methods,

@@ -671,6 +671,11 @@ def worker_main(
         worker.poke()
         conn.send_bytes(encode(Tag.DRAINED, slot, worker.statistics()))
         return 0
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        # Our socket's other end is closed: the coordinator broke the pool (e.g. a peer's
+        # initializer failed) or is gone, and the zygote is about to kill us. The same as EOF
+        # in read_messages: exit quietly, not with a traceback that blames mpsched.
+        return 0
     except BaseException:
         import traceback  # here, not at the top: see _protocol.dump_exception
 
@@ -690,6 +695,10 @@ def run_initializer(conn: Connection, slot: int, initializer: bytes) -> bool:
         fn, args = pickle.loads(initializer)
         fn(*args)
     except BaseException as exc:  # user code: report any error, never die silently
-        conn.send_bytes(encode(Tag.INIT_FAILED, slot, dump_exception(exc)))
+        # EPIPE: the coordinator already closed our socket (a peer's initializer failed first
+        # and broke the pool, or the pool is gone): nobody is left to tell, and the zygote
+        # would print this send's traceback as if mpsched had failed.
+        with contextlib.suppress(OSError):
+            conn.send_bytes(encode(Tag.INIT_FAILED, slot, dump_exception(exc)))
         return False
     return True

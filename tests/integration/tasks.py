@@ -201,6 +201,40 @@ def failing_initializer(message: str) -> None:
     raise OSError(message)
 
 
+def failing_initializer_late_in_peers(directory: str) -> None:
+    """A pool initializer that raises at once in the first worker to get here, and in every
+    other worker only once ``directory/go`` exists (the test makes it after the pool broke);
+    those first write their pid to ``directory/late-<pid>``."""
+    try:
+        os.close(os.open(os.path.join(directory, "first"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        with open(os.path.join(directory, f"late-{os.getpid()}.tmp"), "w"):
+            pass
+        os.rename(  # whole, for a reader of the directory
+            os.path.join(directory, f"late-{os.getpid()}.tmp"),
+            os.path.join(directory, f"late-{os.getpid()}"),
+        )
+        while not os.path.exists(os.path.join(directory, "go")):
+            time.sleep(0.005)  # the test creates the file; this only paces the poll
+        raise OSError("late initializer") from None
+    raise OSError("first initializer")
+
+
+def exit_at_once(code: int) -> None:
+    """A pool initializer (or task) that ends its process without Python's clean-up."""
+    os._exit(code)
+
+
+def initializer_failing_at_gate(directory: str, gate_path: str) -> None:
+    """A pool initializer that succeeds in the first worker to get here; every other worker
+    waits at the gate ``gate_path``, then raises (breaking the pool)."""
+    try:
+        os.close(os.open(os.path.join(directory, "first"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        gate(gate_path)
+        raise OSError("initializer failed at the gate") from None
+
+
 def die_holding_lock(which: str, record_pid: bool) -> None:
     """Take one of the pool's cross-process locks and die with it held, with or without the
     holder pid recorded (the second is the window between acquire and the pid store)."""

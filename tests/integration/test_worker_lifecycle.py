@@ -117,3 +117,139 @@ def test_a_zygote_that_cannot_start_fails_the_pool_creation(tmp_path: pathlib.Pa
     assert result.returncode == 0, result.stderr
     assert "BrokenPoolError: the pool's zygote process died" in result.stdout
     assert "threads: 1" in result.stdout
+
+
+# A pool whose initializer fails in one worker, and in its peers only after the pool broke (so
+# after the coordinator closed their sockets): their reports have nobody to go to.
+LATE_INIT_FAILURES = """
+import os, sys, time
+import psutil
+from mpsched import BrokenPoolError, Pool
+from tests.integration import tasks
+
+if __name__ == "__main__":
+    directory = sys.argv[2]
+    pool = Pool(
+        2,
+        start_method=sys.argv[1],
+        initializer=tasks.failing_initializer_late_in_peers,
+        initargs=(directory,),
+    )
+    try:
+        pool.submit(tasks.ident, 1).result(timeout=20)
+    except BrokenPoolError:
+        pass
+    assert pool._coordinator.finished.wait(20)  # broken: the workers' sockets are closed
+
+    def late_pids():
+        names = os.listdir(directory)
+        return [int(n[5:]) for n in names if n.startswith("late-") and n[5:].isdigit()]
+
+    while not late_pids():
+        time.sleep(0.005)  # the other worker writes the file; this only paces the poll
+    late_worker = psutil.Process(late_pids()[0])  # before "go": it may exit at once after
+    open(os.path.join(directory, "go"), "w").close()
+    late_worker.wait(20)  # it reported its error (to a closed socket) and exited
+    pool.shutdown(wait=True)
+    print("done", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_an_initializer_failing_after_the_pool_broke_prints_no_traceback(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", LATE_INIT_FAILURES, start_method, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=45,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "done\n"
+    assert proc.stderr == "", proc.stderr  # was: a BrokenPipeError traceback per late worker
+
+
+# A worker runs a task while a peer's initializer breaks the pool; the task ends after that,
+# so the worker's report of it finds its socket closed by the coordinator.
+TASK_ENDS_AFTER_THE_POOL_BROKE = """
+import os, sys
+import psutil
+from mpsched import BrokenPoolError, Pool
+from tests.integration import tasks
+
+if __name__ == "__main__":
+    directory = sys.argv[2]
+    started, task_gate, init_gate = (os.path.join(directory, n) for n in ("s", "t", "i"))
+    for fifo in (started, task_gate, init_gate):
+        os.mkfifo(fifo)
+    pool = Pool(
+        2,
+        start_method=sys.argv[1],
+        initializer=tasks.initializer_failing_at_gate,
+        initargs=(directory, init_gate),
+    )
+    future = pool.submit(tasks.report_pid_then_gate, started, task_gate)
+    pid = tasks.read_pid(started)
+    tasks.open_gate(init_gate)  # the other worker's initializer raises: the pool breaks
+    try:
+        future.result(timeout=20)
+    except BrokenPoolError:
+        pass
+    assert pool._coordinator.finished.wait(20)  # broken: the workers' sockets are closed
+    worker = psutil.Process(pid)  # before the gate opens: it may exit at once after
+    tasks.open_gate(task_gate)
+    worker.wait(20)  # the task returned, its worker reported it and exited
+    pool.shutdown(wait=True)
+    print("done", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_a_worker_whose_task_ends_after_the_pool_broke_prints_no_traceback(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", TASK_ENDS_AFTER_THE_POOL_BROKE, start_method, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=45,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "done\n"
+    assert proc.stderr == "", proc.stderr  # was: the poke's BrokenPipeError, "an mpsched bug"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_an_initializer_that_kills_its_worker_breaks_the_pool_without_a_respawn_loop(
+    start_method: str,
+) -> None:
+    # Was: every replacement died in the initializer too, ~1,500 respawns a second, the task
+    # never ended and shutdown(wait=True) never returned.
+    pool = Pool(2, start_method=start_method, initializer=tasks.exit_at_once, initargs=(3,))
+    try:
+        try:  # the pool may already be broken when submit runs: both are fine
+            future = pool.submit(tasks.ident, 1)
+        except BrokenPoolError as exc:
+            error: BaseException = exc
+        else:
+            with pytest.raises(BrokenPoolError) as info:
+                future.result(timeout=10)
+            error = info.value
+        assert "initializer" in str(error)
+        assert "exit code 3" in str(error)
+        with pytest.raises(BrokenPoolError):
+            pool.submit(tasks.ident, 2)
+    finally:
+        pool.shutdown(wait=False)
+        assert pool.await_termination(timeout=20)
+    assert pool.statistics().respawns == 0

@@ -33,7 +33,10 @@ def _read(path: str) -> list[tuple[Any, float]]:
 
     try:
         with open(path) as f:
-            lines = [line.rstrip("\n").split("\t") for line in f if line.strip()]
+            # A line without its newline is being written (a read races the writer's one
+            # write: seen as a tab-less fragment in test_timed_races), or its writer was killed
+            # in mid-write: not a record yet, or never.
+            lines = [line[:-1].split("\t") for line in f if line.endswith("\n") and line.strip()]
     except FileNotFoundError:
         return []
     return [(ast.literal_eval(tag), float(start)) for tag, start in lines]

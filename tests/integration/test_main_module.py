@@ -1,0 +1,78 @@
+"""Functions defined in the user's ``__main__`` module, under each start method.
+
+Plain pickle serializes a ``__main__`` function by reference (``__main__.name``), and that name
+resolves in the pool's process; in a worker it may not: under spawn and forkserver the worker's
+``__main__`` is the main script run again as ``__mp_main__`` (its ``if __name__ == "__main__"``
+block skipped), or nothing at all for ``python -c`` and notebooks; under fork it is a copy taken
+when the zygote forked. The pool must still run such functions (by value, with cloudpickle).
+Run as subprocesses, each with its own ``__main__``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RUN_DEADLINE = 45.0  # s for one script: a pool's start-up, a few tasks and its shutdown
+
+SCRIPT = """
+import os, sys
+import mpsched
+
+def top(x):  # module level: a spawned worker's __mp_main__ defines it too
+    return x + 1
+
+if __name__ == "__main__":
+    def setup(value):  # only in the pool's process (a worker's re-run skips this block)
+        os.environ["MPSCHED_TEST_SETUP"] = value
+
+    with mpsched.Pool(2, start_method=sys.argv[1], initializer=setup, initargs=("done",)) as pool:
+        def late(x):  # defined after the zygote (and, under fork, the workers) started
+            return x * 10
+
+        def late_parent(x):  # a task in a worker submits a child of a __main__ function
+            return mpsched.submit(late, x).result() + 1
+
+        def setup_seen():
+            return os.environ.get("MPSCHED_TEST_SETUP")
+
+        print("top", pool.submit(top, 1).result(timeout=20), flush=True)
+        print("late", pool.submit(late, 2).result(timeout=20), flush=True)
+        print("late again", pool.submit(late, 3).result(timeout=20), flush=True)
+        print("nested", pool.submit(late_parent, 4).result(timeout=20), flush=True)
+        print("setup", pool.submit(setup_seen).result(timeout=20), flush=True)
+        print("map", list(pool.map(late, range(3))), flush=True)
+"""
+
+EXPECTED = ["top 2", "late 20", "late again 30", "nested 41", "setup done", "map [0, 10, 20]"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("main", ["script", "dash-c"])
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_functions_defined_in_main_run_under_each_start_method(
+    tmp_path: pathlib.Path, main: str, start_method: str
+) -> None:
+    if main == "script":
+        script = tmp_path / "user_main.py"
+        script.write_text(SCRIPT)
+        argv = [sys.executable, str(script), start_method]
+    else:  # no file to run again: what a notebook or `python -c` gives a spawned process
+        argv = [sys.executable, "-c", SCRIPT, start_method]
+    proc = subprocess.run(
+        argv,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=RUN_DEADLINE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == EXPECTED, proc.stderr
+    assert "leaked" not in proc.stderr, proc.stderr
