@@ -75,6 +75,22 @@ if __name__ == "__main__":
 """
 
 
+def _run(
+    tmp_path: pathlib.Path, body: str, start_method: str, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run PRELUDE + ``body`` to its end (bounded by ``timeout`` seconds)."""
+    script = tmp_path / "prog.py"
+    script.write_text(PRELUDE + body)
+    return subprocess.run(
+        [sys.executable, str(script), start_method],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
 def _run_and_interrupt(
     tmp_path: pathlib.Path, body: str, start_method: str, sig: int = signal.SIGINT
 ) -> tuple[int, str, str]:
@@ -269,16 +285,7 @@ def test_a_user_fork_child_neither_uses_nor_waits_for_the_parents_pool(
     refuse work with a clear error (a submit there went to the parent's workers through the
     shared memory, behind the parent's coordinator's back), and the child's exit must not wait
     for a drain that no thread of the child will ever run (the atexit hook hung)."""
-    script = tmp_path / "prog.py"
-    script.write_text(PRELUDE + USER_FORK)
-    result = subprocess.run(
-        [sys.executable, str(script), start_method],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=50,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    result = _run(tmp_path, USER_FORK, start_method, timeout=50)
     assert result.returncode == 0, result.stderr
     assert "child: PoolClosedError" in result.stdout, result.stdout
     assert "os.fork()" in result.stdout, result.stdout  # the error says why
@@ -323,16 +330,7 @@ if __name__ == "__main__":
 def test_main_module_tasks_and_a_pool_never_shut_down(
     tmp_path: pathlib.Path, start_method: str
 ) -> None:
-    script = tmp_path / "prog.py"
-    script.write_text(PRELUDE + MAIN_MODULE_TASKS)
-    result = subprocess.run(
-        [sys.executable, str(script), start_method],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    result = _run(tmp_path, MAIN_MODULE_TASKS, start_method, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     lines = result.stdout.splitlines()
