@@ -218,6 +218,12 @@ class Coordinator:
         # The Pool was garbage-collected: the loop begins a shutdown(wait=False) itself.
         # Written by: the drop callback (_lifecycle; takes no lock). Read by: the loop.
         self.owner_dropped = False
+        # A copy in a child of the user's os.fork() (PoolResources.disown): the pool and its
+        # shared memory are the parent's. Cancels and help_wait from the child's copies of the
+        # futures must not touch the parent's queues and slab (a cancel there tombstoned the
+        # parent's task and freed its block: the parent's future never settled, and its
+        # shutdown waited for ever). Written once, in the child, before it runs user code.
+        self.disowned = False
         self.broken: BaseException | None = None
         self.submitted = 0
         self.next_slot = 0
@@ -391,6 +397,8 @@ class Coordinator:
     def cancel(self, future: Future) -> bool:
         """Any thread (``Future.cancel``): withdraw a task no worker has claimed. True if it
         will never run."""
+        if self.disowned:  # a fork child's copy: the task is the parent's (see __init__)
+            return False
         with self.lock:
             if not self.withdraw(future):
                 return False
@@ -406,6 +414,8 @@ class Coordinator:
         itself in ``Future.cancel``. For futures without user callbacks (``Pool.map``'s): the
         loop's cancel would run them in this thread."""
         if self.finished.is_set():  # every future is settled; the wakeup's fds may be closed
+            return
+        if self.disowned:  # a fork child's copy: the parent's futures (see __init__)
             return
         self.deferred_cancels.extend(futures)
         self.wakeup_nowait()
@@ -456,6 +466,8 @@ class Coordinator:
 
         With ``recurrence`` (its future's ``cancel()``): only while it is still the id's
         recurrence."""
+        if self.disowned:  # a fork child's copy: the versions are the parent's (see __init__)
+            return False
         timetable = self.timetable
         rec = handed = None
         wake = False
@@ -878,6 +890,7 @@ class Coordinator:
             or self.ready  # queued work: the coordinator must go on dispatching anyway
             or len(self.by_handle) > self.n_workers
             or threading.get_ident() == self.thread_id
+            or self.disowned  # a fork child's copy: the done rings are the parent's
             or (self.help_misses >= HELP_MISSES_MAX and self.help_calls % HELP_RETRY_EVERY)
         ):
             self.help_calls += 1

@@ -145,6 +145,8 @@ class PoolResources:
         """In the child of ``os.fork()``: let go of the copies of the parent's sockets and
         processes (see ``_pool._disown_pools_in_forked_child``); release nothing else."""
         self.disowned = True
+        if self.coordinator is not None:
+            self.coordinator.disowned = True  # its futures' copies leave the parent's memory be
         if self.zygote is not None and not isinstance(self.zygote, ForkedZygote):
             disown_inherited_process(self.zygote)  # a Process of the parent's
         if self.zygote_conn is not None:

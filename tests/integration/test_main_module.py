@@ -76,3 +76,42 @@ def test_functions_defined_in_main_run_under_each_start_method(
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == EXPECTED, proc.stderr
     assert "leaked" not in proc.stderr, proc.stderr
+
+
+# A __main__ function the worker cannot name goes by value (_serialize.portable). Its by-value
+# copy is tabled once (function_bytes) and cached by every worker, with the function's globals
+# as they were at its first submit: a later submit runs with those stale values, while map()
+# (which carries a fresh copy per call) and the pool's own process see the current ones. The
+# module docstring's rule is that tabled bytes never go stale (callables with state go inline).
+STALE_GLOBALS = """
+import sys
+import mpsched
+
+if __name__ == "__main__":
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        factor = 1
+        def scaled(x):
+            return x * factor
+        print("first", pool.submit(scaled, 1).result(timeout=20), flush=True)
+        factor = 2
+        print("submit", pool.submit(scaled, 1).result(timeout=20), flush=True)
+        print("map", list(pool.map(scaled, [1])), flush=True)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True, reason="review r3: a tabled by-value __main__ function keeps stale globals"
+)
+@pytest.mark.timeout(60)
+def test_a_main_function_by_value_sees_its_current_globals(tmp_path: pathlib.Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", STALE_GLOBALS, "forkserver"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=RUN_DEADLINE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["first 1", "submit 2", "map [2]"], proc.stdout

@@ -1,0 +1,62 @@
+"""A child of the user's ``os.fork()`` holds copies of the parent's pool and futures, and shares
+the pool's memory with the parent. Cancelling there (``Future.cancel``, ``Pool.cancel``) must
+not reach the parent's queues: it tombstoned the parent's task in its inbox and freed its block,
+so the parent's future never settled."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from mpsched import Pool
+
+from . import tasks
+from .conditions import Fifos, wait_until
+
+CHILD_DEADLINE = 10.0  # seconds the fork child gets to report
+
+
+def _in_fork_child(action: object) -> int:
+    """Run ``action()`` in a child of os.fork(); its exit code: 3 if it returned True, 4 if
+    False, 5 if it raised."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            code = 3 if action() else 4  # type: ignore[operator]
+        except BaseException:
+            code = 5
+        os._exit(code)
+    deadline = time.monotonic() + CHILD_DEADLINE
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the fork child hung")
+        time.sleep(0.005)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["future", "by_id"])
+def test_a_fork_childs_cancel_does_not_withdraw_the_parents_task(fifos: Fifos, how: str) -> None:
+    with Pool(1) as pool:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
+        tasks.wait_started(fifos.started)
+        if how == "future":
+            queued = pool.submit(tasks.ident, 5)
+        else:
+            queued = pool.schedule("queued", 0.0, 0, tasks.ident, 5)
+        # In the busy worker's inbox (handed out, not claimed): the copy a child could cancel.
+        wait_until(lambda: queued._slot >= 0, "the task is in the worker's inbox")
+        if how == "future":
+            code = _in_fork_child(queued.cancel)
+        else:
+            code = _in_fork_child(lambda: pool.cancel("queued"))
+        assert code == 4  # not the child's to cancel: it cancelled nothing
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=10) == 0
+        assert queued.result(timeout=10) == 5  # the parent's task ran
