@@ -548,7 +548,7 @@ class Coordinator:
                     self.check_timeouts()
             if self.owner_dropped and not self.draining:
                 self.begin_shutdown(False)  # what the Pool's shutdown(wait=False) does
-            if self.draining and self.all_done():
+            if self.draining and self.drained():
                 self.drain_workers()
                 return
             if self.draining and self.by_handle and self.quiescent():
@@ -577,6 +577,16 @@ class Coordinator:
                 timeout -= 0.001
         events = self.epoll.poll(-1 if timeout == math.inf else timeout)
         return [fd for fd, _ in events]
+
+    def drained(self) -> bool:
+        """Draining: has all work ended? Decided under ``collect_lock``: a user thread that
+        collects in ``help_wait`` pops a task from ``by_handle`` before it frees the task's
+        block and settles its future. Seen empty in between, the drain ended and the teardown
+        (of a dropped pool, or after ``shutdown``) released the memory under that collector,
+        whose ``free_tasks`` then raised and whose future never settled
+        (tests/stress/test_lifecycle_races.py, the waiting thread's collection)."""
+        with self.collect_lock:
+            return self.all_done()
 
     def all_done(self) -> bool:
         return (

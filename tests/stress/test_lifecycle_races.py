@@ -507,3 +507,124 @@ def test_a_drop_callback_paused_before_its_wakeup_write_writes_nowhere_after_tea
         for fd in opened:
             os.close(fd)
     _assert_ended(thread, processes)
+
+
+# ---------------------------------------------------------------- a user-thread collector vs drain
+@pytest.mark.timeout(60)
+def test_a_result_collected_by_a_waiting_thread_while_a_dropped_pool_drains_settles(
+    tmp_path: Path,
+) -> None:
+    """A user thread blocked in ``result()`` collects its own result (``help_wait``): it pops
+    the task from ``by_handle``, then frees its block and settles its future. If the drain's
+    ``all_done()`` sees ``by_handle`` empty in between (forced here: a profile hook holds the
+    coordinator thread inside ``all_done`` until the user thread popped, and then holds the
+    user thread until the coordinator thread ended, for at most 0.5 s each), the dropped pool
+    must not be torn down under the collector: its future must still get its result. (It was:
+    the future never settled; ``Coordinator.drained`` now decides under the collector's lock.)"""
+    gate = str(tmp_path / "gate")
+    os.mkfifo(gate)
+    in_all_done, popped = threading.Event(), threading.Event()
+    hooked: list[str] = []
+
+    def coordinator_hook(frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or frame.f_code.co_name != "all_done" or in_all_done.is_set():
+            return
+        coordinator = frame.f_locals["self"]
+        if coordinator.draining and coordinator.by_handle:
+            hooked.append("coordinator")
+            in_all_done.set()
+            popped.wait(0.5)  # the user thread pops the last task meanwhile
+
+    threading.setprofile(coordinator_hook)  # the threads started from here: the coordinator's
+    try:
+        pool = Pool(1, start_method=METHOD)
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+    processes = _processes(pool)
+    thread = pool._thread
+    coordinator = pool._coordinator
+    assert pool.submit(tasks.add, 1, 1).result(CONDITION_TIMEOUT) == 2  # the worker is up
+    future = pool.submit(tasks.gated_ident, gate, 7)
+    del pool
+    gc.collect()  # dropped: the loop begins the drain, and stops in all_done (the hook)
+    assert in_all_done.wait(CONDITION_TIMEOUT)
+    tasks.open_gate(gate)
+    deadline = time.monotonic() + CONDITION_TIMEOUT
+    while not coordinator.slots[0].done_depth():  # the result is in the done ring
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    coordinator.help_misses = 0  # help_wait spins (collects) on this result
+
+    def user_hook(frame: Any, event: str, arg: Any) -> None:
+        if (
+            event == "call"
+            and frame.f_code.co_name == "free_tasks"
+            and frame.f_back is not None
+            and frame.f_back.f_code.co_name == "collect_locked"
+        ):
+            sys.setprofile(None)
+            hooked.append("user")
+            popped.set()
+            thread.join(0.5)  # unfixed: the coordinator drains and tears down meanwhile
+
+    outcome: list[Any] = []
+
+    def waiter() -> None:
+        sys.setprofile(user_hook)
+        try:
+            outcome.append(future.result(5))
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            sys.setprofile(None)
+
+    user = threading.Thread(target=waiter)
+    user.start()
+    user.join(CONDITION_TIMEOUT)
+    # Fixed, the coordinator holds the collector's lock in all_done: the user thread may
+    # then collect after it, or not at all (the loop's own collect may come first).
+    assert hooked[:1] == ["coordinator"], "the interleaving was not forced"
+    assert outcome == [7]
+    _assert_ended(thread, processes)
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_wait_during_another_threads_release_waits_for_its_end() -> None:
+    """Thread A's ``shutdown(wait=True)`` is inside the release (forced: a profile hook holds
+    it at ``request_release`` for at most 0.5 s) when thread B calls ``shutdown(wait=True)``:
+    B must return only once the pool has ended (its coordinator thread joined). It returned at
+    once: ``_release`` cleared ``_started`` before the join, and ``shutdown`` skips a pool
+    that is not started. Found by the random ``wait`` flags of the test above."""
+    pool = Pool(1, start_method=METHOD)
+    processes = _processes(pool)
+    thread = pool._thread
+    assert pool.submit(tasks.add, 1, 1).result(CONDITION_TIMEOUT) == 2
+    in_release, b_returned = threading.Event(), threading.Event()
+    alive_when_b_returned: list[bool] = []
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name == "request_release":
+            sys.setprofile(None)
+            in_release.set()
+            b_returned.wait(0.5)  # unfixed: B returns meanwhile, the pool still running
+
+    def a() -> None:
+        sys.setprofile(hook)
+        try:
+            pool.shutdown(wait=True)
+        finally:
+            sys.setprofile(None)
+
+    def b() -> None:
+        assert in_release.wait(CONDITION_TIMEOUT)
+        pool.shutdown(wait=True)
+        alive_when_b_returned.append(thread.is_alive())
+        b_returned.set()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(CONDITION_TIMEOUT)
+    assert alive_when_b_returned == [False], "shutdown(wait=True) returned before the end"
+    _assert_ended(thread, processes)
