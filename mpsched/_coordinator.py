@@ -1241,12 +1241,18 @@ class Coordinator:
         self.by_fd.pop(fd, None)
         with contextlib.suppress(OSError, ValueError):
             self.epoll.unregister(fd)
+        # Unlisted before the close: the child of an os.fork() closes its copies of the listed
+        # workers' sockets (_lifecycle's disown). os.close releases the GIL before Connection
+        # marks itself closed, so a fork by another thread (a new pool's zygote, under fork)
+        # could see this socket listed and open while its number was already reused by that
+        # pool's control pipe: the zygote closed its own socket and died at start-up
+        # (tests/stress/test_lifecycle_races.py, a pool started while another forgets a worker).
+        if self.workers[worker.slot] is worker:
+            self.workers[worker.slot] = None
         worker.conn.close()
         if worker.pidfd >= 0:
             os.close(worker.pidfd)
             worker.pidfd = -1
-        if self.workers[worker.slot] is worker:
-            self.workers[worker.slot] = None
 
     def wait_exit_code(self, pid: int, timeout: float = 2.0) -> int | None:
         deadline = time.monotonic() + timeout

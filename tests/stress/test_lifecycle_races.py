@@ -628,3 +628,74 @@ def test_shutdown_wait_during_another_threads_release_waits_for_its_end() -> Non
         t.join(CONDITION_TIMEOUT)
     assert alive_when_b_returned == [False], "shutdown(wait=True) returned before the end"
     _assert_ended(thread, processes)
+
+
+# Fds that pool Y creates before its control pipe's child end (1 worker): the segment's memfd,
+# the wakeup pipe (2), the worker's eventfd, the pipe's parent end.
+FDS_BEFORE_CHILD_END = 5
+
+
+def _open_fd_numbers() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+@pytest.mark.timeout(60)
+def test_a_pool_started_while_another_pool_forgets_a_worker_starts() -> None:
+    """Pool X's coordinator thread closes a drained worker's socket (``forget_worker``) while
+    the main thread starts pool Y under the fork start method. ``os.close`` releases the GIL
+    before ``Connection.close`` marks the socket closed, so the fork of Y's zygote could see
+    X's worker socket listed and open (forced here: a profile hook holds X's thread right
+    after the ``os.close``) while Y's control pipe already reused its number (forced too: the
+    free numbers below it are filled up to what Y creates first). The zygote's at-fork handler
+    (``disown_all``) closed that copy, the zygote's own control socket, and the zygote died at
+    start-up: ``BrokenPoolError`` from ``Pool()``, as seen once in ~15 runs of this file in
+    ``test_many_pools_created_and_dropped_leave_no_thread_process_or_fd``."""
+    closed, started = threading.Event(), threading.Event()
+    freed: list[int] = []
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if (
+            event == "c_return"
+            and arg is os.close
+            and not closed.is_set()
+            and frame.f_back is not None
+            and frame.f_back.f_back is not None
+            and frame.f_back.f_back.f_code.co_name == "forget_worker"
+        ):
+            freed.append(frame.f_back.f_locals["self"]._handle)  # closed, not marked yet
+            closed.set()
+            started.wait(10)  # Y starts meanwhile (its fork sees the socket not yet closed)
+
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(FDS_BEFORE_CHILD_END + 3)]
+    threading.setprofile(hook)
+    try:
+        x = Pool(1, start_method=METHOD)
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+    fillers: list[int] = []
+    try:
+        assert x.submit(tasks.add, 1, 1).result(CONDITION_TIMEOUT) == 2
+        x.shutdown(wait=False)  # the drain forgets the worker: the hook holds X's thread
+        assert closed.wait(CONDITION_TIMEOUT)
+        for fd in spare:
+            os.close(fd)
+        spare.clear()
+        number = freed[0]
+        free_below = [n for n in range(number) if n not in _open_fd_numbers()]
+        assert len(free_below) >= FDS_BEFORE_CHILD_END
+        fillers.extend(
+            os.open(os.devnull, os.O_RDONLY) for _ in range(len(free_below) - FDS_BEFORE_CHILD_END)
+        )
+        try:
+            y = Pool(1, start_method=METHOD)
+            try:
+                assert y.submit(tasks.add, 2, 3).result(CONDITION_TIMEOUT) == 5
+            finally:
+                y.shutdown(wait=True)
+        finally:
+            started.set()
+    finally:
+        started.set()
+        for fd in spare + fillers:
+            os.close(fd)
+        x.shutdown(wait=True)
