@@ -560,7 +560,7 @@ class Coordinator:
                     self.check_timeouts()
             if self.owner_dropped and not self.draining:
                 self.begin_shutdown(False)  # what the Pool's shutdown(wait=False) does
-            if self.draining and self.all_done():
+            if self.draining and self.drained():
                 self.drain_workers()
                 return
             if self.draining and self.by_handle and self.quiescent():
@@ -589,6 +589,16 @@ class Coordinator:
                 timeout -= 0.001
         events = self.epoll.poll(-1 if timeout == math.inf else timeout)
         return [fd for fd, _ in events]
+
+    def drained(self) -> bool:
+        """Draining: has all work ended? Decided under ``collect_lock``: a user thread that
+        collects in ``help_wait`` pops a task from ``by_handle`` before it frees the task's
+        block and settles its future. Seen empty in between, the drain ended and the teardown
+        (of a dropped pool, or after ``shutdown``) released the memory under that collector,
+        whose ``free_tasks`` then raised and whose future never settled
+        (tests/stress/test_lifecycle_races.py, the waiting thread's collection)."""
+        with self.collect_lock:
+            return self.all_done()
 
     def all_done(self) -> bool:
         return (
@@ -1244,12 +1254,18 @@ class Coordinator:
         self.by_fd.pop(fd, None)
         with contextlib.suppress(OSError, ValueError):
             self.epoll.unregister(fd)
+        # Unlisted before the close: the child of an os.fork() closes its copies of the listed
+        # workers' sockets (_lifecycle's disown). os.close releases the GIL before Connection
+        # marks itself closed, so a fork by another thread (a new pool's zygote, under fork)
+        # could see this socket listed and open while its number was already reused by that
+        # pool's control pipe: the zygote closed its own socket and died at start-up
+        # (tests/stress/test_lifecycle_races.py, a pool started while another forgets a worker).
+        if self.workers[worker.slot] is worker:
+            self.workers[worker.slot] = None
         worker.conn.close()
         if worker.pidfd >= 0:
             os.close(worker.pidfd)
             worker.pidfd = -1
-        if self.workers[worker.slot] is worker:
-            self.workers[worker.slot] = None
 
     def wait_exit_code(self, pid: int, timeout: float = 2.0) -> int | None:
         deadline = time.monotonic() + timeout

@@ -646,9 +646,13 @@ class Pool:
         resource (PoolResources.teardown), and wait for that."""
         if not self._started:
             return
-        self._started = False  # statistics() reads no shared memory from here on
         self._resources.request_release()
         self._thread.join()
+        # Cleared only now (statistics() reads no shared memory from here on; it takes the
+        # lock, as we hold it): shutdown() and await_termination() read it without the lock,
+        # and cleared before the join, a shutdown(wait=True) racing this one returned while
+        # the teardown was still going on (tests/stress/test_lifecycle_races.py).
+        self._started = False
         _live_pools.discard(self)
 
     def statistics(self) -> PoolStatistics:

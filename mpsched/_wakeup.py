@@ -13,6 +13,8 @@ costs one attribute test when the coordinator is already awake.
 class's included: a finalizer that the cyclic garbage collector runs inside any allocation
 (``Coordinator.cancel_later``). It writes a byte without the flag (the pipe is non-blocking: a
 full pipe already holds a wake-up); ``clear()`` reads every pending byte whatever the flag says.
+``close()`` waits for a ``wakeup_nowait()`` caught between its ``_closed`` check and its write
+(it waits for nothing itself), so that the byte never goes to a file that reused the number.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 
 # Bytes read per clear(): wakeup() leaves at most one pending, wakeup_nowait() one per call; the
 # rest (if ever more) keep the fd readable and are read on the loop's next pass.
 WAKEUP_READ_BYTES = 4096
+WRITER_POLL_INTERVAL = 0.0001  # seconds close() sleeps while a wakeup_nowait() is mid-write
+WRITER_WAIT_MAX = 1.0  # seconds close() waits for them at most (a write takes microseconds)
 
 
 class Wakeup:
@@ -32,6 +37,9 @@ class Wakeup:
         self._lock = threading.Lock()
         self._armed = False  # True while a byte written by wakeup() is pending in the pipe
         self._closed = False
+        # One entry per wakeup_nowait() between its _closed check and its write (list append
+        # and pop are atomic under the GIL): close() waits for them before it closes the fds.
+        self._writing: list[None] = []
 
     def fileno(self) -> int:
         """The read end, for ``multiprocessing.connection.wait``."""
@@ -49,11 +57,20 @@ class Wakeup:
     def wakeup_nowait(self) -> None:
         """Any thread, in any context (a finalizer run by the garbage collector while this
         thread holds ``_lock`` or another lock): wake the loop without taking a lock."""
-        if self._closed:  # hint only: the pool is gone, nothing is left to wake
-            return
-        # OSError: full (a wake-up is pending anyway), or closed meanwhile.
-        with contextlib.suppress(OSError):
-            os.write(self._writer, b"\0")
+        # Registered before the _closed check, so that close() (which sets _closed, then waits
+        # until _writing is empty) cannot close the fds between the check and the write: a
+        # thread that lost the CPU there wrote its byte into whatever file had reused the
+        # number by then (tests/stress/test_lifecycle_races.py, the paused drop callback).
+        writing = self._writing
+        writing.append(None)
+        try:
+            if self._closed:  # the pool is gone, nothing is left to wake
+                return
+            # OSError: full (a wake-up is pending anyway).
+            with contextlib.suppress(OSError):
+                os.write(self._writer, b"\0")
+        finally:
+            writing.pop()
 
     def clear(self) -> None:
         """Coordinator loop only: consume the pending bytes so the next wakeup() writes again.
@@ -72,5 +89,12 @@ class Wakeup:
             if self._closed:
                 return
             self._closed = True
+            # A wakeup_nowait() past its _closed check writes next (it waits for nothing and
+            # takes no lock): let it, before the number can be reused. Not called from a
+            # finalizer, so no wakeup_nowait() of this thread can be below this frame. Bounded:
+            # an entry left by an interrupt (Ctrl-C) between append and try must not hang us.
+            deadline = time.monotonic() + WRITER_WAIT_MAX
+            while self._writing and time.monotonic() < deadline:
+                time.sleep(WRITER_POLL_INTERVAL)
             os.close(self._reader)
             os.close(self._writer)

@@ -495,7 +495,7 @@ def test_a_dead_parents_done_child_whose_stash_is_unread_leaves_no_stash(
 # A garbage collection that starts inside a critical section of the coordinator's lock (any
 # allocation can start one; seen in Coordinator.submit) and finalizes an abandoned map.
 GC_IN_CRITICAL_SECTION = """
-import functools, gc, sys
+import functools, gc, sys, time
 from mpsched import Pool
 from tests.integration import edge_tasks as et, tasks
 
@@ -510,6 +510,11 @@ cycle.append(cycle)  # only the cyclic GC can free the generator now
 del it, cycle
 with pool._coordinator.lock:
     gc.collect()  # closes the generator, which cancels its unclaimed chunks
+# The cancels are deferred to the loop: the gate opens once they are applied (items 2 and 3
+# withdrawn, item 1 left in flight), else the freed worker may claim them first (a flake).
+deadline = time.monotonic() + 10
+while len(pool._coordinator.by_handle) > 1 and time.monotonic() < deadline:
+    time.sleep(0.001)
 tasks.open_gate(gate)
 pool.shutdown(wait=True)
 print("ok", pool.statistics().per_worker[0].executed, flush=True)
