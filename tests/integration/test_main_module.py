@@ -52,6 +52,19 @@ if __name__ == "__main__":
 EXPECTED = ["top 2", "late 20", "late again 30", "nested 41", "setup done", "map [0, 10, 20]"]
 
 
+def _run(argv: list[str], cwd: pathlib.Path) -> subprocess.CompletedProcess[str]:
+    """Run a user's program to its end, with this checkout importable."""
+    return subprocess.run(
+        argv,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=RUN_DEADLINE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("main", ["script", "dash-c"])
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
@@ -64,15 +77,7 @@ def test_functions_defined_in_main_run_under_each_start_method(
         argv = [sys.executable, str(script), start_method]
     else:  # no file to run again: what a notebook or `python -c` gives a spawned process
         argv = [sys.executable, "-c", SCRIPT, start_method]
-    proc = subprocess.run(
-        argv,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=RUN_DEADLINE,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=False,
-    )
+    proc = _run(argv, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == EXPECTED, proc.stderr
     assert "leaked" not in proc.stderr, proc.stderr
@@ -100,18 +105,11 @@ if __name__ == "__main__":
 
 
 @pytest.mark.xfail(
-    strict=True, reason="review r3: a tabled by-value __main__ function keeps stale globals"
+    strict=True,
+    reason="known gap (docs/design.md): a __main__ function tabled by value keeps stale globals",
 )
 @pytest.mark.timeout(60)
 def test_a_main_function_by_value_sees_its_current_globals(tmp_path: pathlib.Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", STALE_GLOBALS, "forkserver"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=RUN_DEADLINE,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=False,
-    )
+    proc = _run([sys.executable, "-c", STALE_GLOBALS, "forkserver"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["first 1", "submit 2", "map [2]"], proc.stdout
