@@ -322,11 +322,8 @@ class Pool:
 
     @property
     def _zygote(self) -> Any:
+        """The zygote's Process (or ForkedZygote): tests signal it and read its pid."""
         return self._resources.zygote
-
-    @property
-    def _zygote_conn(self) -> Connection | None:
-        return self._resources.zygote_conn
 
     def _start_zygote(self, layout: SegmentLayout, locks: SegmentLocks) -> Connection:
         ctx: Any = multiprocessing.get_context(self._start_method)
