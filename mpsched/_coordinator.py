@@ -950,21 +950,28 @@ class Coordinator:
             handles = slot.take_done()
             outcomes: list[tuple[Future, int, bytes]] = []
             unknown: list[int] = []
-            read = 0  # handles[:read] are in outcomes or unknown
+            by_handle = self.by_handle
+            get_word = slab.get_word
             try:
                 for handle in handles:
-                    future = self.by_handle.get(handle)
+                    future = by_handle.get(handle)
                     if future is None:
                         unknown.append(handle)
+                        continue
+                    status = get_word(handle, _RESULT_STATUS)
+                    nbytes = get_word(handle, _RESULT_NBYTES)
+                    if nbytes >= 0:
+                        data = slab.read_result(handle)[1]
                     else:
-                        status, data = self.read_outcome(handle, k)
-                        outcomes.append((self.by_handle.pop(handle), status, data))
-                    read += 1
+                        data = self.stash_take(-nbytes, k)
+                    del by_handle[handle]  # only once read: fail_unread ends it otherwise
+                    outcomes.append((future, status, data))
             except BaseException as exc:
                 # Every handle taken from the ring ends its future, even when reading one
                 # raised (a stash lost with its worker, a user-thread collector's wait for a
                 # stash timed out or was interrupted): its block is freed below, so a future
                 # left out would never settle and its waiter would hang.
+                read = len(outcomes) + len(unknown)
                 self.fail_unread(handles[read:], k, exc, outcomes, unknown)
                 raise
             finally:
@@ -973,16 +980,6 @@ class Coordinator:
                 self.settle(outcomes)
             if unknown:
                 raise InternalError(f"worker {k} completed unknown task blocks {unknown}")
-
-    def read_outcome(self, handle: int, slot: int) -> tuple[int, bytes]:
-        """A completed top-level task's status and result bytes (from its blocks or the
-        stash)."""
-        slab = self.slab
-        status = slab.get_word(handle, _RESULT_STATUS)
-        nbytes = slab.get_word(handle, _RESULT_NBYTES)
-        if nbytes >= 0:
-            return status, slab.read_result(handle)[1]
-        return status, self.stash_take(-nbytes, slot)
 
     def fail_unread(
         self,

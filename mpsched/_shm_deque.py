@@ -540,26 +540,22 @@ class SlotQueues:
 
     def in_inbox(self, handle: int) -> bool:
         """Whether ``handle`` still waits in the inbox (unclaimed), under the lock."""
-        w = self._w
-        if not self._acquire(False):
-            self._acquire_contended()
-        try:
-            w[HOLDER_PID] = _pid
-            return _find(self._inbox, self._imask, w[INBOX_FRONT], w[INBOX_BACK], handle) >= 0
-        finally:
-            w[HOLDER_PID] = 0
-            self._release()
+        return self._ring_holds(self._inbox, self._imask, INBOX_FRONT, INBOX_BACK, handle)
 
     def in_deque(self, handle: int) -> bool:
         """Whether ``handle`` still waits in the deque (not popped or stolen), under the lock.
         A child leaves its spawner's deque only to run (a pop or a steal records it on a run
         stack in the same lock hold), so for a child this tells queued from started."""
+        return self._ring_holds(self._deque, self._dmask, DEQUE_FRONT, DEQUE_BACK, handle)
+
+    def _ring_holds(self, ring: memoryview, mask: int, front: int, back: int, handle: int) -> bool:
+        """Whether ``ring`` (its indices in header words ``front``/``back``) holds ``handle``."""
         w = self._w
         if not self._acquire(False):
             self._acquire_contended()
         try:
             w[HOLDER_PID] = _pid
-            return _find(self._deque, self._dmask, w[DEQUE_FRONT], w[DEQUE_BACK], handle) >= 0
+            return _find(ring, mask, w[front], w[back], handle) >= 0
         finally:
             w[HOLDER_PID] = 0
             self._release()
