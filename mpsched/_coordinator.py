@@ -1021,7 +1021,7 @@ class Coordinator:
         """Resolve futures; tasks with an id or options first update the timetable (so that a
         caller woken by ``result()`` sees the final ``state()``)."""
         special = []
-        loaded: dict[int, tuple[bool, Any]] = {}  # id(future) -> its result, unpickled
+        loaded: list[tuple[bool, Any] | None] = []  # per special entry: its unpickled result
         for outcome in outcomes:
             future = outcome[0]
             run = future._run
@@ -1034,25 +1034,27 @@ class Coordinator:
                 # CANCELLED: no cancel was asked for), and a recurrence ends with that error.
                 error = dump_exception(TimeoutError(timeout_message(run)))
                 special.append((future, _ERROR, error))
+                loaded.append(None)
             elif outcome[1] == _OK and (run is None or run.recurrence is None):
                 # Unpickled before end_runs: a result that cannot be unpickled fails the
                 # future, and state() must then say FAILED, not COMPLETED.
                 ok, value = unpickle_result(outcome[2])
-                loaded[id(future)] = (ok, value)
+                loaded.append((ok, value))
                 special.append(outcome if ok else (future, _ERROR, b""))
             else:
                 special.append(outcome)
+                loaded.append(None)
         if not special:
             return
         self.end_runs(special)
         if threading.get_ident() != self.thread_id:
             self.wakeup()  # a user thread collected: the loop may have new due times
-        for future, status, data in special:
+        for (future, status, data), result in zip(special, loaded, strict=True):
             run = future._run
             if run is not None and run.recurrence is not None:
                 self.end_recurring_run(future, status, data)
-            elif id(future) in loaded:
-                settle_loaded(future, *loaded[id(future)])
+            elif result is not None:
+                settle_loaded(future, *result)
             else:
                 resolve(future, status, data)
 
