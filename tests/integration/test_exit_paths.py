@@ -147,6 +147,32 @@ def test_ctrl_c_while_waiting_for_the_shutdown_stops_running_tasks(
     assert err.rstrip().endswith("KeyboardInterrupt"), err
 
 
+# Ctrl-C at interpreter exit while it waits for a dropped pool (``join_dropped``): the pool was
+# never shut down and its two 60 s tasks still run when the script's main code ends.
+DROPPED_EXIT = """
+if __name__ == "__main__":
+    pool = mpsched.Pool(2, start_method=sys.argv[1])
+    futures = [pool.submit(spin, 60.0) for _ in range(2)]
+    del pool, futures
+    when_main_in("join_dropped")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_while_the_exit_waits_for_a_dropped_pool_stops_its_tasks(
+    tmp_path: pathlib.Path,
+) -> None:
+    """As for a pool still referenced: Ctrl-C while the interpreter's exit waits for a dropped
+    pool's running tasks ends the program now, with one report and nothing left behind. (Who
+    stops the tasks is not observable from outside: ``join_dropped`` stops the pool, and the
+    zygote would kill the workers anyway once the exiting process closes its socket.)"""
+    _, _, err = _run_and_interrupt(tmp_path, DROPPED_EXIT, "forkserver")
+    # The interpreter reports an exception in an atexit hook and goes on with its exit.
+    assert err.startswith("Exception ignored in atexit callback"), err
+    assert err.count("Traceback (most recent call last)") == 1, err
+    assert err.rstrip().endswith("KeyboardInterrupt:"), err
+
+
 # Ctrl-C inside Pool(), before the zygote's READY. Under spawn the zygote imports the main
 # module as __mp_main__ before it reads its config: there it sends the SIGINT to the script,
 # then waits until the script has closed its end of the control socket (its Pool() gave up)
