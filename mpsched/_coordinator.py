@@ -415,7 +415,7 @@ class Coordinator:
         thread: a generator finalized by the garbage collector while this thread holds
         ``self.lock``, the futures' module lock, a slot lock or the wakeup's lock would wait for
         itself in ``Future.cancel``. For futures without user callbacks (``Pool.map``'s): the
-        loop's cancel would run them in this thread."""
+        loop's cancel would hand them to the pool's callback thread."""
         if self.finished.is_set():  # every future is settled: nothing is left to cancel
             return
         if self.disowned:  # a fork child's copy: the parent's futures (see __init__)

@@ -447,3 +447,42 @@ def test_a_thread_woken_by_wait_re_enters_the_pool(
     finally:
         thread.join(WAIT + CALLBACK_WAIT)
     assert outcome == {"other": 2, "submit": 4, "cancel": True}
+
+
+@pytest.mark.timeout(30)
+def test_shutdown_wait_returns_after_the_callbacks_of_what_the_pool_settled() -> None:
+    """The callbacks of futures the coordinator settled run in the pool's callback thread;
+    ``shutdown(wait=True)`` returns only once they ran (as when the coordinator thread itself
+    ran them): a ``with Pool()`` block's results are all reported when it is left."""
+    entered, proceed = threading.Event(), threading.Event()
+    ran: list[int] = []
+    seen_at_return: list[list[int]] = []
+
+    def callback(_: mpsched.Future) -> None:
+        entered.set()
+        proceed.wait(WAIT)
+        ran.append(1)
+
+    pool = Pool(1)
+    try:
+        pool.submit(tasks.add, 1, 1).add_done_callback(callback)
+        assert entered.wait(WAIT), "the callback did not run"
+
+        def shut() -> None:
+            pool.shutdown(wait=True)
+            seen_at_return.append(list(ran))
+
+        thread = threading.Thread(target=shut)
+        thread.start()
+        # The pool ended under the running callback: its coordinator thread is gone.
+        assert pool._coordinator.finished.wait(WAIT), "the pool did not drain"
+        pool._thread.join(WAIT)
+        # Unfixed, shutdown returns now; fixed, it waits for the callback (either way the
+        # outcome below does not depend on this wait's length, only how soon a bug shows).
+        thread.join(0.2)
+        proceed.set()
+        thread.join(WAIT)
+        assert seen_at_return == [[1]], "shutdown(wait=True) returned before the callback ended"
+    finally:
+        proceed.set()
+        pool.shutdown(wait=True)
