@@ -62,7 +62,7 @@ from mpsched._errors import (
     ProtocolError,
     WorkerCrashedError,
 )
-from mpsched._future import FINISHING, Future
+from mpsched._future import FINISHING, CallbackRunner, Future, defer_callbacks, invoke_all
 from mpsched._layout import SegmentLocks, SegmentViews
 from mpsched._options import TaskOptions, is_misfire, next_run_at
 from mpsched._payloads import BlockField
@@ -188,6 +188,9 @@ class Coordinator:
         self.repair_lock = threading.Lock()  # one lock repair at a time, from any thread
         self.collect_lock = threading.Lock()  # one collector at a time (help_wait: any thread)
         self.stash_arrived = threading.Condition()  # a STASH came (for a user-thread collector)
+        # Calls the done-callbacks of the futures this thread settles (never this thread: a
+        # callback that blocks here would stop the loop that must collect what it waits for).
+        self.callbacks = CallbackRunner()
         self.thread_id = 0  # the coordinator thread's ident, once it runs
         self.help_calls = 0
         self.help_misses = 0  # help_wait spins in a row that ended without the result
@@ -412,7 +415,7 @@ class Coordinator:
         thread: a generator finalized by the garbage collector while this thread holds
         ``self.lock``, the futures' module lock, a slot lock or the wakeup's lock would wait for
         itself in ``Future.cancel``. For futures without user callbacks (``Pool.map``'s): the
-        loop's cancel would run them in this thread."""
+        loop's cancel would hand them to the pool's callback thread."""
         if self.finished.is_set():  # every future is settled: nothing is left to cancel
             return
         if self.disowned:  # a fork child's copy: the parent's futures (see __init__)
@@ -524,11 +527,13 @@ class Coordinator:
         if self.start_aborted:  # the pool's creation failed: nothing to run or to clean here
             self.finished.set()
             return
+        defer_callbacks(self.callbacks.append)  # for this thread's whole life
         try:
             self.loop()
         except BaseException as exc:
             self.break_pool(exc)
         finally:
+            self.callbacks.close()  # before ``finished``: whoever sees it may join the runner
             self.finished.set()
 
     def loop(self) -> None:
@@ -938,9 +943,25 @@ class Coordinator:
             header.set_collector(False)
 
     def collect(self) -> None:
-        """Any thread (the coordinator's, or a user thread in ``help_wait``), one at a time."""
-        with self.collect_lock:
-            self.collect_locked()
+        """Any thread (the coordinator's, or a user thread in ``help_wait``), one at a time.
+
+        A user thread calls the done-callbacks of what it settled once it released
+        ``collect_lock``: a callback that waits for another future's result (whose collection
+        needs that lock) or shuts the pool down (whose drain decides under it) would otherwise
+        wait for this thread. (The coordinator thread's sink is its ``CallbackRunner``.)"""
+        if threading.get_ident() == self.thread_id:
+            with self.collect_lock:
+                self.collect_locked()
+            return
+        settled: list[Future] = []
+        previous = defer_callbacks(settled.append)
+        try:
+            with self.collect_lock:
+                self.collect_locked()
+        finally:
+            defer_callbacks(previous)
+            if settled:
+                invoke_all(settled)
 
     def collect_locked(self) -> None:
         slab = self.slab

@@ -17,16 +17,30 @@ asks the pool: a task that no worker has claimed is cancelled for certain (it wi
 once claimed, ``cancel()`` returns False, as for a running stdlib future. ``running()`` stays
 False: the claim happens in a worker and is not reported (one message per task would halve
 throughput).
+
+Where done-callbacks run (docs/design.md, "Where done-callbacks run"): a future is settled under
+the pool's locks (a collector holds ``Coordinator.collect_lock``), and a callback may re-enter
+the pool, block on another future of it, or shut it down. So a thread that settles futures
+while it holds a lock first sets a *sink* (``defer_callbacks``): ``_invoke_callbacks`` hands the
+future to it instead of calling its callbacks, and the thread calls them once it released the
+lock (``invoke_all``). The coordinator thread's sink, for its whole life, is a
+``CallbackRunner``: a thread of the pool's that runs the callbacks of the futures the
+coordinator settles, since a callback that blocks there would stop the loop that must collect
+what it waits for. Each future's callbacks are called once (by the one thread that moved it to
+a done state), after it is done.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures._base import (
     CANCELLED,
     CANCELLED_AND_NOTIFIED,
     FINISHED,
+    LOGGER,
     PENDING,
     RUNNING,
     InvalidStateError,
@@ -38,6 +52,8 @@ _CONDITION_LOCK = threading.Lock()  # guards the lazy creation of every future's
 # allocates two bound methods, measured at 2-3x the cost of the pair of calls.
 _acquire = _CONDITION_LOCK.acquire
 _release = _CONDITION_LOCK.release
+# Per thread: where a settled future's callbacks go instead of being called (defer_callbacks).
+_local = threading.local()
 _DONE_STATES = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
 _CANCELLED_STATES = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED))
 
@@ -192,6 +208,18 @@ class Future(concurrent.futures.Future[Any]):
             raise InvalidStateError(f"{self._state}: {self!r}")
         return True
 
+    def _invoke_callbacks(self) -> None:
+        """Called by the one thread that made the future done (the stdlib's setters,
+        ``_mark_cancelled``): call the callbacks now, or hand them to this thread's sink."""
+        cond = self._cond
+        if cond is None or not cond.callbacks:  # waiters only: nothing to call
+            return
+        sink = getattr(_local, "sink", None)
+        if sink is None:
+            super()._invoke_callbacks()  # type: ignore[misc]
+        else:
+            sink(self)
+
     def cancel(self) -> bool:
         """Cancel the task if no worker has claimed it yet; then it never runs.
 
@@ -232,6 +260,78 @@ class Future(concurrent.futures.Future[Any]):
             for waiter in self._waiters:
                 waiter.add_cancelled(self)
             self._condition.notify_all()
-        # once: only the thread that moved the state gets here (a stdlib method, not typed)
-        self._invoke_callbacks()  # type: ignore[attr-defined]
+        self._invoke_callbacks()  # once: only the thread that moved the state gets here
         return True
+
+
+Sink = Callable[[Future], None]
+
+
+def defer_callbacks(sink: Sink | None) -> Sink | None:
+    """From now on, this thread's settled futures go to ``sink`` instead of calling their
+    callbacks (None: call them at once again). Returns the sink it replaces."""
+    previous: Sink | None = getattr(_local, "sink", None)
+    _local.sink = sink
+    return previous
+
+
+def invoke_all(futures: list[Future]) -> None:
+    """Call the callbacks of ``futures`` (handed over by a sink) in this thread, as the stdlib
+    would have: an Exception is logged; a BaseException (a Ctrl-C's KeyboardInterrupt) goes
+    on to the caller, once the other futures' callbacks were called."""
+    error: BaseException | None = None
+    for future in futures:
+        try:
+            concurrent.futures.Future._invoke_callbacks(future)  # type: ignore[attr-defined]
+        except BaseException as exc:
+            if error is None:
+                error = exc
+    if error is not None:
+        raise error
+
+
+class CallbackRunner:
+    """The coordinator thread's sink: a thread of its own (started at the first future with
+    callbacks) calls them, in the order the futures were settled. Every exception a callback
+    raises is logged, as the stdlib logs an Exception, and the next callback is called: a
+    SystemExit here would otherwise end the thread and lose every later callback."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Future | None] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def append(self, future: Future) -> None:
+        """Coordinator thread only (as ``close``)."""
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="mpsched-callbacks", daemon=True)
+            self.thread.start()
+        self._queue.put(future)
+
+    def close(self) -> None:
+        """No future comes any more: the thread ends once it called what it was given."""
+        if self.thread is not None:
+            self._queue.put(None)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until every callback handed over was called (after ``close``); True if so.
+        From a callback (this runner's thread) it returns at once: it would wait for itself."""
+        thread = self.thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def _run(self) -> None:
+        get = self._queue.get
+        while True:
+            future = get()
+            if future is None:
+                return
+            for callback in future._done_callbacks:
+                try:
+                    callback(future)
+                except BaseException:
+                    LOGGER.exception("exception calling callback for %r", future)
+            # Not kept while waiting: the future holds its callbacks, which may hold the pool
+            # (a dropped pool must be collectable).
+            future = callback = None

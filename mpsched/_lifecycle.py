@@ -195,6 +195,7 @@ def join_dropped() -> None:
             continue
         try:
             thread.join()
+            coordinator.callbacks.join()  # closed at the loop's end: their last ones run
         except BaseException:
             coordinator.begin_shutdown(True)
             coordinator.abort_running()

@@ -607,14 +607,16 @@ class Pool:
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Refuse new work, let what was submitted finish (or cancel what no worker has
         claimed, with ``cancel_futures``), then stop the workers. A second call is a no-op,
-        except that ``wait=True`` waits for the end. Called from a done-callback (which runs in
-        the pool's own thread), it does not wait: the drain goes on once the callback returns."""
+        except that ``wait=True`` waits for the end, including the done-callbacks of the
+        futures the pool settled (docs/design.md, "Where done-callbacks run"). Called from such
+        a callback, it waits for the end but not for the callbacks that come after it in the
+        pool's callback thread (they would wait for it)."""
         self._closed = True  # the fast early check; the coordinator's draining flag decides
         if self._started:
             self._coordinator.begin_shutdown(cancel_futures)
             self._wakeup.wakeup()
-            # Not from the coordinator thread (a done-callback calling shutdown()): it would
-            # wait for its own end, forever; the thread drains once the callback returns.
+            # Not from the coordinator thread (no done-callback runs there, but a finalizer
+            # may): it would wait for its own end, forever.
             if wait and threading.get_ident() != self._coordinator.thread_id:
                 try:
                     self.await_termination()
@@ -629,14 +631,19 @@ class Pool:
                     raise
 
     def await_termination(self, timeout: float | None = None) -> bool:
-        """Wait until all work is done and the workers are gone; False on timeout."""
-        if not self._started:
-            return True
-        if not self._coordinator.finished.wait(timeout):
-            return False
-        with self._shutdown_lock:
-            self._release()
-        return True
+        """Wait until all work is done, the workers are gone and the done-callbacks of the
+        futures the pool settled were called (from one of those, not the ones after it);
+        False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._started:
+            if not self._coordinator.finished.wait(timeout):
+                return False
+            with self._shutdown_lock:
+                self._release()
+        # After the release too (a second caller finds the pool released): the runner is
+        # closed once ``finished`` is set, so this join ends with its last callback.
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._coordinator.callbacks.join(left)
 
     def _release(self) -> None:
         """After the coordinator's loop ended: let its thread reap the zygote and free every

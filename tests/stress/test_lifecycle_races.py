@@ -330,13 +330,13 @@ def test_a_dropped_pool_and_an_abandoned_map_collected_while_locks_are_held(
 def test_a_collection_in_a_done_callback_finalizes_a_dropped_pool_and_an_abandoned_map(
     tmp_path: Path, chunks: list[tuple[mpsched.Future, list[Any]]]
 ) -> None:
-    """``gc.collect()`` from a done-callback: it runs in whichever thread settles the future
-    (a coordinator thread, under its collector's lock, or a user thread collecting in
-    ``help_wait``), and there it finalizes a dropped pool and its abandoned map (a cycle). The
-    callback's future is another pool's, or (odd rounds) the dropped pool's own: then the
-    thread finalizing the pool is its own coordinator thread, inside its loop. The drop
-    callback and the deferred cancels wait for nothing: every chunk ends (cancelled ones never
-    ran), and the pool ends."""
+    """``gc.collect()`` from a done-callback: it runs in a pool's callback thread (for a
+    future its coordinator settled) or in a user thread collecting in ``help_wait`` (once it
+    released the collector's lock), and there it finalizes a dropped pool and its abandoned map
+    (a cycle). The callback's future is another pool's, or (odd rounds) the dropped pool's own:
+    then the thread finalizing the pool is its own callback thread, while its loop drains. The
+    drop callback and the deferred cancels wait for nothing: every chunk ends (cancelled ones
+    never ran), and the pool ends."""
     path = str(tmp_path / "log")
     started, gate = _fifos(tmp_path)
     other = Pool(1, start_method=METHOD)  # whose coordinator runs the even rounds' callbacks

@@ -1,0 +1,488 @@
+"""Done-callbacks, and code woken by ``wait``/``as_completed``, that re-enter the pool.
+
+A pool's future is settled in one of several threads (docs/design.md, "Where done-callbacks
+run"): the coordinator's (a result its loop collected), a user thread blocked in ``result()``
+that collects done rings itself (``help_wait``), or the user thread that cancels it
+(``Future.cancel``, ``pool.cancel(id)``, a reschedule, ``shutdown(cancel_futures=True)``). In
+each of these contexts a done-callback chains work (``submit``, ``schedule``, ``map``), waits
+for another future of the same pool that is not done yet, cancels or queries other tasks, shuts
+the pool down, or raises. None of it may hang or break the pool: the other future completes by
+itself once the pool can collect it, so mpsched must not be what keeps it from completing.
+
+Layout (two workers): ``other`` runs on one worker, held at a FIFO gate; the settled future
+``f`` runs on the other one, or waits unclaimed behind a ``blocker`` there (the cancel
+contexts), or waits in the timetable (the reschedule). A callback that is about to block sets
+``blocking``; the test then opens the gates.
+
+Every wait is bounded: a callback's own blocking call times out after ``CALLBACK_WAIT``, the
+test's waits after ``WAIT``, so a deadlock fails the test with a message. The scene's close
+then unblocks what such a deadlock leaves stuck (a collector's lock held by a thread that waits
+for it itself) and ends the pool, so that the test process does not hang at its exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, as_completed, wait
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import mpsched
+from mpsched import Pool, PoolClosedError, TaskState
+
+from . import tasks
+
+CALLBACK_WAIT = 3.0  # seconds a callback's own blocking call may take (a deadlock: it times out)
+WAIT = 6.0  # seconds the test waits for a callback or a result
+FAR = 3600.0  # seconds ahead: a timed task that stays in the timetable
+
+CONTEXTS = ["coordinator", "collector", "future_cancel", "cancel_by_id", "supersede", "shutdown"]
+ACTIONS = ["submit", "schedule", "result", "map", "cancel_state", "shutdown", "raise"]
+CALLBACK_LOG = "exception calling callback for"  # the stdlib's message (concurrent.futures)
+
+
+def open_gate_within(path: str, timeout: float) -> bool:
+    """Release a task waiting at the FIFO gate ``path``; False if none waits there within
+    ``timeout`` (a task that never started: the bounded twin of ``tasks.open_gate``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO or time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)  # polling for a reader: no task is at the gate yet
+            continue
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+        return True
+
+
+def wait_started_within(path: str, timeout: float) -> bool:
+    """The bounded twin of ``tasks.wait_started``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if readable:
+                data = os.read(fd, 1)
+                if data == b"s":
+                    return True
+                if not data:  # no writer yet (EOF): wait for the task to open its end
+                    time.sleep(0.001)
+        return False
+    finally:
+        os.close(fd)
+
+
+class Scene:
+    """One pool, its gates, and the callback under test (see the module docstring)."""
+
+    def __init__(self, tmp: Path, context: str) -> None:
+        self.context = context
+        self.tmp = tmp
+        self.gates: dict[str, str] = {}
+        self.opened: set[str] = set()
+        for name in ("f", "other", "blocker"):
+            self.gates[name] = str(tmp / f"gate-{name}")
+            os.mkfifo(self.gates[name])
+            os.mkfifo(str(tmp / f"started-{name}"))
+        self.blocking = threading.Event()  # the callback is about to block: open the gates
+        self.done = threading.Event()  # the callback returned
+        self.outcome: dict[str, Any] = {}
+        self.actor: threading.Thread | None = None
+        self.actor_errors: list[BaseException] = []
+        # The collector context holds the coordinator thread at the entry of its collect()
+        # (a profile hook, as in tests/stress), so that a user thread collects.
+        self.park = threading.Event()
+        self.parked = threading.Event()
+        self.unpark = threading.Event()
+        if context == "collector":
+            threading.setprofile(self._coordinator_hook)  # the threads started from here on
+            try:
+                self.pool = Pool(2, timed_after_shutdown=False)
+            finally:
+                threading.setprofile(None)  # type: ignore[arg-type]
+        else:
+            self.pool = Pool(2, timed_after_shutdown=False)
+        self.coordinator = self.pool._coordinator
+
+    def _coordinator_hook(self, frame: Any, event: str, arg: Any) -> None:
+        if (
+            event == "call"
+            and self.park.is_set()
+            and not self.unpark.is_set()
+            and frame.f_code.co_name == "collect"
+            and frame.f_globals.get("__name__") == "mpsched._coordinator"
+        ):
+            self.parked.set()
+            self.unpark.wait(WAIT)
+
+    # ---------------------------------------------------------------- set-up
+    def start_gated(self, name: str, value: Any) -> mpsched.Future:
+        """A task that announces itself and waits at the gate ``name``; returns once it runs."""
+        started = str(self.tmp / f"started-{name}")
+        future = self.pool.submit(tasks.started_then_gated, started, self.gates[name], value)
+        assert wait_started_within(started, WAIT), f"task {name!r} did not start"
+        return future
+
+    def arm(self) -> tuple[mpsched.Future, Callable[[], Any]]:
+        """The future to settle, and the call (made in the actor thread) that settles it in
+        this scene's context."""
+        pool = self.pool
+        self.other = self.start_gated("other", 2)
+        now = time.monotonic()
+        self.victim = pool.schedule("victim", now + FAR, 0, tasks.ident, 0)
+        self.victim2 = pool.schedule("victim2", now + FAR, 0, tasks.ident, 0)
+        context = self.context
+        if context in ("coordinator", "collector"):
+            f = self.start_gated("f", 1)
+            if context == "coordinator":
+                return f, lambda: self.open("f")
+            return f, lambda: self.collect_in_this_thread(f)
+        if context == "supersede":
+            f = pool.schedule("f", now + FAR, 0, tasks.ident, 1)
+            return f, lambda: pool.schedule("f", time.monotonic() + FAR, 0, tasks.ident, 3)
+        self.blocker = self.start_gated("blocker", "blocker")  # f waits unclaimed behind it
+        if context == "future_cancel":
+            f = pool.submit(tasks.ident, 1)
+            return f, f.cancel
+        if context == "cancel_by_id":
+            f = pool.schedule("f", now, 0, tasks.ident, 1)
+            return f, lambda: pool.cancel("f")
+        assert context == "shutdown"
+        f = pool.submit(tasks.ident, 1)
+        return f, lambda: pool.shutdown(wait=False, cancel_futures=True)
+
+    def collect_in_this_thread(self, f: mpsched.Future) -> Any:
+        """Hold the coordinator thread out of collecting, let ``f`` finish, and wait for it
+        here: this thread collects the done ring (``help_wait``) and settles ``f``."""
+        self.park.set()
+        assert self.parked.wait(WAIT), "the coordinator thread was not held"
+        assert self.open("f"), "f did not wait at its gate"
+        deadline = time.monotonic() + WAIT
+        while not any(slot.done_depth() for slot in self.coordinator.slots):
+            assert time.monotonic() < deadline, "f's result never reached its done ring"
+            time.sleep(0.001)
+        self.coordinator.help_misses = 0  # help_wait spins (collects) on this result
+        return f.result(CALLBACK_WAIT + WAIT)
+
+    def open(self, name: str, timeout: float = WAIT) -> bool:
+        if name in self.opened:
+            return True
+        if open_gate_within(self.gates[name], timeout):
+            self.opened.add(name)
+            return True
+        return False
+
+    def release(self) -> None:
+        """Let everything held go on: the blocker, ``other``, the coordinator thread."""
+        self.unpark.set()
+        if self.context not in ("coordinator", "collector", "supersede"):
+            self.open("blocker")
+        self.open("other")
+
+    # ---------------------------------------------------------------- the run
+    def settle(self, settle: Callable[[], Any]) -> None:
+        def actor() -> None:
+            try:
+                settle()
+            except BaseException as exc:
+                self.actor_errors.append(exc)
+
+        self.actor = threading.Thread(target=actor, name="actor")
+        self.actor.start()
+
+    def wait_callback(self) -> None:
+        """Until the callback returned; open the gates once it is about to block (or done)."""
+        deadline = time.monotonic() + WAIT + CALLBACK_WAIT
+        while not self.done.wait(0.005):
+            if self.blocking.is_set():
+                self.release()
+            if time.monotonic() > deadline:
+                break
+        self.release()
+        assert self.done.is_set(), (
+            f"the done-callback never returned (settled in the {self.context} context): a deadlock"
+        )
+
+    def close(self) -> None:
+        """End the pool, also after a deadlock (best effort: a test failed already then)."""
+        self.release()
+        actor = self.actor
+        if actor is not None:
+            actor.join(CALLBACK_WAIT + 1)
+            deadline = time.monotonic() + WAIT
+            # A thread that waits for the collector's lock it holds itself: release it for
+            # it (a threading.Lock may be released by any thread) until it gets out.
+            while actor.is_alive() and time.monotonic() < deadline:
+                lock = self.coordinator.collect_lock
+                if lock.locked():
+                    with contextlib.suppress(RuntimeError):
+                        lock.release()
+                actor.join(0.05)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for name in self.gates:  # a task still at a gate (an unfinished scene)
+            self.open(name, timeout=0.05)
+        assert self.pool.await_termination(WAIT), "the pool did not end"
+
+
+@pytest.fixture
+def scenes(tmp_path: Path) -> Iterator[Callable[[str], Scene]]:
+    made: list[Scene] = []
+
+    def make(context: str) -> Scene:
+        scene = Scene(tmp_path, context)
+        made.append(scene)
+        return scene
+
+    yield make
+    for scene in made:
+        scene.close()
+
+
+def make_callback(scene: Scene, action: str) -> Callable[[mpsched.Future], None]:
+    pool = scene.pool
+    outcome = scene.outcome
+
+    def callback(f: mpsched.Future) -> None:
+        outcome["thread"] = threading.current_thread()
+        outcome["done_when_called"] = f.done()
+        try:
+            if action == "submit":
+                outcome["value"] = pool.submit(tasks.add, 40, 2)
+            elif action == "schedule":
+                outcome["value"] = pool.schedule("chained", time.monotonic(), 0, tasks.add, 1, 2)
+            elif action == "result":
+                scene.blocking.set()
+                outcome["value"] = scene.other.result(CALLBACK_WAIT)
+            elif action == "map":
+                scene.blocking.set()
+                it = pool.map(tasks.add, [1, 2], [10, 20], timeout=CALLBACK_WAIT)
+                outcome["value"] = list(it)
+            elif action == "cancel_state":
+                cancelled = pool.cancel("victim")
+                outcome["value"] = (
+                    isinstance(cancelled, bool),
+                    pool.state("victim"),
+                    scene.victim2.cancel(),
+                )
+            elif action == "shutdown":
+                pool.shutdown(wait=False)
+                outcome["value"] = "returned"
+            else:
+                assert action == "raise"
+                raise ValueError("a callback that raises")
+        except Exception as exc:
+            outcome["value"] = exc
+            if action == "raise":
+                raise
+        finally:
+            scene.done.set()
+
+    return callback
+
+
+def closed(scene: Scene) -> bool:
+    return scene.context == "shutdown"
+
+
+# ---------------------------------------------------------------- the matrix
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("action", ACTIONS)
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_a_done_callback_re_enters_the_pool(
+    scenes: Callable[[str], Scene],
+    context: str,
+    action: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    scene = scenes(context)
+    f, settle = scene.arm()
+    later: list[mpsched.Future] = []
+    after = threading.Event()
+
+    def second(future: mpsched.Future) -> None:
+        later.append(future)
+        after.set()
+
+    f.add_done_callback(make_callback(scene, action))
+    f.add_done_callback(second)  # a second callback still runs after one that raises
+    scene.settle(settle)
+    scene.wait_callback()
+    scene.actor.join(WAIT)  # type: ignore[union-attr]
+    assert not scene.actor_errors, scene.actor_errors
+    assert scene.outcome["done_when_called"], "a callback ran before its future was done"
+    if context == "collector":
+        assert scene.outcome["thread"] is scene.actor, "the interleaving was not forced"
+    value = scene.outcome.get("value")
+    if action in ("submit", "schedule", "map") and closed(scene):
+        assert isinstance(value, PoolClosedError), value
+    elif action == "submit":
+        assert value.result(WAIT) == 42
+    elif action == "schedule":
+        assert value.result(WAIT) == 3
+    elif action == "result":
+        assert value == 2, f"the callback's result() of another future gave {value!r}"
+    elif action == "map":
+        assert value == [11, 22], f"the callback's map gave {value!r}"
+    elif action == "cancel_state":
+        assert value == (True, TaskState.CANCELLED, True)
+    elif action == "shutdown":
+        assert value == "returned"
+        assert scene.other.result(WAIT) == 2
+        assert scene.pool.await_termination(WAIT), "the pool did not end after the callback"
+    else:
+        assert isinstance(value, ValueError)
+        assert after.wait(WAIT), "the callback after the one that raised did not run"
+        assert later == [f]
+        assert any(CALLBACK_LOG in r.getMessage() for r in caplog.records), caplog.records
+        assert scene.other.result(WAIT) == 2  # the pool goes on
+        if not closed(scene):
+            assert scene.pool.submit(tasks.add, 1, 1).result(WAIT) == 2
+    assert after.wait(WAIT), "the second callback did not run"
+    assert later == [f]
+    if context in ("future_cancel", "cancel_by_id", "supersede", "shutdown"):
+        assert f.cancelled()
+    else:
+        assert f.result(WAIT) == 1
+
+
+# ---------------------------------------------------------------- beyond the matrix
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("context", ["coordinator", "collector"])
+def test_a_done_callback_that_shuts_the_pool_down_and_waits(
+    scenes: Callable[[str], Scene], context: str
+) -> None:
+    """``shutdown(wait=True)`` in a callback: it waits for the drain, which needs the other
+    task's result collected; or, called where it would wait for itself, returns at once. Either
+    way the callback returns and the pool ends."""
+    scene = scenes(context)
+    f, settle = scene.arm()
+
+    def callback(_: mpsched.Future) -> None:
+        try:
+            scene.blocking.set()
+            scene.pool.shutdown(wait=True)
+            scene.outcome["value"] = "returned"
+        finally:
+            scene.done.set()
+
+    f.add_done_callback(callback)
+    scene.settle(settle)
+    scene.wait_callback()
+    assert scene.outcome.get("value") == "returned"
+    assert scene.other.result(WAIT) == 2
+    assert scene.pool.await_termination(WAIT), "the pool did not end"
+
+
+@pytest.mark.timeout(30)
+def test_a_callback_raising_a_base_exception_does_not_break_the_pool(
+    scenes: Callable[[str], Scene], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A callback of a future that the coordinator settled raises SystemExit: it is logged,
+    and the pool goes on (it broke: the exception left the coordinator's loop, and every
+    unfinished future failed with BrokenPoolError)."""
+    scene = scenes("coordinator")
+    f, settle = scene.arm()
+
+    def callback(_: mpsched.Future) -> None:
+        scene.done.set()
+        raise SystemExit(3)
+
+    f.add_done_callback(callback)
+    scene.settle(settle)
+    scene.wait_callback()
+    scene.release()
+    assert scene.other.result(WAIT) == 2, "the pool broke"
+    assert scene.pool.submit(tasks.add, 1, 1).result(WAIT) == 2
+    assert f.result(WAIT) == 1
+    deadline = time.monotonic() + WAIT
+    while not any(CALLBACK_LOG in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "the callback's SystemExit was not logged"
+        time.sleep(0.001)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", ["wait", "as_completed"])
+@pytest.mark.parametrize("context", ["coordinator", "collector"])
+def test_a_thread_woken_by_wait_re_enters_the_pool(
+    scenes: Callable[[str], Scene], context: str, how: str
+) -> None:
+    """A thread blocked in ``wait``/``as_completed`` on ``f`` is woken while ``f`` is settled
+    (the waiter is notified inside the settling thread's collection) and at once waits for
+    another future, submits and cancels."""
+    scene = scenes(context)
+    f, settle = scene.arm()
+    outcome: dict[str, Any] = {}
+
+    def waiter() -> None:
+        if how == "wait":
+            done, _ = wait([f], timeout=WAIT + CALLBACK_WAIT, return_when=FIRST_COMPLETED)
+        else:
+            done = set(as_completed([f], timeout=WAIT + CALLBACK_WAIT))
+        assert done == {f}
+        scene.blocking.set()
+        outcome["other"] = scene.other.result(CALLBACK_WAIT)
+        outcome["submit"] = scene.pool.submit(tasks.add, 2, 2).result(CALLBACK_WAIT)
+        outcome["cancel"] = scene.victim.cancel()
+        scene.done.set()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        scene.settle(settle)
+        scene.wait_callback()
+    finally:
+        thread.join(WAIT + CALLBACK_WAIT)
+    assert outcome == {"other": 2, "submit": 4, "cancel": True}
+
+
+@pytest.mark.timeout(30)
+def test_shutdown_wait_returns_after_the_callbacks_of_what_the_pool_settled() -> None:
+    """The callbacks of futures the coordinator settled run in the pool's callback thread;
+    ``shutdown(wait=True)`` returns only once they ran (as when the coordinator thread itself
+    ran them): a ``with Pool()`` block's results are all reported when it is left."""
+    entered, proceed = threading.Event(), threading.Event()
+    ran: list[int] = []
+    seen_at_return: list[list[int]] = []
+
+    def callback(_: mpsched.Future) -> None:
+        entered.set()
+        proceed.wait(WAIT)
+        ran.append(1)
+
+    pool = Pool(1)
+    try:
+        pool.submit(tasks.add, 1, 1).add_done_callback(callback)
+        assert entered.wait(WAIT), "the callback did not run"
+
+        def shut() -> None:
+            pool.shutdown(wait=True)
+            seen_at_return.append(list(ran))
+
+        thread = threading.Thread(target=shut)
+        thread.start()
+        # The pool ended under the running callback: its coordinator thread is gone.
+        assert pool._coordinator.finished.wait(WAIT), "the pool did not drain"
+        pool._thread.join(WAIT)
+        # Unfixed, shutdown returns now; fixed, it waits for the callback (either way the
+        # outcome below does not depend on this wait's length, only how soon a bug shows).
+        thread.join(0.2)
+        proceed.set()
+        thread.join(WAIT)
+        assert seen_at_return == [[1]], "shutdown(wait=True) returned before the callback ended"
+    finally:
+        proceed.set()
+        pool.shutdown(wait=True)
