@@ -32,16 +32,23 @@ def hold(path: str, release: str) -> int:
     stop may still return: it then completes). Returns its version."""
     ctx = mpsched.current_task()
     _append(path, ("held", ctx.task_id, ctx.version))
-    while not os.path.exists(release):
-        time.sleep(RELEASE_POLL)
+    wait_for(release)
     return ctx.version
 
 
-def record(path: str) -> tuple[Any, int]:
-    """Log ``("ran", id, version, cancel_requested)``; returns ``(id, version)``."""
+def wait_for(path: str) -> None:
+    """Return once the file ``path`` exists."""
+    while not os.path.exists(path):
+        time.sleep(RELEASE_POLL)
+
+
+def record(path: str, tag: Any = None) -> tuple[Any, int]:
+    """Log ``("ran", id, version, cancel_requested)``, with ``tag`` for the id of a task that
+    has none (``submit``); returns ``(id, version)`` as logged."""
     ctx = mpsched.current_task()
-    _append(path, ("ran", ctx.task_id, ctx.version, ctx.cancel_requested))
-    return ctx.task_id, ctx.version
+    task_id = tag if ctx.task_id is None else ctx.task_id
+    _append(path, ("ran", task_id, ctx.version, ctx.cancel_requested))
+    return task_id, ctx.version
 
 
 def read_log(path: str) -> list[tuple[Any, ...]]:
