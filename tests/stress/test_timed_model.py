@@ -3,12 +3,6 @@
 processes, shared-memory inboxes, the cancel/claim race) and a plain reference model side by
 side; every answer must agree, and so must what ran.
 
-Plain ``submit`` calls join in: a submitted task is due at its call with priority 0, and
-cancellable only through its future. It goes straight to the ready queue, while a timed version
-becomes due when the loop releases it from the heap, a moment after its call; so between a
-submit and a timed version of equal priority no order is checked (docs/design.md: "up to the
-coordinator's wake-up delay for a submit racing a timed task of the same priority").
-
 Determinism: every worker is held busy by a *holder* (a timed task of the id ``("hold", k)``
 that waits for a release file) while the operations run, so no other task can start. A version
 is scheduled either due (``run_at`` in the past: the coordinator hands it to a held worker's
@@ -34,6 +28,14 @@ either order is accepted for those. The dispatch window needs no model: a due ta
 priority takes lower ones back from the inbox, so the window cannot let them pass it; the test
 runs windows of 1, 2 and 128 to cover the ready queue, the inbox and the take-back. Deferred
 versions become due only when their holder ends, so their place in the order is not checked.
+Before the release, the test waits until every due version left the heap (a version that became
+due after the release could rightly run after lower ones that were claimed meanwhile).
+
+Plain ``submit`` calls join in: a submitted task is due at its call with priority 0, and
+cancellable only through its future. It goes straight to the ready queue, while a timed version
+becomes due when the loop releases it from the heap, a moment after its call; so between a
+submit and a timed version of equal priority no order is checked (docs/design.md: "up to the
+coordinator's wake-up delay for a submit racing a timed task of the same priority").
 """
 
 from __future__ import annotations
