@@ -29,7 +29,9 @@ Sleep protocol ("announce, recheck, then block"; the lost-wake-up argument is in
     the own lock if both own rings are empty);  3. recheck every peer with ``probe()`` (under each
     peer's lock) and, when joining, the awaited child's state (under the own lock);  4. block in
     ``poll`` on the own wake eventfd and the coordinator socket. Wakers push first, then read
-    ``sleepers`` and clear a sleeper's flag under its lock before writing its eventfd.
+    ``sleepers`` and clear a sleeper's flag under its lock before writing its eventfd. A waker
+    wakes one sleeper per publication, so a worker whose sleep ends passes the wake-up on to
+    one more sleeper while more than one entry is queued in all.
 
 Exceptions from user code are caught and reported as the task's error (including SystemExit and
 KeyboardInterrupt raised by a task); exceptions from mpsched's own code end the worker with a
@@ -601,18 +603,24 @@ class Worker:
             ):
                 if not me.clear_sleeping():
                     self.consume_wake()  # a waker got there first and wrote our eventfd
-                return
-            timeout_ms = -1
-            if deadline is not None:
-                timeout_ms = max(0, int((deadline - time.monotonic()) * 1e3))
-            for fd, _ in self.poller.poll(timeout_ms):
-                if fd == self.my_wake_fd:
-                    self.consume_wake()
-                else:
-                    self.read_messages()
-            me.clear_sleeping()
+            else:
+                timeout_ms = -1
+                if deadline is not None:
+                    timeout_ms = max(0, int((deadline - time.monotonic()) * 1e3))
+                for fd, _ in self.poller.poll(timeout_ms):
+                    if fd == self.my_wake_fd:
+                        self.consume_wake()
+                    else:
+                        self.read_messages()
+                me.clear_sleeping()
         finally:
             header.add_sleepers(-1)
+        # Pass the wake-up on: a waker wakes one sleeper for a batch (the coordinator's inject
+        # into a sleeping inbox wakes only its owner), and this worker takes one task of it.
+        # Were more queued, a peer that slept through their publication would sleep on while
+        # they wait behind our task. Off the per-task path: only after an announced sleep.
+        if header.sleepers() and sum(len(slot) for slot in self.slots) > 1:
+            self.wake_one_sleeper()
 
     def consume_wake(self) -> None:
         with contextlib.suppress(BlockingIOError):
