@@ -295,28 +295,31 @@ def test_a_batch_injected_into_a_sleeping_worker_wakes_an_idle_peer(tmp_path: Pa
     that worker only (an inject that wakes its target wakes no one else). The worker ran the
     first, a long task, and the second waited in its inbox behind it while the peer slept on.
 
-    Made deterministic: a done-callback, which runs in the coordinator thread, holds the loop
-    while both workers fall asleep and both versions are scheduled, so that one pass of the loop
-    releases both and dispatches them as one batch. Both must start."""
+    Made deterministic: the coordinator thread is held at the start of a loop pass while both
+    workers fall asleep and both versions are scheduled, so that the pass, once let go, releases
+    both and dispatches them as one batch. Both must start."""
     log, release = str(tmp_path / "log"), tmp_path / "release"
-    in_callback, go_on = threading.Event(), threading.Event()
-
-    def hold_the_loop(_: Future) -> None:
-        in_callback.set()
-        go_on.wait(CONDITION_TIMEOUT)
-
+    armed, in_hold, go_on = threading.Event(), threading.Event(), threading.Event()
     pool = Pool(2)
+    coordinator = pool._coordinator
+    collect = coordinator.collect
+
+    def held_collect() -> None:  # the loop calls collect() first in every pass
+        if armed.is_set() and threading.get_ident() == coordinator.thread_id:
+            in_hold.set()
+            go_on.wait(CONDITION_TIMEOUT)
+        collect()
+
     try:
         # Both workers started (each ran a task), so both can fall asleep.
         first = [pool.schedule(("warm", k), 0.0, 0, model_tasks.record, log) for k in range(2)]
         for f in first:
             f.result(CONDITION_TIMEOUT)
         poll(lambda: len(model_tasks.read_log(log)) == 2, "both warm-up tasks ran")
-        # The callback is added before the marker can end (else it would run in this thread).
-        marker = pool.submit(model_tasks.wait_for, str(tmp_path / "marker"))
-        marker.add_done_callback(hold_the_loop)
-        (tmp_path / "marker").touch()
-        assert in_callback.wait(CONDITION_TIMEOUT), "the callback did not run"
+        coordinator.collect = held_collect  # type: ignore[method-assign]
+        armed.set()
+        pool._wakeup.wakeup()  # a pass of the loop, which stops in held_collect
+        assert in_hold.wait(CONDITION_TIMEOUT), "the coordinator loop did not come round"
         for task_id in HOLDERS:
             pool.schedule(task_id, 0.0, 0, model_tasks.hold, log, str(release))
         slots = pool._views.slots
