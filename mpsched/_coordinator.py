@@ -187,7 +187,6 @@ class Coordinator:
         self.locks = locks  # the guarded locks of the segment (orphan release after a crash)
         self.repair_lock = threading.Lock()  # one lock repair at a time, from any thread
         self.collect_lock = threading.Lock()  # one collector at a time (help_wait: any thread)
-        self.stash_arrived = threading.Condition()  # a STASH came (for a user-thread collector)
         self.thread_id = 0  # the coordinator thread's ident, once it runs
         self.help_calls = 0
         self.help_misses = 0  # help_wait spins in a row that ended without the result
@@ -204,7 +203,13 @@ class Coordinator:
         self.watched: dict[int, Future] = {}  # handle -> in-flight task with a timeout
         self.inbox_low = [_NO_LOW] * n_workers  # lowest priority injected since inbox emptied
         self.by_handle: dict[int, Future] = {}  # dispatched, unfinished
+        # Bytes too big for a block chain, by key (STASH; taken by FETCH or a collector).
+        # Written by: the coordinator thread. A user-thread collector pops its results.
         self.stash: dict[int, bytes] = {}
+        # (slot, handles) taken from a done ring by a user-thread collector whose stashed
+        # results had not arrived (or that an exception hit): their blocks are kept, their
+        # futures stay in by_handle; the next collector reads them first. Under collect_lock.
+        self.unread: list[tuple[int, list[int]]] = []
         # Keys of stashed child results dropped before their STASH was read (orphan_children:
         # a live executor's socket may still hold it): dropped when they come.
         self.unwanted_stash: set[int] = set()
@@ -625,9 +630,13 @@ class Coordinator:
         by an exception (a Ctrl-C's KeyboardInterrupt) that hit a user thread inside an inject
         or a cancel, between the bookkeeping here and the shared-memory step. Such a task is in
         no ring and on no run stack, so it never ran and never will: cancel it, so that the
-        drain (and the interpreter's exit) cannot wait for it forever."""
-        with self.lock:
-            if not self.quiescent():
+        drain (and the interpreter's exit) cannot wait for it forever.
+
+        Under ``collect_lock``: a user-thread collector holds handles it took from a done ring
+        (in no ring, on no run stack) until it settles them, and ``unread`` keeps some for the
+        loop: those tasks ran, they are not lost."""
+        with self.collect_lock, self.lock:
+            if self.unread or not self.quiescent():
                 return
             lost = list(self.by_handle.items())
             self.by_handle.clear()
@@ -943,43 +952,71 @@ class Coordinator:
             self.collect_locked()
 
     def collect_locked(self) -> None:
-        slab = self.slab
+        # First the handles a user-thread collector left (their STASH was not read yet): one
+        # entry at a time, so that an entry is never dropped when reading another one raised.
+        unread = self.unread
+        while unread:
+            k, handles = unread.pop()
+            self.read_results(k, handles)
         for k, slot in enumerate(self.slots):
-            if not slot.done_depth():
-                continue
-            handles = slot.take_done()
-            outcomes: list[tuple[Future, int, bytes]] = []
-            unknown: list[int] = []
-            by_handle = self.by_handle
-            get_word = slab.get_word
-            try:
-                for handle in handles:
-                    future = by_handle.get(handle)
-                    if future is None:
-                        unknown.append(handle)
+            if slot.done_depth():
+                self.read_results(k, slot.take_done())
+
+    def read_results(self, k: int, handles: list[int]) -> None:
+        """Under ``collect_lock``: settle the tasks of ``handles``, taken from slot ``k``'s done
+        ring, and free their blocks. Only the coordinator thread reads sockets: a user thread
+        (``help_wait``) leaves a handle whose stashed result has not arrived to the loop
+        (``unread``), and so the rest of its batch when an exception (a Ctrl-C's
+        KeyboardInterrupt) hits it: those results are fine, and the pool is not broken."""
+        slab = self.slab
+        outcomes: list[tuple[Future, int, bytes]] = []
+        unknown: list[int] = []
+        later: list[int] = []  # a user thread's: left to the loop, their blocks kept
+        by_handle = self.by_handle
+        get_word = slab.get_word
+        in_loop = threading.get_ident() == self.thread_id
+        try:
+            for handle in handles:
+                future = by_handle.get(handle)
+                if future is None:
+                    unknown.append(handle)
+                    continue
+                status = get_word(handle, _RESULT_STATUS)
+                nbytes = get_word(handle, _RESULT_NBYTES)
+                if nbytes >= 0:
+                    data = slab.read_result(handle)[1]
+                elif in_loop:
+                    data = self.stash_take(-nbytes, k)
+                else:
+                    stashed = self.stash.pop(-nbytes, None)
+                    if stashed is None:  # still in the worker's socket: its arrival wakes the loop
+                        later.append(handle)
                         continue
-                    status = get_word(handle, _RESULT_STATUS)
-                    nbytes = get_word(handle, _RESULT_NBYTES)
-                    if nbytes >= 0:
-                        data = slab.read_result(handle)[1]
-                    else:
-                        data = self.stash_take(-nbytes, k)
-                    del by_handle[handle]  # only once read: fail_unread ends it otherwise
-                    outcomes.append((future, status, data))
-            except BaseException as exc:
-                # Every handle taken from the ring ends its future, even when reading one
-                # raised (a stash lost with its worker, a user-thread collector's wait for a
-                # stash timed out or was interrupted): its block is freed below, so a future
-                # left out would never settle and its waiter would hang.
-                read = len(outcomes) + len(unknown)
+                    data = stashed
+                del by_handle[handle]  # only once read: fail_unread ends it otherwise
+                outcomes.append((future, status, data))
+        except BaseException as exc:
+            # Every handle taken from the ring ends its future, even when reading one raised
+            # (in the loop: a stash lost with its worker; the pool then breaks): its block is
+            # freed below, so a future left out would never settle and its waiter would hang.
+            read = len(outcomes) + len(unknown) + len(later)
+            if in_loop:
                 self.fail_unread(handles[read:], k, exc, outcomes, unknown)
-                raise
-            finally:
-                slab.free_tasks([h for h in handles if h not in unknown] if unknown else handles)
-                self.completed += len(outcomes)
-                self.settle(outcomes)
-            if unknown:
-                raise InternalError(f"worker {k} completed unknown task blocks {unknown}")
+            else:
+                later += handles[read:]
+            raise
+        finally:
+            if later:
+                self.unread.append((k, later))
+            if unknown or later:
+                kept = {*unknown, *later}
+                slab.free_tasks([h for h in handles if h not in kept])
+            else:
+                slab.free_tasks(handles)
+            self.completed += len(outcomes)
+            self.settle(outcomes)
+        if unknown:
+            raise InternalError(f"worker {k} completed unknown task blocks {unknown}")
 
     def fail_unread(
         self,
@@ -989,13 +1026,13 @@ class Coordinator:
         outcomes: list[tuple[Future, int, bytes]],
         unknown: list[int],
     ) -> None:
-        """``collect_locked``, after reading ``handles[0]``'s result raised ``exc``: every one
-        of ``handles`` gets an outcome. Results in their blocks are
-        still read (that cannot block); the others fail with the error, without waiting for
-        another stash (a user thread would wait for each), and their stashed bytes, if they
-        came, are dropped."""
-        # BrokenPoolError: in the coordinator thread the exception goes on to break the pool,
-        # and every other unfinished future fails with that error too.
+        """``read_results`` in the coordinator thread, after reading ``handles[0]``'s result
+        raised ``exc`` (the pool then breaks): every one of ``handles`` gets an outcome.
+        Results in their blocks are still read (that cannot block); the others fail with the
+        error, without waiting for another stash, and their stashed bytes, if they came, are
+        dropped."""
+        # BrokenPoolError: the exception goes on to break the pool, and every other unfinished
+        # future fails with that error too.
         error = BrokenPoolError(
             f"the result of this task could not be read: reading the results of worker "
             f"{slot} raised {exc!r}"
@@ -1059,14 +1096,8 @@ class Coordinator:
                 resolve(future, status, data)
 
     def stash_take(self, key: int, slot: int) -> bytes:
-        """Stashed result bytes; the STASH message was sent before the done-ring push, so it
-        is complete in the worker's socket if it has not been read yet. Only the coordinator
-        thread reads sockets: a user thread collecting (``help_wait``) waits for it."""
-        if threading.get_ident() != self.thread_id:
-            with self.stash_arrived:
-                if not self.stash_arrived.wait_for(lambda: key in self.stash, DRAIN_TIMEOUT):
-                    raise ProtocolError(f"stashed result {key} did not arrive")
-                return self.stash.pop(key)
+        """Coordinator thread: stashed result bytes; the STASH message was sent before the
+        done-ring push, so it is complete in the worker's socket if it has not been read yet."""
         while key not in self.stash:
             worker = self.workers[slot]
             if worker is None and slot in self.starting:  # its SPAWNED (and socket) is on the way
@@ -1151,9 +1182,7 @@ class Coordinator:
             if self.unwanted_stash and key in self.unwanted_stash:
                 self.unwanted_stash.discard(key)
                 return
-            with self.stash_arrived:
-                self.stash[key] = data
-                self.stash_arrived.notify_all()
+            self.stash[key] = data
             for conn in self.parked_fetches.pop(key, []):
                 self.answer_fetch(conn, key)
         elif tag is Tag.FETCH:
@@ -1295,6 +1324,7 @@ class Coordinator:
                 self.fail_child(handle, worker, code)
                 continue
             self.drop_stashed_args([handle])  # it may have died before it fetched them
+            self.drop_stashed_result(handle)
             self.slab.free_tasks([handle])
             run = future._run
             # Retried only if nothing asked it to stop: a run asked to cancel (pool.cancel) or
@@ -1382,16 +1412,29 @@ class Coordinator:
         """Before freeing DONE child blocks that nobody will read (``orphan_children``): drop
         their stashed results, as a worker's ``free_unread_child`` does. The executor sent the
         STASH before it marked the child DONE; a live executor's may still be unread in its
-        socket: its key is noted and the bytes are dropped when they come."""
+        socket: its key is noted and the bytes are dropped when they come. So may that of an
+        executor not registered yet (its SPAWNED unread: its pid is unknown here, and a
+        worker steals before that): while any slot is starting, a missing key is noted too."""
         slab = self.slab
         live = {w.pid for w in self.workers if w is not None}
+        starting = bool(self.starting)
         for handle in handles:
             nbytes = slab.get_word(handle, _RESULT_NBYTES)
             if nbytes >= 0:
                 continue
             key = -nbytes
-            if self.stash.pop(key, None) is None and key >> _UID_PID_SHIFT in live:
+            if self.stash.pop(key, None) is None and (starting or key >> _UID_PID_SHIFT in live):
                 self.unwanted_stash.add(key)
+
+    def drop_stashed_result(self, handle: int) -> None:
+        """A task on a dead worker's run stack (``recover_slot``): a worker sends a big result's
+        STASH before the push that hands the key over (the done ring, or DONE in a child's
+        block), so one that died in between left bytes that nobody will take. Its socket was
+        read to EOF before the recovery, so the STASH is in. (A block's result words are
+        cleared when it is written, so a negative count is this run's key.)"""
+        nbytes = self.slab.get_word(handle, _RESULT_NBYTES)
+        if nbytes < 0:
+            self.stash.pop(-nbytes, None)
 
     def release_orphans(self) -> None:
         """After a death: free locks the dead worker took but died before recording."""
@@ -1446,6 +1489,7 @@ class Coordinator:
         slab = self.slab
         if slab.get_word(handle, _STATE) == _CHILD_DONE:
             return
+        self.drop_stashed_result(handle)  # overwritten below
         error = WorkerCrashedError(crash_message(worker, code), code)
         if not slab.write_result(handle, int(ResultStatus.ERROR), dump_exception(error)):
             raise ProtocolError("a crash report does not fit in a block")

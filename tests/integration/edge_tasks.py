@@ -252,3 +252,12 @@ def die_after_a_peer_ran_a_big_child(size: int) -> None:
     while worker.child_state(handle) != CHILD_DONE:
         pass  # a peer steals it: this worker runs only this task meanwhile
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_after_a_peer_ran_a_big_child_in(pid: int, size: int) -> bool:
+    """``die_after_a_peer_ran_a_big_child`` if this worker is process ``pid``; else return
+    False at once (the caller submits again)."""
+    if os.getpid() != pid:
+        return False
+    die_after_a_peer_ran_a_big_child(size)
+    return True
