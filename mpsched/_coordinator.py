@@ -865,6 +865,17 @@ class Coordinator:
         """Kill the worker running ``future``'s task, and no other: the worker is stopped
         first, and killed only if the task is still on its run stack (else it continues).
 
+        Why the check after the stop is exact, even when the kernel does not show the stop
+        within ``STOP_WAIT``: once SIGSTOP is queued, every thread of the worker stops on its
+        next return to user mode, so the worker runs no more user code (a thread running on
+        another CPU at that instant runs on until the kernel's interrupt reaches it: the few
+        microseconds ``wait_stopped`` waits out). Only the worker's own code moves a task off
+        its run stack (this thread's recovery aside), so the stack read after the wait is the
+        one the SIGKILL hits. A worker that has not shown as stopped after ``STOP_WAIT`` sits in
+        the kernel (an uninterruptible wait, or runnable but not scheduled): it has not moved.
+        SIGCONT and a later retry instead would keep such a worker's task running and block
+        this loop for ``STOP_WAIT`` per pass.
+
         Returns False if the task runs on a worker not registered yet (its SPAWNED not read:
         a worker takes tasks before that, see ``dispatch_one``): its pid is unknown, so the
         caller must try again later; dropping the request would let the task run on."""
@@ -1649,11 +1660,12 @@ def pid_is_dead(pid: int) -> bool:
 
 def send_signal(worker: WorkerHandle, sig: int) -> None:
     """Signal the worker through its pidfd (never another process that reused its pid once the
-    zygote reaped it); by pid if it has none. ProcessLookupError if it was reaped."""
-    if worker.pidfd >= 0:
-        signal.pidfd_send_signal(worker.pidfd, sig)
-    else:
-        os.kill(worker.pid, sig)
+    zygote reaped it). ProcessLookupError if it was reaped. A worker without a pidfd was reaped
+    before its registration (``pidfd_open`` found no such process): it is never signalled by
+    pid, which may name another process by now; its socket's EOF reports the death."""
+    if worker.pidfd < 0:
+        raise ProcessLookupError(worker.pid)
+    signal.pidfd_send_signal(worker.pidfd, sig)
 
 
 def wait_stopped(pid: int) -> bool:
@@ -1673,7 +1685,7 @@ def wait_stopped(pid: int) -> bool:
         if state in (b"Z", b"X"):
             return False
         os.sched_yield()
-    return True  # not shown as stopped in time: the run-stack check still decides
+    return True  # not shown as stopped in time: still frozen (see kill_running)
 
 
 def settle_error(future: Future, error: BaseException) -> None:
