@@ -1195,7 +1195,11 @@ class Coordinator:
                 return
             self.stash[key] = data
             for conn in self.parked_fetches.pop(key, []):
-                self.answer_fetch(conn, key)
+                # A fetcher that died (its EOF not read yet): the error is its own, not this
+                # sender's (on_worker_readable would take this live worker for dead). The
+                # bytes stay: its recovery drops them (fail_child).
+                with contextlib.suppress(OSError):
+                    self.answer_fetch(conn, key)
         elif tag is Tag.FETCH:
             key = fields[0]
             if key in self.stash:
@@ -1221,7 +1225,8 @@ class Coordinator:
             raise ProtocolError(f"unexpected {tag.name} from worker {worker.slot}")
 
     def answer_fetch(self, conn: Connection, key: int) -> None:
-        conn.send_bytes(encode(Tag.PAYLOAD, key, self.stash.pop(key)))
+        conn.send_bytes(encode(Tag.PAYLOAD, key, self.stash[key]))
+        del self.stash[key]  # once sent: a dead fetcher's recovery drops what it never got
 
     def on_zygote_message(self, block: bool) -> None:
         if not block and not self.zygote.poll():
@@ -1301,10 +1306,24 @@ class Coordinator:
         # (tests/stress/test_lifecycle_races.py, a pool started while another forgets a worker).
         if self.workers[worker.slot] is worker:
             self.workers[worker.slot] = None
+        if self.parked_fetches:
+            self.drop_parked_fetches(worker.conn)
         worker.conn.close()
         if worker.pidfd >= 0:
             os.close(worker.pidfd)
             worker.pidfd = -1
+
+    def drop_parked_fetches(self, conn: Connection) -> None:
+        """A worker is gone: its FETCHes that wait for a STASH will never be answered (an
+        answer would go to a closed socket, and its error was taken for the sender's death).
+        Nobody else fetches those keys (one reader per key: the child's claimer, or its
+        parent), so their bytes are dropped when they come."""
+        for key, conns in list(self.parked_fetches.items()):
+            if conn in conns:
+                conns.remove(conn)
+                self.unwanted_stash.add(key)
+                if not conns:
+                    del self.parked_fetches[key]
 
     def wait_exit_code(self, pid: int, timeout: float = 2.0) -> int | None:
         deadline = time.monotonic() + timeout
@@ -1447,6 +1466,15 @@ class Coordinator:
         if nbytes < 0:
             self.stash.pop(-nbytes, None)
 
+    def drop_unfetched_args(self, handle: int) -> None:
+        """A child on a dead worker's run stack (``fail_child``): arguments stashed by its
+        spawner that the dead executor did not get (a worker zeroes the count once its FETCH is
+        answered) are dropped; if their STASH has not been read yet (the spawner's socket; the
+        executor's FETCH was parked), they are dropped when they come."""
+        nbytes = self.slab.get_word(handle, _NBYTES)
+        if nbytes < 0 and self.stash.pop(-nbytes, None) is None:
+            self.unwanted_stash.add(-nbytes)
+
     def release_orphans(self) -> None:
         """After a death: free locks the dead worker took but died before recording."""
         locks = self.locks
@@ -1500,6 +1528,7 @@ class Coordinator:
         slab = self.slab
         if slab.get_word(handle, _STATE) == _CHILD_DONE:
             return
+        self.drop_unfetched_args(handle)
         self.drop_stashed_result(handle)  # overwritten below
         error = WorkerCrashedError(crash_message(worker, code), code)
         if not slab.write_result(handle, int(ResultStatus.ERROR), dump_exception(error)):

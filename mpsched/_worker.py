@@ -386,6 +386,9 @@ class Worker:
             slab.release_args(handle)
         else:
             data = self.fetch(-nbytes)
+            # Fetched: a death from here on leaves no stashed arguments (the crash recovery
+            # reads a negative count as bytes still stashed or on their way).
+            slab.set_word(handle, _NBYTES, 0)
         self.depth += 1
         contexts = self.contexts
         pushed = False

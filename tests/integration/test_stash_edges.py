@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -184,3 +185,49 @@ def test_a_dead_parents_done_child_stashed_by_an_unregistered_peer_leaves_no_sta
         assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
         assert coordinator.stash == {}
         assert coordinator.unwanted_stash == set()
+
+
+@pytest.mark.timeout(60)
+def test_a_fetcher_dying_while_its_fetch_waits_for_the_stash_fails_no_other_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer claimed a child whose arguments its spawner stashed, and its FETCH came before the
+    spawner's STASH (different sockets): the coordinator parks the FETCH. The peer died there.
+    When the STASH came, the answer went to the dead peer's closed socket; the OSError was taken
+    for the death of the spawner, a live worker (its task failed, its slot was respawned
+    beside it), and the arguments were left in the stash. Here the spawner's socket is not read
+    until the peer's death has been recovered (chains cut to two blocks: a small payload is
+    stashed and fits in the socket's buffer, so the spawner does not wait for the read)."""
+    monkeypatch.setattr(_payloads, "MAX_CHAIN_BLOCKS", 2)
+    started, gate = str(tmp_path / "started"), str(tmp_path / "gate")
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    held: list[int] = []  # the spawner's socket, not read while listed
+    real_readable = Coordinator.on_worker_readable
+
+    def skip_held(self: Coordinator, worker: Any) -> None:
+        if worker.conn.fileno() not in held:
+            real_readable(self, worker)
+
+    monkeypatch.setattr(Coordinator, "on_worker_readable", skip_held)
+    with Pool(2, start_method="fork") as pool:  # the workers inherit the short chains
+        coordinator = pool._coordinator
+        _poll(lambda: not coordinator.starting, "the workers never registered")
+        parent = pool.submit(et.spawn_big_args_child_for_a_peer, started, gate, 10_000)
+        with open(started, "rb") as fifo:
+            pid = int(fifo.read())
+        spawner = next(w for w in coordinator.workers if w is not None and w.pid == pid)
+        held.append(spawner.conn.fileno())
+        tasks.open_gate(gate)
+        _poll(lambda: bool(coordinator.parked_fetches), "the peer's FETCH was never parked")
+        fetcher = next(w for w in coordinator.workers if w is not None and w is not spawner)
+        os.kill(fetcher.pid, signal.SIGKILL)
+        _poll(lambda: coordinator.workers[fetcher.slot] is not fetcher, "the death is not seen")
+        assert parent.result(timeout=20) == 1  # its child failed with the crash: DONE
+        held.clear()  # the STASH is read on the loop's next pass
+        _poll(lambda: not coordinator.unwanted_stash, "the STASH never came")
+        assert [pool.submit(tasks.ident, i).result(timeout=20) for i in range(4)] == [0, 1, 2, 3]
+        assert coordinator.workers[spawner.slot] is spawner
+        assert pool.statistics().crashes == 1
+        assert coordinator.stash == {}
+        assert coordinator.parked_fetches == {}
