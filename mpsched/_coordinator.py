@@ -187,7 +187,6 @@ class Coordinator:
         self.locks = locks  # the guarded locks of the segment (orphan release after a crash)
         self.repair_lock = threading.Lock()  # one lock repair at a time, from any thread
         self.collect_lock = threading.Lock()  # one collector at a time (help_wait: any thread)
-        self.stash_arrived = threading.Condition()  # a STASH came (for a user-thread collector)
         # Calls the done-callbacks of the futures this thread settles (never this thread: a
         # callback that blocks here would stop the loop that must collect what it waits for).
         self.callbacks = CallbackRunner()
@@ -207,7 +206,13 @@ class Coordinator:
         self.watched: dict[int, Future] = {}  # handle -> in-flight task with a timeout
         self.inbox_low = [_NO_LOW] * n_workers  # lowest priority injected since inbox emptied
         self.by_handle: dict[int, Future] = {}  # dispatched, unfinished
+        # Bytes too big for a block chain, by key (STASH; taken by FETCH or a collector).
+        # Written by: the coordinator thread. A user-thread collector pops its results.
         self.stash: dict[int, bytes] = {}
+        # (slot, handles) taken from a done ring by a user-thread collector whose stashed
+        # results had not arrived (or that an exception hit): their blocks are kept, their
+        # futures stay in by_handle; the next collector reads them first. Under collect_lock.
+        self.unread: list[tuple[int, list[int]]] = []
         # Keys of stashed child results dropped before their STASH was read (orphan_children:
         # a live executor's socket may still hold it): dropped when they come.
         self.unwanted_stash: set[int] = set()
@@ -630,9 +635,13 @@ class Coordinator:
         by an exception (a Ctrl-C's KeyboardInterrupt) that hit a user thread inside an inject
         or a cancel, between the bookkeeping here and the shared-memory step. Such a task is in
         no ring and on no run stack, so it never ran and never will: cancel it, so that the
-        drain (and the interpreter's exit) cannot wait for it forever."""
-        with self.lock:
-            if not self.quiescent():
+        drain (and the interpreter's exit) cannot wait for it forever.
+
+        Under ``collect_lock``: a user-thread collector holds handles it took from a done ring
+        (in no ring, on no run stack) until it settles them, and ``unread`` keeps some for the
+        loop: those tasks ran, they are not lost."""
+        with self.collect_lock, self.lock:
+            if self.unread or not self.quiescent():
                 return
             lost = list(self.by_handle.items())
             self.by_handle.clear()
@@ -861,6 +870,17 @@ class Coordinator:
         """Kill the worker running ``future``'s task, and no other: the worker is stopped
         first, and killed only if the task is still on its run stack (else it continues).
 
+        Why the check after the stop is exact, even when the kernel does not show the stop
+        within ``STOP_WAIT``: once SIGSTOP is queued, every thread of the worker stops on its
+        next return to user mode, so the worker runs no more user code (a thread running on
+        another CPU at that instant runs on until the kernel's interrupt reaches it: the few
+        microseconds ``wait_stopped`` waits out). Only the worker's own code moves a task off
+        its run stack (this thread's recovery aside), so the stack read after the wait is the
+        one the SIGKILL hits. A worker that has not shown as stopped after ``STOP_WAIT`` sits in
+        the kernel (an uninterruptible wait, or runnable but not scheduled): it has not moved.
+        SIGCONT and a later retry instead would keep such a worker's task running and block
+        this loop for ``STOP_WAIT`` per pass.
+
         Returns False if the task runs on a worker not registered yet (its SPAWNED not read:
         a worker takes tasks before that, see ``dispatch_one``): its pid is unknown, so the
         caller must try again later; dropping the request would let the task run on."""
@@ -964,43 +984,71 @@ class Coordinator:
                 invoke_all(settled)
 
     def collect_locked(self) -> None:
-        slab = self.slab
+        # First the handles a user-thread collector left (their STASH was not read yet): one
+        # entry at a time, so that an entry is never dropped when reading another one raised.
+        unread = self.unread
+        while unread:
+            k, handles = unread.pop()
+            self.read_results(k, handles)
         for k, slot in enumerate(self.slots):
-            if not slot.done_depth():
-                continue
-            handles = slot.take_done()
-            outcomes: list[tuple[Future, int, bytes]] = []
-            unknown: list[int] = []
-            by_handle = self.by_handle
-            get_word = slab.get_word
-            try:
-                for handle in handles:
-                    future = by_handle.get(handle)
-                    if future is None:
-                        unknown.append(handle)
+            if slot.done_depth():
+                self.read_results(k, slot.take_done())
+
+    def read_results(self, k: int, handles: list[int]) -> None:
+        """Under ``collect_lock``: settle the tasks of ``handles``, taken from slot ``k``'s done
+        ring, and free their blocks. Only the coordinator thread reads sockets: a user thread
+        (``help_wait``) leaves a handle whose stashed result has not arrived to the loop
+        (``unread``), and so the rest of its batch when an exception (a Ctrl-C's
+        KeyboardInterrupt) hits it: those results are fine, and the pool is not broken."""
+        slab = self.slab
+        outcomes: list[tuple[Future, int, bytes]] = []
+        unknown: list[int] = []
+        later: list[int] = []  # a user thread's: left to the loop, their blocks kept
+        by_handle = self.by_handle
+        get_word = slab.get_word
+        in_loop = threading.get_ident() == self.thread_id
+        try:
+            for handle in handles:
+                future = by_handle.get(handle)
+                if future is None:
+                    unknown.append(handle)
+                    continue
+                status = get_word(handle, _RESULT_STATUS)
+                nbytes = get_word(handle, _RESULT_NBYTES)
+                if nbytes >= 0:
+                    data = slab.read_result(handle)[1]
+                elif in_loop:
+                    data = self.stash_take(-nbytes, k)
+                else:
+                    stashed = self.stash.pop(-nbytes, None)
+                    if stashed is None:  # still in the worker's socket: its arrival wakes the loop
+                        later.append(handle)
                         continue
-                    status = get_word(handle, _RESULT_STATUS)
-                    nbytes = get_word(handle, _RESULT_NBYTES)
-                    if nbytes >= 0:
-                        data = slab.read_result(handle)[1]
-                    else:
-                        data = self.stash_take(-nbytes, k)
-                    del by_handle[handle]  # only once read: fail_unread ends it otherwise
-                    outcomes.append((future, status, data))
-            except BaseException as exc:
-                # Every handle taken from the ring ends its future, even when reading one
-                # raised (a stash lost with its worker, a user-thread collector's wait for a
-                # stash timed out or was interrupted): its block is freed below, so a future
-                # left out would never settle and its waiter would hang.
-                read = len(outcomes) + len(unknown)
+                    data = stashed
+                del by_handle[handle]  # only once read: fail_unread ends it otherwise
+                outcomes.append((future, status, data))
+        except BaseException as exc:
+            # Every handle taken from the ring ends its future, even when reading one raised
+            # (in the loop: a stash lost with its worker; the pool then breaks): its block is
+            # freed below, so a future left out would never settle and its waiter would hang.
+            read = len(outcomes) + len(unknown) + len(later)
+            if in_loop:
                 self.fail_unread(handles[read:], k, exc, outcomes, unknown)
-                raise
-            finally:
-                slab.free_tasks([h for h in handles if h not in unknown] if unknown else handles)
-                self.completed += len(outcomes)
-                self.settle(outcomes)
-            if unknown:
-                raise InternalError(f"worker {k} completed unknown task blocks {unknown}")
+            else:
+                later += handles[read:]
+            raise
+        finally:
+            if later:
+                self.unread.append((k, later))
+            if unknown or later:
+                kept = {*unknown, *later}
+                slab.free_tasks([h for h in handles if h not in kept])
+            else:
+                slab.free_tasks(handles)
+            self.completed += len(outcomes)
+            self.settle(outcomes)
+        if unknown:
+            raise InternalError(f"worker {k} completed unknown task blocks {unknown}")
 
     def fail_unread(
         self,
@@ -1010,13 +1058,13 @@ class Coordinator:
         outcomes: list[tuple[Future, int, bytes]],
         unknown: list[int],
     ) -> None:
-        """``collect_locked``, after reading ``handles[0]``'s result raised ``exc``: every one
-        of ``handles`` gets an outcome. Results in their blocks are
-        still read (that cannot block); the others fail with the error, without waiting for
-        another stash (a user thread would wait for each), and their stashed bytes, if they
-        came, are dropped."""
-        # BrokenPoolError: in the coordinator thread the exception goes on to break the pool,
-        # and every other unfinished future fails with that error too.
+        """``read_results`` in the coordinator thread, after reading ``handles[0]``'s result
+        raised ``exc`` (the pool then breaks): every one of ``handles`` gets an outcome.
+        Results in their blocks are still read (that cannot block); the others fail with the
+        error, without waiting for another stash, and their stashed bytes, if they came, are
+        dropped."""
+        # BrokenPoolError: the exception goes on to break the pool, and every other unfinished
+        # future fails with that error too.
         error = BrokenPoolError(
             f"the result of this task could not be read: reading the results of worker "
             f"{slot} raised {exc!r}"
@@ -1080,14 +1128,8 @@ class Coordinator:
                 resolve(future, status, data)
 
     def stash_take(self, key: int, slot: int) -> bytes:
-        """Stashed result bytes; the STASH message was sent before the done-ring push, so it
-        is complete in the worker's socket if it has not been read yet. Only the coordinator
-        thread reads sockets: a user thread collecting (``help_wait``) waits for it."""
-        if threading.get_ident() != self.thread_id:
-            with self.stash_arrived:
-                if not self.stash_arrived.wait_for(lambda: key in self.stash, DRAIN_TIMEOUT):
-                    raise ProtocolError(f"stashed result {key} did not arrive")
-                return self.stash.pop(key)
+        """Coordinator thread: stashed result bytes; the STASH message was sent before the
+        done-ring push, so it is complete in the worker's socket if it has not been read yet."""
         while key not in self.stash:
             worker = self.workers[slot]
             if worker is None and slot in self.starting:  # its SPAWNED (and socket) is on the way
@@ -1172,11 +1214,13 @@ class Coordinator:
             if self.unwanted_stash and key in self.unwanted_stash:
                 self.unwanted_stash.discard(key)
                 return
-            with self.stash_arrived:
-                self.stash[key] = data
-                self.stash_arrived.notify_all()
+            self.stash[key] = data
             for conn in self.parked_fetches.pop(key, []):
-                self.answer_fetch(conn, key)
+                # A fetcher that died (its EOF not read yet): the error is its own, not this
+                # sender's (on_worker_readable would take this live worker for dead). The
+                # bytes stay: its recovery drops them (fail_child).
+                with contextlib.suppress(OSError):
+                    self.answer_fetch(conn, key)
         elif tag is Tag.FETCH:
             key = fields[0]
             if key in self.stash:
@@ -1202,7 +1246,8 @@ class Coordinator:
             raise ProtocolError(f"unexpected {tag.name} from worker {worker.slot}")
 
     def answer_fetch(self, conn: Connection, key: int) -> None:
-        conn.send_bytes(encode(Tag.PAYLOAD, key, self.stash.pop(key)))
+        conn.send_bytes(encode(Tag.PAYLOAD, key, self.stash[key]))
+        del self.stash[key]  # once sent: a dead fetcher's recovery drops what it never got
 
     def on_zygote_message(self, block: bool) -> None:
         if not block and not self.zygote.poll():
@@ -1282,10 +1327,24 @@ class Coordinator:
         # (tests/stress/test_lifecycle_races.py, a pool started while another forgets a worker).
         if self.workers[worker.slot] is worker:
             self.workers[worker.slot] = None
+        if self.parked_fetches:
+            self.drop_parked_fetches(worker.conn)
         worker.conn.close()
         if worker.pidfd >= 0:
             os.close(worker.pidfd)
             worker.pidfd = -1
+
+    def drop_parked_fetches(self, conn: Connection) -> None:
+        """A worker is gone: its FETCHes that wait for a STASH will never be answered (an
+        answer would go to a closed socket, and its error was taken for the sender's death).
+        Nobody else fetches those keys (one reader per key: the child's claimer, or its
+        parent), so their bytes are dropped when they come."""
+        for key, conns in list(self.parked_fetches.items()):
+            if conn in conns:
+                conns.remove(conn)
+                self.unwanted_stash.add(key)
+                if not conns:
+                    del self.parked_fetches[key]
 
     def wait_exit_code(self, pid: int, timeout: float = 2.0) -> int | None:
         deadline = time.monotonic() + timeout
@@ -1316,6 +1375,7 @@ class Coordinator:
                 self.fail_child(handle, worker, code)
                 continue
             self.drop_stashed_args([handle])  # it may have died before it fetched them
+            self.drop_stashed_result(handle)
             self.slab.free_tasks([handle])
             run = future._run
             # Retried only if nothing asked it to stop: a run asked to cancel (pool.cancel) or
@@ -1403,16 +1463,38 @@ class Coordinator:
         """Before freeing DONE child blocks that nobody will read (``orphan_children``): drop
         their stashed results, as a worker's ``free_unread_child`` does. The executor sent the
         STASH before it marked the child DONE; a live executor's may still be unread in its
-        socket: its key is noted and the bytes are dropped when they come."""
+        socket: its key is noted and the bytes are dropped when they come. So may that of an
+        executor not registered yet (its SPAWNED unread: its pid is unknown here, and a
+        worker steals before that): while any slot is starting, a missing key is noted too."""
         slab = self.slab
         live = {w.pid for w in self.workers if w is not None}
+        starting = bool(self.starting)
         for handle in handles:
             nbytes = slab.get_word(handle, _RESULT_NBYTES)
             if nbytes >= 0:
                 continue
             key = -nbytes
-            if self.stash.pop(key, None) is None and key >> _UID_PID_SHIFT in live:
+            if self.stash.pop(key, None) is None and (starting or key >> _UID_PID_SHIFT in live):
                 self.unwanted_stash.add(key)
+
+    def drop_stashed_result(self, handle: int) -> None:
+        """A task on a dead worker's run stack (``recover_slot``): a worker sends a big result's
+        STASH before the push that hands the key over (the done ring, or DONE in a child's
+        block), so one that died in between left bytes that nobody will take. Its socket was
+        read to EOF before the recovery, so the STASH is in. (A block's result words are
+        cleared when it is written, so a negative count is this run's key.)"""
+        nbytes = self.slab.get_word(handle, _RESULT_NBYTES)
+        if nbytes < 0:
+            self.stash.pop(-nbytes, None)
+
+    def drop_unfetched_args(self, handle: int) -> None:
+        """A child on a dead worker's run stack (``fail_child``): arguments stashed by its
+        spawner that the dead executor did not get (a worker zeroes the count once its FETCH is
+        answered) are dropped; if their STASH has not been read yet (the spawner's socket; the
+        executor's FETCH was parked), they are dropped when they come."""
+        nbytes = self.slab.get_word(handle, _NBYTES)
+        if nbytes < 0 and self.stash.pop(-nbytes, None) is None:
+            self.unwanted_stash.add(-nbytes)
 
     def release_orphans(self) -> None:
         """After a death: free locks the dead worker took but died before recording."""
@@ -1467,6 +1549,8 @@ class Coordinator:
         slab = self.slab
         if slab.get_word(handle, _STATE) == _CHILD_DONE:
             return
+        self.drop_unfetched_args(handle)
+        self.drop_stashed_result(handle)  # overwritten below
         error = WorkerCrashedError(crash_message(worker, code), code)
         if not slab.write_result(handle, int(ResultStatus.ERROR), dump_exception(error)):
             raise ProtocolError("a crash report does not fit in a block")
@@ -1626,11 +1710,12 @@ def pid_is_dead(pid: int) -> bool:
 
 def send_signal(worker: WorkerHandle, sig: int) -> None:
     """Signal the worker through its pidfd (never another process that reused its pid once the
-    zygote reaped it); by pid if it has none. ProcessLookupError if it was reaped."""
-    if worker.pidfd >= 0:
-        signal.pidfd_send_signal(worker.pidfd, sig)
-    else:
-        os.kill(worker.pid, sig)
+    zygote reaped it). ProcessLookupError if it was reaped. A worker without a pidfd was reaped
+    before its registration (``pidfd_open`` found no such process): it is never signalled by
+    pid, which may name another process by now; its socket's EOF reports the death."""
+    if worker.pidfd < 0:
+        raise ProcessLookupError(worker.pid)
+    signal.pidfd_send_signal(worker.pidfd, sig)
 
 
 def wait_stopped(pid: int) -> bool:
@@ -1650,7 +1735,7 @@ def wait_stopped(pid: int) -> bool:
         if state in (b"Z", b"X"):
             return False
         os.sched_yield()
-    return True  # not shown as stopped in time: the run-stack check still decides
+    return True  # not shown as stopped in time: still frozen (see kill_running)
 
 
 def settle_error(future: Future, error: BaseException) -> None:

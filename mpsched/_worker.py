@@ -388,6 +388,9 @@ class Worker:
             slab.release_args(handle)
         else:
             data = self.fetch(-nbytes)
+            # Fetched: a death from here on leaves no stashed arguments (the crash recovery
+            # reads a negative count as bytes still stashed or on their way).
+            slab.set_word(handle, _NBYTES, 0)
         self.depth += 1
         contexts = self.contexts
         pushed = False
@@ -414,7 +417,7 @@ class Worker:
                 contexts.pop()
         if not slab.write_result(handle, status, out):
             slab.set_word(handle, _RESULT_STATUS, status)
-            slab.set_word(handle, _RESULT_NBYTES, -self.stash(out))
+            self.stash(out, handle, _RESULT_NBYTES)
         del out
         if parent < 0:
             self.me.complete(handle)
@@ -464,8 +467,7 @@ class Worker:
         stashed = 0
         if not slab.write(handle, payload, uid=uid, parent=self.slot, state=CHILD_QUEUED):
             slab.write(handle, b"", uid=uid, parent=self.slot, state=CHILD_QUEUED)
-            stashed = self.stash(payload)
-            slab.set_word(handle, _NBYTES, -stashed)
+            stashed = self.stash(payload, handle, _NBYTES)
         self.header.add_live_children(1)
         if not self.me.push(handle):  # deque full
             self.header.add_live_children(-1)
@@ -562,9 +564,13 @@ class Worker:
         return (self.pid << 31) | self.stash_counter
 
     # ------------------------------------------------------------------ big payloads
-    def stash(self, data: bytes) -> int:
-        """Hand bytes too big for a block to the coordinator; returns their key (> 0)."""
+    def stash(self, data: bytes, handle: int, field: int) -> int:
+        """Hand bytes too big for a block to the coordinator; returns their key (> 0), stored
+        (negated) in ``handle``'s word ``field`` before the STASH is sent: a worker that dies
+        during or after the send leaves the key where the coordinator's recovery finds it (it
+        drops the bytes; stored after the send, they leaked)."""
         key = self.next_uid()
+        self.slab.set_word(handle, field, -key)
         self.conn.send_bytes(encode(Tag.STASH, key, data))
         return key
 

@@ -252,3 +252,28 @@ def die_after_a_peer_ran_a_big_child(size: int) -> None:
     while worker.child_state(handle) != CHILD_DONE:
         pass  # a peer steals it: this worker runs only this task meanwhile
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_after_a_peer_ran_a_big_child_in(pid: int, size: int) -> bool:
+    """``die_after_a_peer_ran_a_big_child`` if this worker is process ``pid``; else return
+    False at once (the caller submits again)."""
+    if os.getpid() != pid:
+        return False
+    die_after_a_peer_ran_a_big_child(size)
+    return True
+
+
+def spawn_big_args_child_for_a_peer(started: str, gate_path: str, size: int) -> int:
+    """Write this worker's pid to the FIFO ``started``, wait at the gate, then spawn a child
+    with arguments too big for a block (stashed) and, without joining it (a peer must run it),
+    wait until it is DONE."""
+    from mpsched._worker import CHILD_DONE
+
+    with open(started, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    gate(gate_path)
+    child = mpsched.submit(len, b"a" * size)
+    worker, handle = child._worker, child._handle
+    while worker.child_state(handle) != CHILD_DONE:
+        pass  # a peer steals it: this worker runs only this task meanwhile
+    return 1

@@ -1,0 +1,233 @@
+"""The coordinator's stash (payloads too big for a block chain) at the edges of its lifetime:
+deaths between a STASH and the push that hands its key over, and a user thread that collects a
+stashed result before the coordinator thread has read its STASH."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mpsched import Pool, WorkerCrashedError, _coordinator, _payloads
+from mpsched._coordinator import Coordinator
+from mpsched._protocol import Tag, decode
+from mpsched._worker import Worker
+
+from . import edge_tasks as et
+from . import tasks
+
+BIG = 500_000  # more than a block chain holds: it goes through the stash
+
+
+def _poll(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nested", [False, True], ids=["top-level", "child"])
+def test_a_worker_dying_after_stashing_a_result_leaves_no_stash(
+    nested: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker sends a big result's STASH before the push that hands its key over (the done
+    ring for a top-level task, DONE in the block for a child). Dying in between, it left the
+    bytes in the stash for ever: the crash recovery settles the task from its run stack and
+    frees (or overwrites) the block without looking at its stashed result."""
+    real_stash = Worker.stash
+
+    def stash_then_die(self: Worker, data: bytes, *where: int) -> int:
+        key = real_stash(self, data, *where)
+        if len(data) >= BIG:  # the result (arguments here are small)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return key
+
+    monkeypatch.setattr(Worker, "stash", stash_then_die)
+    pool = Pool(1, start_method="fork")  # the workers inherit the patched Worker
+    try:
+        fn, arg = (tasks.nested_big, BIG) if nested else (tasks.make_bytes, BIG)
+        with pytest.raises(WorkerCrashedError):
+            pool.submit(fn, arg).result(timeout=20)
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1  # replaced
+        assert pool.statistics().crashes == 1
+        assert pool._coordinator.stash == {}
+        slab = pool._views.slab
+        assert slab.free_count() == slab.capacity
+    finally:
+        pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_user_thread_collector_leaves_an_unarrived_stash_to_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A caller of result() collects the done rings itself (help_wait). When a result's STASH
+    was not read yet (only the coordinator thread reads sockets), it waited for it; if the wait
+    failed (timed out, or interrupted), the task failed with BrokenPoolError although the pool
+    was not broken, result() raised the internal error, and the STASH that came later stayed
+    in the stash for ever. Here the loop holds the STASH until the caller's help has ended."""
+    monkeypatch.setattr(_coordinator, "DRAIN_TIMEOUT", 0.2)  # the caller's wait, if it waits
+    stash_read = threading.Event()
+    release = threading.Event()
+    helped = threading.Event()
+    real_message = Coordinator.on_worker_message
+    real_help = Coordinator.help_wait
+
+    def hold_stash(self: Coordinator, worker: Any, frame: bytes) -> None:
+        if decode(frame)[0] is Tag.STASH:
+            stash_read.set()
+            assert release.wait(20)
+        real_message(self, worker, frame)
+
+    def help_then_note(self: Coordinator, future: Any) -> None:
+        try:
+            real_help(self, future)
+        finally:
+            helped.set()
+
+    with Pool(1) as pool:
+        assert pool.submit(tasks.ident, 0).result(timeout=20) == 0  # the worker is registered
+        monkeypatch.setattr(Coordinator, "on_worker_message", hold_stash)
+        monkeypatch.setattr(Coordinator, "help_wait", help_then_note)
+        big = pool.submit(tasks.make_bytes, BIG)
+        try:
+            assert stash_read.wait(20)  # the loop is held; the result's handle is on its way
+            slot = pool._views.slots[0]
+            _poll(lambda: slot.done_depth() == 1, "the result never reached the done ring")
+            outcome: dict[str, Any] = {}
+
+            def wait_result() -> None:
+                try:
+                    outcome["value"] = len(big.result(timeout=20))
+                except BaseException as exc:
+                    outcome["error"] = exc
+
+            waiter = threading.Thread(target=wait_result)
+            waiter.start()
+            assert helped.wait(20)
+            assert slot.done_depth() == 0  # the caller took the handle
+        finally:
+            release.set()
+        waiter.join(20)
+        assert outcome == {"value": BIG}
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+        assert pool._coordinator.stash == {}
+        assert pool._coordinator.broken is None
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_parents_done_child_stashed_by_an_unregistered_peer_leaves_no_stash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer whose SPAWNED the loop has not read yet (a worker takes tasks before that: it
+    steals) ran a dead parent's child to DONE with a stashed result. The recovery frees the
+    child's block and must note the STASH still unread in that peer's socket as unwanted: it
+    did so only for registered peers, and this one's bytes stayed in the stash for ever. The
+    zygote's messages are held here from the first registration until after the recovery.
+    Chains are cut to two blocks, so that a small result is stashed: a STASH bigger than the
+    socket's buffer cannot be sent before the loop reads the socket, which it does only after
+    the registration (the slab short of blocks stashes small results too)."""
+    monkeypatch.setattr(_payloads, "MAX_CHAIN_BLOCKS", 2)
+    hold = threading.Event()
+    released = threading.Event()
+    stash_read = threading.Event()
+    real_zygote = Coordinator.on_zygote_message
+    real_exit_code = Coordinator.wait_exit_code
+    real_orphan = Coordinator.orphan_children
+    real_message = Coordinator.on_worker_message
+
+    def hold_after_first(self: Coordinator, block: bool) -> None:
+        if hold.is_set():
+            return
+        real_zygote(self, block)
+        if not released.is_set() and any(w is not None for w in self.workers):
+            hold.set()
+
+    def exit_code_unknown(self: Coordinator, pid: int, timeout: float = 2.0) -> int | None:
+        return real_exit_code(self, pid, 0.05) if hold.is_set() else real_exit_code(self, pid)
+
+    def orphan_then_release(self: Coordinator, k: int, pid: int) -> None:
+        real_orphan(self, k, pid)
+        released.set()
+        hold.clear()  # the peer registers on the loop's next pass, then its STASH is read
+
+    def note_stash(self: Coordinator, worker: Any, frame: bytes) -> None:
+        real_message(self, worker, frame)
+        if decode(frame)[0] is Tag.STASH:
+            stash_read.set()
+
+    monkeypatch.setattr(Coordinator, "on_zygote_message", hold_after_first)
+    monkeypatch.setattr(Coordinator, "wait_exit_code", exit_code_unknown)
+    monkeypatch.setattr(Coordinator, "orphan_children", orphan_then_release)
+    monkeypatch.setattr(Coordinator, "on_worker_message", note_stash)
+    with Pool(2, start_method="fork") as pool:  # the workers inherit the short chains
+        coordinator = pool._coordinator
+        assert hold.wait(20)
+        registered = [k for k, w in enumerate(coordinator.workers) if w is not None]
+        assert len(registered) == 1
+        assert coordinator.starting  # the other worker is not registered
+        worker = coordinator.workers[registered[0]]
+        assert worker is not None
+        pid = worker.pid
+        # Until the parent runs in the registered worker (the other one may steal it first).
+        for _ in range(100):
+            parent = pool.submit(et.die_after_a_peer_ran_a_big_child_in, pid, 10_000)
+            if parent.exception(timeout=20) is not None or parent.result():
+                break
+        assert isinstance(parent.exception(), WorkerCrashedError)
+        assert stash_read.wait(20)
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+        assert coordinator.stash == {}
+        assert coordinator.unwanted_stash == set()
+
+
+@pytest.mark.timeout(60)
+def test_a_fetcher_dying_while_its_fetch_waits_for_the_stash_fails_no_other_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer claimed a child whose arguments its spawner stashed, and its FETCH came before the
+    spawner's STASH (different sockets): the coordinator parks the FETCH. The peer died there.
+    When the STASH came, the answer went to the dead peer's closed socket; the OSError was taken
+    for the death of the spawner, a live worker (its task failed, its slot was respawned
+    beside it), and the arguments were left in the stash. Here the spawner's socket is not read
+    until the peer's death has been recovered (chains cut to two blocks: a small payload is
+    stashed and fits in the socket's buffer, so the spawner does not wait for the read)."""
+    monkeypatch.setattr(_payloads, "MAX_CHAIN_BLOCKS", 2)
+    started, gate = str(tmp_path / "started"), str(tmp_path / "gate")
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    held: list[int] = []  # the spawner's socket, not read while listed
+    real_readable = Coordinator.on_worker_readable
+
+    def skip_held(self: Coordinator, worker: Any) -> None:
+        if worker.conn.fileno() not in held:
+            real_readable(self, worker)
+
+    monkeypatch.setattr(Coordinator, "on_worker_readable", skip_held)
+    with Pool(2, start_method="fork") as pool:  # the workers inherit the short chains
+        coordinator = pool._coordinator
+        _poll(lambda: not coordinator.starting, "the workers never registered")
+        parent = pool.submit(et.spawn_big_args_child_for_a_peer, started, gate, 10_000)
+        with open(started, "rb") as fifo:
+            pid = int(fifo.read())
+        spawner = next(w for w in coordinator.workers if w is not None and w.pid == pid)
+        held.append(spawner.conn.fileno())
+        tasks.open_gate(gate)
+        _poll(lambda: bool(coordinator.parked_fetches), "the peer's FETCH was never parked")
+        fetcher = next(w for w in coordinator.workers if w is not None and w is not spawner)
+        os.kill(fetcher.pid, signal.SIGKILL)
+        _poll(lambda: coordinator.workers[fetcher.slot] is not fetcher, "the death is not seen")
+        assert parent.result(timeout=20) == 1  # its child failed with the crash: DONE
+        held.clear()  # the STASH is read on the loop's next pass
+        _poll(lambda: not coordinator.unwanted_stash, "the STASH never came")
+        assert [pool.submit(tasks.ident, i).result(timeout=20) for i in range(4)] == [0, 1, 2, 3]
+        assert coordinator.workers[spawner.slot] is spawner
+        assert pool.statistics().crashes == 1
+        assert coordinator.stash == {}
+        assert coordinator.parked_fetches == {}
