@@ -984,12 +984,20 @@ class Coordinator:
                 invoke_all(settled)
 
     def collect_locked(self) -> None:
-        # First the handles a user-thread collector left (their STASH was not read yet): one
-        # entry at a time, so that an entry is never dropped when reading another one raised.
+        # First the handles a user-thread collector left (their STASH was not read yet), each
+        # entry once: a user thread leaves one whose STASH is still unread to a new list, not
+        # to this pass (it would spin, holding collect_lock, for a STASH that only the loop
+        # reads, while the loop waits for that lock). One entry at a time, so that an entry is
+        # never dropped when reading another one raised.
         unread = self.unread
-        while unread:
-            k, handles = unread.pop()
-            self.read_results(k, handles)
+        if unread:
+            self.unread = []
+            try:
+                while unread:
+                    k, handles = unread.pop()
+                    self.read_results(k, handles)
+            finally:
+                self.unread += unread  # the entries an exception kept this pass from reading
         for k, slot in enumerate(self.slots):
             if slot.done_depth():
                 self.read_results(k, slot.take_done())

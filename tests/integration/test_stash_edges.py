@@ -112,6 +112,13 @@ def test_a_user_thread_collector_leaves_an_unarrived_stash_to_the_loop(
             waiter.start()
             assert helped.wait(20)
             assert slot.done_depth() == 0  # the caller took the handle
+            # Another collection in a user thread while the STASH is still unread: it leaves
+            # the handle to the loop again, and returns (the loop, which alone reads the
+            # STASH, may wait for collect_lock meanwhile).
+            again = threading.Thread(target=pool._coordinator.collect, daemon=True)
+            again.start()
+            again.join(5)
+            assert not again.is_alive(), "a user-thread collection spins on an unread STASH"
         finally:
             release.set()
         waiter.join(20)
