@@ -539,6 +539,9 @@ class Coordinator:
             self.break_pool(exc)
         finally:
             self.callbacks.close()  # before ``finished``: whoever sees it may join the runner
+            # From here on (the teardown) this thread calls callbacks itself, as any thread
+            # outside the loop does: the runner takes nothing after close().
+            defer_callbacks(None)
             self.finished.set()
 
     def loop(self) -> None:
