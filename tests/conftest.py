@@ -1,8 +1,9 @@
 """Shared fixtures: leak checks after every test, and a deadlock guard.
 
 After each test, the autouse ``no_leaks`` fixture checks that the test left no live child process,
-no new ``/dev/shm`` entry and (for tests that start processes) no new open file descriptor. A
-child still alive after a grace period is killed (so CI never stalls) and the test fails.
+no new ``/dev/shm`` entry, no thread of a pool's (coordinator, callbacks) still running and (for
+tests that start processes) no new open file descriptor. A child still alive after a grace
+period is killed (so CI never stalls) and the test fails.
 
 Hangs: pytest-timeout (``timeout`` in pyproject.toml) dumps every thread's traceback and fails
 the test; ``faulthandler_timeout`` dumps tracebacks earlier, and the teardown of ``no_leaks``
@@ -16,6 +17,8 @@ import multiprocessing.context
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import threading
+import time
 from collections.abc import Iterator
 
 import psutil
@@ -36,6 +39,19 @@ def _open_fds() -> set[int]:
         return {int(fd) for fd in os.listdir("/proc/self/fd")}
     except FileNotFoundError:  # pragma: no cover - not Linux
         return set()
+
+
+def _pool_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("mpsched-")}
+
+
+def _lingering(threads: set[threading.Thread]) -> list[str]:
+    """The pool threads of ``threads`` still alive after ``CHILD_EXIT_GRACE`` seconds in all (a
+    pool shut down without waiting ends its threads on its own, soon)."""
+    deadline = time.monotonic() + CHILD_EXIT_GRACE
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return sorted(t.name for t in threads if t.is_alive())
 
 
 def _reap(children: list[psutil.Process]) -> list[str]:
@@ -92,9 +108,12 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     before_shm = _shm_entries()
     check_fds = request.node.get_closest_marker("no_fd_check") is None
     before_fds = _open_fds()
+    before_threads = _pool_threads()
     yield
     leaked = _reap(_our_children(before_children))
     assert not leaked, f"test left live child processes (killed now): {leaked}"
+    lingering = _lingering(_pool_threads() - before_threads)
+    assert not lingering, f"test left pool threads running: {lingering}"
     ours = (f"mpsched-{os.getpid()}-", f"sem.mpsched-{os.getpid()}-")  # other runs may share
     new_shm = {name for name in _shm_entries() - before_shm if name.startswith(ours)}
     assert not new_shm, f"test left shared-memory entries in /dev/shm: {sorted(new_shm)}"
