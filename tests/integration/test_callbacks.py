@@ -486,3 +486,25 @@ def test_shutdown_wait_returns_after_the_callbacks_of_what_the_pool_settled() ->
     finally:
         proceed.set()
         pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(60)
+def test_asyncio_awaits_the_pools_futures() -> None:
+    """``asyncio.wrap_future`` chains a pool's future to the event loop through a done-callback
+    (``call_soon_threadsafe`` from whichever thread settles it): results and errors arrive."""
+    import asyncio
+
+    async def gather(pool: Pool) -> tuple[list[Any], BaseException]:
+        values = await asyncio.gather(
+            *(asyncio.wrap_future(pool.submit(tasks.ident, i)) for i in range(50))
+        )
+        try:
+            await asyncio.wrap_future(pool.submit(tasks.boom, "from a task"))
+        except ValueError as exc:
+            return list(values), exc
+        raise AssertionError("the task's error did not reach the awaiting coroutine")
+
+    with Pool(2) as pool:
+        values, error = asyncio.run(asyncio.wait_for(gather(pool), WAIT))
+    assert values == list(range(50))
+    assert "from a task" in str(error)
