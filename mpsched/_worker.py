@@ -220,20 +220,27 @@ class ChildFuture:
     nobody waits for still runs, and its result is discarded.
     """
 
-    __slots__ = ("__weakref__", "_error", "_handle", "_settled", "_value", "_worker")
+    __slots__ = ("__weakref__", "_error", "_error_data", "_handle", "_settled", "_value", "_worker")
 
     def __init__(self, worker: Worker, handle: int) -> None:
         self._worker = worker
         self._handle = handle  # -1 once settled
         self._settled = False
         self._value: Any = None
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # what exception() returns; never raised
+        # The child's pickled error: result() raises a fresh copy of it (see result()).
+        self._error_data: bytes | None = None
 
     @classmethod
-    def settled(cls, worker: Worker, value: Any, error: BaseException | None) -> ChildFuture:
+    def settled(cls, worker: Worker, value: Any, error: bytes | None) -> ChildFuture:
+        """A child run inline: its value, or its error pickled (``dump_exception``) as a
+        child's is, so that it reads the same whichever way the child ran."""
         fut = cls(worker, -1)
         fut._settled = True
-        fut._value, fut._error = value, error
+        fut._value = value
+        if error is not None:
+            fut._error_data = error
+            fut._error = load_exception(error)
         return fut
 
     def done(self) -> bool:
@@ -260,10 +267,16 @@ class ChildFuture:
         return False
 
     def result(self, timeout: float | None = None) -> Any:
-        """The child's return value; re-raises its exception. Runs other tasks while waiting."""
+        """The child's return value; re-raises its exception. Runs other tasks while waiting.
+
+        The exception raised is a new copy at each call (equal type and arguments, not the
+        object ``exception()`` returns): the raise gives it a traceback holding the caller's
+        frame, and a copy this future kept would close a reference cycle through that frame,
+        keeping the caller's other child futures alive, and their blocks taken, until a
+        garbage collection (docs/design.md, "Dropped child futures")."""
         self._wait(timeout)
-        if self._error is not None:
-            raise self._error
+        if self._error_data is not None:
+            raise load_exception(self._error_data)
         return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -283,7 +296,8 @@ class ChildFuture:
         if status == _OK:
             self._value = value
         else:
-            self._error = value
+            self._error_data = value
+            self._error = load_exception(value)
 
     def __del__(self) -> None:
         # No lock here: __del__ may run inside any critical section of this process (a GC
@@ -486,8 +500,8 @@ class Worker:
             fn = self.load_function(fid)
         try:
             return ChildFuture.settled(self, fn(*args, **kwargs), None)
-        except BaseException as exc:
-            return ChildFuture.settled(self, None, exc)
+        except BaseException as exc:  # user code: reported as a child's error is
+            return ChildFuture.settled(self, None, dump_exception(exc))
 
     def finish_child(self, handle: int, parent: int) -> None:
         """Executor of a child: publish DONE under the parent's slot lock and wake the parent.
@@ -510,7 +524,8 @@ class Worker:
         return self.slab.get_word(handle, _STATE)
 
     def collect_child(self, handle: int) -> tuple[int, Any]:
-        """Parent: read a DONE child's outcome and free its block."""
+        """Parent: read a DONE child's outcome and free its block: its value, or its error as
+        pickled (``dump_exception``: the future loads it)."""
         slab = self.slab
         if self.me.block_state(slab, handle) != CHILD_DONE:  # under the lock: see finish_child
             raise InternalError(f"collecting child block {handle} that is not done")
@@ -520,7 +535,7 @@ class Worker:
         self.free_child(handle)
         if status == _OK:
             return status, pickle.loads(data)
-        return status, load_exception(data)
+        return status, data
 
     def free_child(self, handle: int) -> None:
         self.slab.free_children([handle])
