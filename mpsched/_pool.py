@@ -717,6 +717,16 @@ class Pool:
         state = "closed" if self._closed else "running"
         return f"<mpsched.Pool {state} workers={self._workers} start_method={self._start_method}>"
 
+    def __reduce__(self) -> Any:
+        # What a task would get is a copy of the object in another process, without the
+        # coordinator, its thread or its memory: say so at submit (the TaskPicklingError then
+        # names this), rather than fail on whichever lock the pickler meets first.
+        raise TypeError(
+            "an mpsched.Pool cannot be pickled: it belongs to the process that created it. A "
+            "task cannot use the pool; inside a task, use mpsched.submit() for child tasks and "
+            "return what the caller should do with the pool"
+        )
+
 
 class TaskSubmitter:
     """``pool.with_options(...)``: ``submit`` and ``schedule`` with fixed task options."""
