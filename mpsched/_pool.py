@@ -102,6 +102,16 @@ _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 
 @dataclass(frozen=True)
 class WorkerStatistics:
+    """One worker slot's counters (``PoolStatistics.per_worker``).
+
+    ``executed`` counts the tasks that ran to their end in this slot: top-level tasks (a
+    ``map`` chunk is one) and children, wherever they were spawned; a run its worker died in is
+    not counted. ``stolen``: tasks it took from a peer's queues. Both add up over every worker
+    that ran in the slot (a replacement after a crash or a recycling goes on counting); a task
+    is counted just after its result is published, so a snapshot may lag a result by one.
+    ``pid`` is 0 while the slot's worker is starting and after the pool ended.
+    """
+
     slot: int
     pid: int
     executed: int
@@ -650,6 +660,12 @@ class Pool:
         resource (PoolResources.teardown), and wait for that."""
         if not self._started:
             return
+        # The last look at the slots' counters: the loop has ended, so they are final. A worker
+        # that died in the drain sent no DRAINED (and one recycled or crashed before counted
+        # in its slot, which its successor goes on from): its slot kept what it ran.
+        final = self._coordinator.final_stats
+        for k, slot in enumerate(self._views.slots):
+            final[k] = slot.counters()
         self._resources.request_release()
         self._thread.join()
         # Cleared only now (statistics() reads no shared memory from here on; it takes the
@@ -660,8 +676,12 @@ class Pool:
         _live_pools.discard(self)
 
     def statistics(self) -> PoolStatistics:
-        """A snapshot of the counters; after the pool ended, its final counters (the shared
-        memory is gone then: queue depths read 0, a worker that did not drain counts 0)."""
+        """A snapshot of the counters (racy reads while the pool runs: hints).
+
+        A slot's ``executed`` and ``stolen`` count every worker that ever ran in it: a worker
+        that crashed or was recycled keeps its counts, and its replacement adds to them. After
+        ``shutdown`` (once ``await_termination`` returned True), the final counters: queue
+        depths and pids read 0 then."""
         with self._shutdown_lock:  # the memory is not released while we read it
             return self._statistics()
 

@@ -34,6 +34,163 @@ def _executed(stats: PoolStatistics) -> int:
     return sum(w.executed for w in stats.per_worker)
 
 
+# ---------------------------------------------------------------- statistics()
+def test_statistics_add_up_across_a_crash_between_tasks_and_shutdown() -> None:
+    """A worker SIGKILLed while idle: its slot's counts stay (the replacement goes on counting
+    in the same slot), and the final snapshot after shutdown says the same."""
+    with Pool(2) as pool:
+        assert [pool.submit(tasks.ident, i).result(RESULT_TIMEOUT) for i in range(10)] == list(
+            range(10)
+        )
+        # A worker counts a task just after it published the result: wait for the count.
+        wait_until(lambda: _executed(pool.statistics()) == 10, "the tasks are counted")
+        before = pool.statistics()
+        assert before.completed == 10
+        victim = before.per_worker[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_until(
+            lambda: pool.statistics().per_worker[0].pid not in (0, victim.pid),
+            "the dead worker is replaced",
+        )
+        after = pool.statistics()
+        assert after.crashes == after.respawns == 1
+        assert after.per_worker[0].executed == victim.executed  # kept, not dropped
+        futures = [pool.submit(tasks.ident, i) for i in range(10)]
+        assert [f.result(RESULT_TIMEOUT) for f in futures] == list(range(10))
+        wait_until(lambda: _executed(pool.statistics()) == 20, "the tasks are counted")
+    final = pool.statistics()
+    assert final.submitted == final.completed == _executed(final) == 20
+    assert final.steals == sum(w.stolen for w in final.per_worker)
+    assert all(w.pid == 0 and w.inbox_depth == w.deque_depth == 0 for w in final.per_worker)
+
+
+def test_statistics_add_up_with_recycled_workers() -> None:
+    with Pool(2, max_tasks_per_worker=3) as pool:
+        futures = [pool.submit(tasks.ident, i) for i in range(20)]
+        assert [f.result(RESULT_TIMEOUT) for f in futures] == list(range(20))
+    final = pool.statistics()
+    assert final.submitted == final.completed == _executed(final) == 20
+    assert final.recycled >= 20 // 3 - 1  # one worker may have got its third task at the drain
+    assert final.crashes == 0
+
+
+def test_final_statistics_keep_the_counts_of_a_worker_that_died_in_the_drain(
+    fifos: Fifos,
+) -> None:
+    """A worker that dies while the pool drains sends no DRAINED message: its slot's counters
+    (in shared memory until the release) are kept all the same. The final snapshot read 0 for
+    its slot, so the per-worker counts no longer added up to the tasks that ran."""
+    pool = Pool(2)
+    try:
+        futures = [pool.submit(tasks.ident, i) for i in range(20)]
+        assert [f.result(RESULT_TIMEOUT) for f in futures] == list(range(20))
+        running = pool.submit(tasks.report_pid_then_gate, fifos.started, fifos.gate)
+        pid = tasks.read_pid(fifos.started)
+        live = pool.statistics()
+        slot = next(w.slot for w in live.per_worker if w.pid == pid)
+        pool.shutdown(wait=False)
+        os.kill(pid, signal.SIGKILL)
+        assert pool.await_termination(RESULT_TIMEOUT)
+    finally:
+        pool.shutdown()
+    with pytest.raises(WorkerCrashedError):
+        running.result(0)
+    final = pool.statistics()
+    assert final.completed == _executed(final) == 20
+    assert final.per_worker[slot].executed == live.per_worker[slot].executed > 0
+
+
+def test_statistics_from_many_threads_across_shutdown() -> None:
+    """Snapshots taken from several threads while the pool works, drains and is released:
+    each is whole and sane, and no count goes back."""
+    pool = Pool(2)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    seen: list[list[PoolStatistics]] = [[] for _ in range(4)]
+
+    def poll(out: list[PoolStatistics]) -> None:
+        try:
+            while not stop.is_set():
+                out.append(pool.statistics())
+            out.append(pool.statistics())
+        except BaseException as exc:  # reported by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=poll, args=(out,)) for out in seen]
+    for thread in threads:
+        thread.start()
+    try:
+        futures = [pool.submit(tasks.ident, i) for i in range(200)]
+        pool.shutdown(wait=True)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(RESULT_TIMEOUT)
+    assert not errors
+    assert [f.result(0) for f in futures] == list(range(200))
+    for snapshots in seen:
+        for earlier, later in itertools.pairwise(snapshots):
+            assert later.completed >= earlier.completed
+            assert later.submitted >= earlier.submitted
+        for stats in snapshots:
+            assert stats.workers == len(stats.per_worker) == 2
+            assert 0 <= stats.completed <= stats.submitted <= 200
+            assert stats.steals == sum(w.stolen for w in stats.per_worker)
+            assert all(w.inbox_depth >= 0 and w.deque_depth >= 0 for w in stats.per_worker)
+        assert snapshots[-1].completed == _executed(snapshots[-1]) == 200
+    stats = seen[0][-1]
+    with pytest.raises(AttributeError):  # frozen, with its per-worker records
+        stats.completed = 0  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        stats.per_worker[0].executed = 0  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------- await_termination()
+def test_await_termination_before_shutdown_waits_for_anothers_shutdown() -> None:
+    """Before shutdown, await_termination waits for one (Java's awaitTermination): a timeout
+    returns False and changes nothing; waiters in several threads all return True once
+    another thread shut the pool down."""
+    pool = Pool(1)
+    try:
+        assert pool.await_termination(0) is False
+        assert pool.await_termination(0.01) is False
+        assert pool.submit(tasks.ident, 1).result(RESULT_TIMEOUT) == 1  # not poisoned
+        answers: list[bool] = []
+        waiters = [
+            threading.Thread(target=lambda: answers.append(pool.await_termination()))
+            for _ in range(3)
+        ]
+        for waiter in waiters:
+            waiter.start()
+        work = pool.submit(tasks.ident, 2)
+        pool.shutdown(wait=False)
+        for waiter in waiters:
+            waiter.join(RESULT_TIMEOUT)
+        assert answers == [True, True, True]
+        assert work.result(0) == 2
+        assert pool.await_termination(0) is True
+    finally:
+        pool.shutdown()
+
+
+def test_a_shut_down_pool_answers_every_call() -> None:
+    with Pool(1) as pool:
+        pool.schedule("t", time.monotonic(), 0, tasks.ident, 1).result(RESULT_TIMEOUT)
+    with pool as again:  # re-entered: the same pool, still shut down
+        assert again is pool
+        with pytest.raises(mpsched.PoolClosedError):
+            again.submit(tasks.ident, 1)
+    with pytest.raises(mpsched.PoolClosedError):
+        pool.map(tasks.ident, [1])
+    with pytest.raises(mpsched.PoolClosedError):
+        pool.with_options(timeout=1).schedule("t", 0.0, 0, tasks.ident, 1)
+    assert pool.state("t") is TaskState.COMPLETED
+    assert pool.cancel("t") is False
+    assert pool.cancel("t", force=True) is False
+    assert pool.statistics().completed == 1
+    assert "closed" in repr(pool)
+
+
 # ---------------------------------------------------------------- pools and futures in tasks
 def test_a_pool_sent_to_a_task_fails_at_submit_with_a_clear_error() -> None:
     """A task cannot use the pool (it runs in another process): a call that would carry it
