@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import multiprocessing
 import os
 import pickle
@@ -521,10 +522,12 @@ class Pool:
 
         Raises:
             TypeError: no iterable (as the builtin ``map``).
-            ValueError: ``chunksize`` is not a positive int (a bool is not) or None.
+            ValueError: ``chunksize`` is not a positive int (a bool is not) or None;
+                ``timeout`` is NaN.
+            TypeError: ``timeout`` is not a number (a bool is not) or None.
             PoolClosedError: the pool is shutting down or shut down.
             TimeoutError: from the iterator, if a result is not ready ``timeout`` seconds
-                after this call.
+                after this call (infinite: no limit; zero or negative: at once).
         """
         if not iterables:  # as the builtin map: at the call, not at the first next()
             raise TypeError("Pool.map() needs at least one iterable")
@@ -532,6 +535,15 @@ class Pool:
             isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1
         ):
             raise ValueError(f"chunksize must be a positive int or None, not {chunksize!r}")
+        if timeout is not None:
+            # As the stdlib's map, a negative timeout is allowed (the first result not ready
+            # times out); an infinite one is no limit (a wait that long overflows).
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
+            if math.isnan(timeout):
+                raise ValueError("timeout must be a number of seconds or None, not nan")
+            if timeout == _INF:
+                timeout = None
         if self._closed:
             raise PoolClosedError(self._closed_message)
         deadline = None if timeout is None else time.monotonic() + timeout

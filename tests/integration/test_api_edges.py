@@ -246,3 +246,18 @@ def test_set_running_or_notify_cancel_is_refused() -> None:
         assert pool.state("r") is TaskState.CANCELLED
 
 
+# ---------------------------------------------------------------- map(timeout=...)
+def test_map_timeout_is_checked_at_the_call() -> None:
+    with Pool(1) as pool:
+        with pytest.raises(TypeError, match="timeout"):
+            pool.map(tasks.ident, [1], timeout="1")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="timeout"):
+            pool.map(tasks.ident, [1], timeout=True)
+        with pytest.raises(ValueError, match="timeout"):
+            pool.map(tasks.ident, [1], timeout=math.nan)
+        # Infinite: no limit, as None (it overflowed the wait).
+        assert list(pool.map(tasks.ident, [1, 2], timeout=math.inf)) == [1, 2]
+        # Negative or zero: as the stdlib's map, the first result not ready times out.
+        assert list(pool.map(tasks.ident, [], timeout=-1)) == []
+
+
