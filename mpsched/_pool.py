@@ -94,6 +94,7 @@ MAP_FIRST_CHUNK = 64  # items per chunk before any chunk was measured (bounded b
 MAP_CHUNK_BUDGET = 0.01
 
 _INF = float("inf")
+_MAX_SEGMENT_BYTES = 1 << 63  # off_t: ftruncate's limit
 _NO_COUNTERS = {"executed": 0, "stolen": 0}
 
 # Pools started and not released. Weak: a dropped pool is collected, and then ends by itself
@@ -266,6 +267,11 @@ class Pool:
             done_capacity=_pow2(max(INFLIGHT_PER_WORKER, 4 * self._window) * n),
             block_count=BLOCKS_PER_WORKER * n,
         )
+        if layout.total_bytes >= _MAX_SEGMENT_BYTES:  # else an OverflowError deep in ftruncate
+            raise ValueError(
+                f"workers={n} is too many: the pool's shared memory would take "
+                f"{layout.total_bytes:.3e} bytes"
+            )
         segment = AnonSegment.create(layout.total_bytes)
         self._wakeup = Wakeup()
         res = self._resources = PoolResources(segment, self._wakeup)

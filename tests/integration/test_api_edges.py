@@ -261,3 +261,7 @@ def test_map_timeout_is_checked_at_the_call() -> None:
         assert list(pool.map(tasks.ident, [], timeout=-1)) == []
 
 
+# ---------------------------------------------------------------- constructor
+def test_a_number_of_workers_beyond_any_memory_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="workers"):
+        Pool(10**30)
