@@ -425,6 +425,10 @@ class Pool:
         not started is cancelled (its future too) and never runs; one that runs is not
         interrupted, and the new version starts only after it ended.
 
+        Ids are matched as dict keys: equal ids are one id (``1``, ``1.0`` and ``True``;
+        ``0.0`` and ``-0.0``), and an id not equal to itself (``float('nan')``) is found by
+        ``state``, ``cancel`` and a later ``schedule`` only through the very same object.
+
         Raises:
             PoolClosedError: the pool is shutting down or shut down.
             TypeError: unhashable or unpicklable ``task_id``, non-real ``run_at``, non-int
@@ -661,7 +665,9 @@ class Pool:
     def await_termination(self, timeout: float | None = None) -> bool:
         """Wait until all work is done, the workers are gone and the done-callbacks of the
         futures the pool settled were called (from one of those, not the ones after it);
-        False on timeout."""
+        False on timeout. It does not shut the pool down: called before ``shutdown``, it waits
+        for a shutdown from another thread (or returns False at the timeout; ``timeout=0``
+        polls). Several threads may wait at once; after a broken pool ended, True."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._started:
             if not self._coordinator.finished.wait(timeout):

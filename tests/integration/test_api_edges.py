@@ -246,6 +246,42 @@ def test_set_running_or_notify_cancel_is_refused() -> None:
         assert pool.state("r") is TaskState.CANCELLED
 
 
+def test_pool_futures_next_to_stdlib_futures() -> None:
+    context = multiprocessing.get_context("forkserver")
+    with (
+        Pool(1) as first,
+        Pool(1, timed_after_shutdown=False) as second,
+        cf.ProcessPoolExecutor(1, mp_context=context) as stdlib,
+    ):
+        stdlib_future = stdlib.submit(pow, 2, 3)
+        failing = first.submit(tasks.boom, "first")
+        slow = second.schedule("slow", time.monotonic() + FAR, 0, tasks.ident, 1)
+        assert repr(slow).endswith("state=pending>")
+        done, not_done = cf.wait(
+            [stdlib_future, failing, slow], timeout=RESULT_TIMEOUT, return_when=cf.FIRST_EXCEPTION
+        )
+        assert failing in done
+        assert slow in not_done
+        assert "raised ValueError" in repr(failing)
+        with pytest.raises(cf.TimeoutError):
+            list(cf.as_completed([slow], timeout=0.01))
+        with pytest.raises(cf.TimeoutError):
+            slow.result(timeout=0)
+        with pytest.raises(cf.TimeoutError):
+            slow.exception(timeout=0)
+        assert slow.running() is False  # never True for a pool's future (claims unreported)
+        assert slow.cancel()
+        assert "state=cancelled" in repr(slow)
+        assert stdlib_future.result(RESULT_TIMEOUT) == 8
+        ok = second.submit(tasks.ident, 4)
+        assert {f.result() for f in cf.as_completed([ok, stdlib_future], RESULT_TIMEOUT)} == {4, 8}
+        assert "returned int" in repr(ok)
+        called: list[Any] = []
+        ok.add_done_callback(called.append)  # after done: at once, in this thread
+        assert called == [ok]
+        assert isinstance(failing.exception(0), ValueError)
+
+
 # ---------------------------------------------------------------- map(timeout=...)
 def test_map_timeout_is_checked_at_the_call() -> None:
     with Pool(1) as pool:
@@ -259,6 +295,57 @@ def test_map_timeout_is_checked_at_the_call() -> None:
         assert list(pool.map(tasks.ident, [1, 2], timeout=math.inf)) == [1, 2]
         # Negative or zero: as the stdlib's map, the first result not ready times out.
         assert list(pool.map(tasks.ident, [], timeout=-1)) == []
+
+
+# ---------------------------------------------------------------- which ids are one id
+def test_equal_ids_are_one_id_and_a_nan_id_is_only_itself() -> None:
+    """Ids are matched as dict keys are: equal ids (1, 1.0 and True; 0.0 and -0.0) are one id,
+    and an id that is not equal to itself (NaN) is found only by the very object scheduled."""
+    later = time.monotonic() + FAR
+    with Pool(1, timed_after_shutdown=False) as pool:
+        one = pool.schedule(1, later, 0, tasks.ident, "int")
+        true = pool.schedule(True, later, 0, tasks.ident, "bool")
+        assert one.cancelled()  # superseded: the same id
+        assert pool.state(1.0) is TaskState.PENDING
+        assert pool.cancel(1.0)
+        assert true.cancelled()
+        zero = pool.schedule(0.0, later, 0, tasks.ident, 0)
+        pool.schedule(-0.0, later, 0, tasks.ident, 0)
+        assert zero.cancelled()
+        assert pool.cancel(0)
+
+        nan = math.nan
+        pending = pool.schedule(nan, later, 0, tasks.ident, "nan")
+        other = float("nan")
+        assert pool.state(other) is None
+        assert pool.cancel(other) is False
+        assert pool.state(nan) is TaskState.PENDING
+        assert pool.schedule(nan, time.monotonic(), 0, at.task_id_is_nan).result(RESULT_TIMEOUT)
+        assert pending.cancelled()
+        wait_until(lambda: pool.state(nan) is TaskState.COMPLETED, "the NaN id completed")
+        assert pool.cancel(nan) is False
+
+
+# ---------------------------------------------------------------- current_task()
+def test_current_task_in_plain_and_timed_tasks_and_their_children() -> None:
+    with Pool(1) as pool:
+        assert pool.submit(at.context_fields).result(RESULT_TIMEOUT) == (None, 0, False)
+        parent, child = pool.schedule(
+            "ctx", time.monotonic(), 0, at.contexts_of_parent_and_child
+        ).result(RESULT_TIMEOUT)
+        assert parent[:2] == ("ctx", 1)
+        assert parent[2] is False
+        assert child == (None, 0, False)  # a child has no id and cannot be cancelled
+        with pytest.raises(RuntimeError, match="only works inside a task"):
+            mpsched.current_task()
+        with pytest.raises(RuntimeError, match="only works inside a task"):
+            mpsched.submit(tasks.ident, 1)
+        # TaskCancelled raised with no cancel asked is an error, not a cancel.
+        unprompted = pool.schedule("tc", time.monotonic(), 0, tasks.boom_cancelled)
+        with pytest.raises(mpsched.TaskCancelled):
+            unprompted.result(RESULT_TIMEOUT)
+        assert not unprompted.cancelled()
+        wait_until(lambda: pool.state("tc") is TaskState.FAILED, "the id failed")
 
 
 # ---------------------------------------------------------------- constructor
