@@ -491,10 +491,10 @@ class Pool:
         """
         if options is None:
             options = TaskOptions(**fields)
+        elif not isinstance(options, TaskOptions):  # before replace(), whose error says less
+            raise TypeError(f"options must be a TaskOptions, not {type(options).__name__}")
         elif fields:
             options = dataclasses.replace(options, **fields)
-        elif not isinstance(options, TaskOptions):
-            raise TypeError(f"options must be a TaskOptions, not {type(options).__name__}")
         return TaskSubmitter(self, options)
 
     def cancel(self, task_id: Hashable, *, force: bool = False) -> bool:
@@ -531,7 +531,7 @@ class Pool:
         than 10 ms stops, and the rest of its items go again.
 
         Raises:
-            TypeError: no iterable (as the builtin ``map``).
+            TypeError: no iterable (as the builtin ``map``); ``fn`` is not callable.
             ValueError: ``chunksize`` is not a positive int (a bool is not) or None;
                 ``timeout`` is NaN.
             TypeError: ``timeout`` is not a number (a bool is not) or None.
@@ -545,15 +545,10 @@ class Pool:
             isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1
         ):
             raise ValueError(f"chunksize must be a positive int or None, not {chunksize!r}")
+        if not callable(fn):  # as submit: at the call, not from the first chunk
+            raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         if timeout is not None:
-            # As the stdlib's map, a negative timeout is allowed (the first result not ready
-            # times out); an infinite one is no limit (a wait that long overflows).
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-                raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
-            if math.isnan(timeout):
-                raise ValueError("timeout must be a number of seconds or None, not nan")
-            if timeout == _INF:
-                timeout = None
+            timeout = _wait_timeout(timeout)
         if self._closed:
             raise PoolClosedError(self._closed_message)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -667,7 +662,14 @@ class Pool:
         futures the pool settled were called (from one of those, not the ones after it);
         False on timeout. It does not shut the pool down: called before ``shutdown``, it waits
         for a shutdown from another thread (or returns False at the timeout; ``timeout=0``
-        polls). Several threads may wait at once; after a broken pool ended, True."""
+        polls). Several threads may wait at once; after a broken pool ended, True.
+
+        Raises:
+            TypeError: ``timeout`` is not a number (a bool is not) or None.
+            ValueError: ``timeout`` is NaN. (Infinite: no limit, as None.)
+        """
+        if timeout is not None:
+            timeout = _wait_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._started:
             if not self._coordinator.finished.wait(timeout):
@@ -805,6 +807,17 @@ class TaskSubmitter:
         returned future ends only when the recurrence does: cancelled by ``cancel``/shutdown,
         or with the error of a run that raised (later runs do not happen then)."""
         return self._pool._schedule(self._options, task_id, run_at, priority, fn, args, kwargs)
+
+
+def _wait_timeout(timeout: object) -> float | None:
+    """A caller's ``timeout`` (not None) for a wait: TypeError if not a number (a bool is not),
+    ValueError if NaN; infinite is None (no limit: a wait that long overflows the clock). Zero
+    or negative stays: the wait times out at once, as the stdlib's waits do."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
+    if math.isnan(timeout):
+        raise ValueError("timeout must be a number of seconds or None, not nan")
+    return None if timeout == _INF else float(timeout)
 
 
 def _pow2(n: int) -> int:

@@ -326,6 +326,36 @@ def test_equal_ids_are_one_id_and_a_nan_id_is_only_itself() -> None:
         assert pool.cancel(nan) is False
 
 
+def test_await_termination_timeout_is_checked() -> None:
+    """An infinite timeout is no limit (it overflowed the wait, before and after shutdown);
+    a timeout that is not a number, or NaN, is refused (NaN answered False at once)."""
+    pool = Pool(1)
+    try:
+        with pytest.raises(TypeError, match="timeout"):
+            pool.await_termination("1")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="timeout"):
+            pool.await_termination(True)
+        with pytest.raises(ValueError, match="timeout"):
+            pool.await_termination(math.nan)
+        assert pool.await_termination(-1) is False  # running: times out at once
+        work = pool.submit(tasks.ident, 1)
+        pool.shutdown(wait=False)
+        assert pool.await_termination(math.inf) is True
+        assert work.result(0) == 1
+    finally:
+        pool.shutdown()
+
+
+def test_map_and_with_options_check_their_arguments_at_the_call() -> None:
+    with Pool(1) as pool:
+        with pytest.raises(TypeError, match="fn must be callable"):
+            pool.map(5, [1])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="options must be a TaskOptions"):
+            pool.with_options("fast", timeout=1)  # type: ignore[arg-type]
+        assert pool.with_options(mpsched.TaskOptions(), timeout=1).options.timeout == 1
+        assert list(pool.map(tasks.ident, [1, 2])) == [1, 2]
+
+
 # ---------------------------------------------------------------- current_task()
 def test_current_task_in_plain_and_timed_tasks_and_their_children() -> None:
     with Pool(1) as pool:
