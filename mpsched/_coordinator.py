@@ -1151,6 +1151,9 @@ class Coordinator:
         self.skipped_runs += dropped
         future = Future(self, rec.call, rec.priority)
         future._run = TaskRun(options, rec, run_at)
+        # Each run is a task of its own (``completed`` counts each): submitted counted only
+        # the schedule() call, and a recurrence made completed exceed submitted.
+        self.submitted += 1
         self.timetable.schedule(rec.task_id, run_at, rec.priority, future)
         self.note_due(run_at)
 

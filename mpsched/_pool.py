@@ -124,11 +124,17 @@ class WorkerStatistics:
 
 @dataclass(frozen=True)
 class PoolStatistics:
-    """A snapshot of the pool's counters (racy reads of shared counters: hints)."""
+    """A snapshot of the pool's counters (racy reads of shared counters: hints).
+
+    ``submitted`` counts the top-level tasks the pool took: each ``submit`` and ``schedule``
+    (a superseded or cancelled one too), each chunk of a ``map`` and each run of a recurring
+    task. ``completed`` counts the runs a worker ended (returned or raised; a retried task
+    once), so ``completed <= submitted``; children are in ``per_worker[k].executed`` only.
+    """
 
     workers: int
-    submitted: int
-    completed: int
+    submitted: int  # top-level tasks taken (see above)
+    completed: int  # top-level runs that ended in a worker
     pending: int  # due, not yet handed to a worker
     scheduled: int  # versions waiting for their run_at (or behind a running version)
     steals: int

@@ -74,6 +74,20 @@ def test_statistics_add_up_with_recycled_workers() -> None:
     assert final.crashes == 0
 
 
+def test_each_run_of_a_recurring_task_counts_as_submitted() -> None:
+    """completed counts every run; submitted counted only the schedule() call, so a
+    recurring task made completed exceed submitted."""
+    with Pool(1) as pool:
+        pool.with_options(every=0.001, overlap="skip").schedule(
+            "tick", time.monotonic(), 0, tasks.ident, 1
+        )
+        wait_until(lambda: pool.statistics().completed >= 5, "five runs ended")
+        assert pool.cancel("tick")
+    final = pool.statistics()
+    assert final.completed >= 5
+    assert final.submitted >= final.completed == _executed(final)
+
+
 def test_final_statistics_keep_the_counts_of_a_worker_that_died_in_the_drain(
     fifos: Fifos,
 ) -> None:
