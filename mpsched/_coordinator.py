@@ -1607,7 +1607,8 @@ def crash_message(worker: WorkerHandle, code: int | None) -> str:
         f"the worker process (pid {worker.pid}, slot {worker.slot}) running this task died "
         f"with {signal_description(code)}. Likely causes: it ran out of memory and was killed "
         "(check dmesg for the OOM killer), a crash in native code (a C extension), or "
-        "os._exit() / a signal sent to it. The pool replaced the worker and goes on."
+        "os._exit() / a signal sent to it. The pool goes on, and replaces the worker unless "
+        "it is shutting down with nothing left to run."
     )
 
 
