@@ -1204,6 +1204,9 @@ class Coordinator:
         self.skipped_runs += dropped
         future = Future(self, rec.call, rec.priority)
         future._run = TaskRun(options, rec, run_at)
+        # Each run is a task of its own (``completed`` counts each): submitted counted only
+        # the schedule() call, and a recurrence made completed exceed submitted.
+        self.submitted += 1
         self.timetable.schedule(rec.task_id, run_at, rec.priority, future)
         self.note_due(run_at)
 
@@ -1699,7 +1702,8 @@ def crash_message(worker: WorkerHandle, code: int | None) -> str:
         f"the worker process (pid {worker.pid}, slot {worker.slot}) running this task died "
         f"with {signal_description(code)}. Likely causes: it ran out of memory and was killed "
         "(check dmesg for the OOM killer), a crash in native code (a C extension), or "
-        "os._exit() / a signal sent to it. The pool replaced the worker and goes on."
+        "os._exit() / a signal sent to it. The pool goes on, and replaces the worker unless "
+        "it is shutting down with nothing left to run."
     )
 
 

@@ -91,7 +91,15 @@ class _Sync(threading.Condition):
 
 
 class Future(concurrent.futures.Future[Any]):
-    """The future of a task submitted to an ``mpsched.Pool``."""
+    """The future of a task submitted to an ``mpsched.Pool``.
+
+    A ``concurrent.futures.Future`` (``wait``, ``as_completed`` and callbacks work, also mixed
+    with other executors' futures), with these differences: ``running()`` is always False
+    (a worker's claim is not reported; ``pool.state(task_id)`` says RUNNING);
+    ``set_running_or_notify_cancel()`` raises RuntimeError, and ``set_result()`` /
+    ``set_exception()`` are the pool's (a caller's outcome wins over the task's, which is then
+    dropped); it cannot be pickled (TypeError), so it cannot be an argument of a task.
+    """
 
     # Every field is a slot, so no instance fills its __dict__: a million pending futures are
     # part of a scheduled pool's memory budget (1 KB per pending task, futures included).
@@ -232,6 +240,22 @@ class Future(concurrent.futures.Future[Any]):
         if owner is not None and not owner.cancel(self):
             return False
         return self._mark_cancelled()
+
+    def set_running_or_notify_cancel(self) -> bool:
+        """Refused: an executor's method, and the pool's futures' states are the pool's (a
+        future made RUNNING by it could no longer be cancelled, nor settled by a cancel, and
+        its ``result()`` would wait for ever)."""
+        raise RuntimeError(
+            "set_running_or_notify_cancel() is not for an mpsched.Future: the pool sets its "
+            "futures' states (running() stays False: claims are not reported; "
+            "pool.state(task_id) says RUNNING)"
+        )
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "an mpsched.Future cannot be pickled: it belongs to its pool's process (send the "
+            "result instead)"
+        )
 
     def _mark_cancelled(self) -> bool:
         """The task will never run: cancel and notify at once (``wait()`` and ``as_completed()``

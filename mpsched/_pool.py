@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import multiprocessing
 import os
 import pickle
@@ -93,6 +94,7 @@ MAP_FIRST_CHUNK = 64  # items per chunk before any chunk was measured (bounded b
 MAP_CHUNK_BUDGET = 0.01
 
 _INF = float("inf")
+_MAX_SEGMENT_BYTES = 1 << 63  # off_t: ftruncate's limit
 _NO_COUNTERS = {"executed": 0, "stolen": 0}
 
 # Pools started and not released. Weak: a dropped pool is collected, and then ends by itself
@@ -102,6 +104,16 @@ _live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 
 @dataclass(frozen=True)
 class WorkerStatistics:
+    """One worker slot's counters (``PoolStatistics.per_worker``).
+
+    ``executed`` counts the tasks that ran to their end in this slot: top-level tasks (a
+    ``map`` chunk is one) and children, wherever they were spawned; a run its worker died in is
+    not counted. ``stolen``: tasks it took from a peer's queues. Both add up over every worker
+    that ran in the slot (a replacement after a crash or a recycling goes on counting); a task
+    is counted just after its result is published, so a snapshot may lag a result by one.
+    ``pid`` is 0 while the slot's worker is starting and after the pool ended.
+    """
+
     slot: int
     pid: int
     executed: int
@@ -112,11 +124,17 @@ class WorkerStatistics:
 
 @dataclass(frozen=True)
 class PoolStatistics:
-    """A snapshot of the pool's counters (racy reads of shared counters: hints)."""
+    """A snapshot of the pool's counters (racy reads of shared counters: hints).
+
+    ``submitted`` counts the top-level tasks the pool took: each ``submit`` and ``schedule``
+    (a superseded or cancelled one too), each chunk of a ``map`` and each run of a recurring
+    task. ``completed`` counts the runs a worker ended (returned or raised; a retried task
+    once), so ``completed <= submitted``; children are in ``per_worker[k].executed`` only.
+    """
 
     workers: int
-    submitted: int
-    completed: int
+    submitted: int  # top-level tasks taken (see above)
+    completed: int  # top-level runs that ended in a worker
     pending: int  # due, not yet handed to a worker
     scheduled: int  # versions waiting for their run_at (or behind a running version)
     steals: int
@@ -255,6 +273,11 @@ class Pool:
             done_capacity=_pow2(max(INFLIGHT_PER_WORKER, 4 * self._window) * n),
             block_count=BLOCKS_PER_WORKER * n,
         )
+        if layout.total_bytes >= _MAX_SEGMENT_BYTES:  # else an OverflowError deep in ftruncate
+            raise ValueError(
+                f"workers={n} is too many: the pool's shared memory would take "
+                f"{layout.total_bytes:.3e} bytes"
+            )
         segment = AnonSegment.create(layout.total_bytes)
         self._wakeup = Wakeup()
         res = self._resources = PoolResources(segment, self._wakeup)
@@ -408,6 +431,10 @@ class Pool:
         not started is cancelled (its future too) and never runs; one that runs is not
         interrupted, and the new version starts only after it ended.
 
+        Ids are matched as dict keys: equal ids are one id (``1``, ``1.0`` and ``True``;
+        ``0.0`` and ``-0.0``), and an id not equal to itself (``float('nan')``) is found by
+        ``state``, ``cancel`` and a later ``schedule`` only through the very same object.
+
         Raises:
             PoolClosedError: the pool is shutting down or shut down.
             TypeError: unhashable or unpicklable ``task_id``, non-real ``run_at``, non-int
@@ -470,10 +497,10 @@ class Pool:
         """
         if options is None:
             options = TaskOptions(**fields)
+        elif not isinstance(options, TaskOptions):  # before replace(), whose error says less
+            raise TypeError(f"options must be a TaskOptions, not {type(options).__name__}")
         elif fields:
             options = dataclasses.replace(options, **fields)
-        elif not isinstance(options, TaskOptions):
-            raise TypeError(f"options must be a TaskOptions, not {type(options).__name__}")
         return TaskSubmitter(self, options)
 
     def cancel(self, task_id: Hashable, *, force: bool = False) -> bool:
@@ -510,11 +537,13 @@ class Pool:
         than 10 ms stops, and the rest of its items go again.
 
         Raises:
-            TypeError: no iterable (as the builtin ``map``).
-            ValueError: ``chunksize`` is not a positive int (a bool is not) or None.
+            TypeError: no iterable (as the builtin ``map``); ``fn`` is not callable.
+            ValueError: ``chunksize`` is not a positive int (a bool is not) or None;
+                ``timeout`` is NaN.
+            TypeError: ``timeout`` is not a number (a bool is not) or None.
             PoolClosedError: the pool is shutting down or shut down.
             TimeoutError: from the iterator, if a result is not ready ``timeout`` seconds
-                after this call.
+                after this call (infinite: no limit; zero or negative: at once).
         """
         if not iterables:  # as the builtin map: at the call, not at the first next()
             raise TypeError("Pool.map() needs at least one iterable")
@@ -522,6 +551,10 @@ class Pool:
             isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1
         ):
             raise ValueError(f"chunksize must be a positive int or None, not {chunksize!r}")
+        if not callable(fn):  # as submit: at the call, not from the first chunk
+            raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        if timeout is not None:
+            timeout = _wait_timeout(timeout)
         if self._closed:
             raise PoolClosedError(self._closed_message)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -633,7 +666,16 @@ class Pool:
     def await_termination(self, timeout: float | None = None) -> bool:
         """Wait until all work is done, the workers are gone and the done-callbacks of the
         futures the pool settled were called (from one of those, not the ones after it);
-        False on timeout."""
+        False on timeout. It does not shut the pool down: called before ``shutdown``, it waits
+        for a shutdown from another thread (or returns False at the timeout; ``timeout=0``
+        polls). Several threads may wait at once; after a broken pool ended, True.
+
+        Raises:
+            TypeError: ``timeout`` is not a number (a bool is not) or None.
+            ValueError: ``timeout`` is NaN. (Infinite: no limit, as None.)
+        """
+        if timeout is not None:
+            timeout = _wait_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._started:
             if not self._coordinator.finished.wait(timeout):
@@ -650,6 +692,12 @@ class Pool:
         resource (PoolResources.teardown), and wait for that."""
         if not self._started:
             return
+        # The last look at the slots' counters: the loop has ended, so they are final. A worker
+        # that died in the drain sent no DRAINED (and one recycled or crashed before counted
+        # in its slot, which its successor goes on from): its slot kept what it ran.
+        final = self._coordinator.final_stats
+        for k, slot in enumerate(self._views.slots):
+            final[k] = slot.counters()
         self._resources.request_release()
         self._thread.join()
         # Cleared only now (statistics() reads no shared memory from here on; it takes the
@@ -660,8 +708,12 @@ class Pool:
         _live_pools.discard(self)
 
     def statistics(self) -> PoolStatistics:
-        """A snapshot of the counters; after the pool ended, its final counters (the shared
-        memory is gone then: queue depths read 0, a worker that did not drain counts 0)."""
+        """A snapshot of the counters (racy reads while the pool runs: hints).
+
+        A slot's ``executed`` and ``stolen`` count every worker that ever ran in it: a worker
+        that crashed or was recycled keeps its counts, and its replacement adds to them. After
+        ``shutdown`` (once ``await_termination`` returned True), the final counters: queue
+        depths and pids read 0 then."""
         with self._shutdown_lock:  # the memory is not released while we read it
             return self._statistics()
 
@@ -717,6 +769,16 @@ class Pool:
         state = "closed" if self._closed else "running"
         return f"<mpsched.Pool {state} workers={self._workers} start_method={self._start_method}>"
 
+    def __reduce__(self) -> Any:
+        # What a task would get is a copy of the object in another process, without the
+        # coordinator, its thread or its memory: say so at submit (the TaskPicklingError then
+        # names this), rather than fail on whichever lock the pickler meets first.
+        raise TypeError(
+            "an mpsched.Pool cannot be pickled: it belongs to the process that created it. A "
+            "task cannot use the pool; inside a task, use mpsched.submit() for child tasks and "
+            "return what the caller should do with the pool"
+        )
+
 
 class TaskSubmitter:
     """``pool.with_options(...)``: ``submit`` and ``schedule`` with fixed task options."""
@@ -751,6 +813,17 @@ class TaskSubmitter:
         returned future ends only when the recurrence does: cancelled by ``cancel``/shutdown,
         or with the error of a run that raised (later runs do not happen then)."""
         return self._pool._schedule(self._options, task_id, run_at, priority, fn, args, kwargs)
+
+
+def _wait_timeout(timeout: object) -> float | None:
+    """A caller's ``timeout`` (not None) for a wait: TypeError if not a number (a bool is not),
+    ValueError if NaN; infinite is None (no limit: a wait that long overflows the clock). Zero
+    or negative stays: the wait times out at once, as the stdlib's waits do."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
+    if math.isnan(timeout):
+        raise ValueError("timeout must be a number of seconds or None, not nan")
+    return None if timeout == _INF else float(timeout)
 
 
 def _pow2(n: int) -> int:

@@ -188,7 +188,9 @@ class TaskContext:
     @property
     def cancel_requested(self) -> bool:
         """True once ``pool.cancel(task_id)`` (or the task's timeout) asked this run to stop.
-        Reads one word of shared memory: cheap enough to poll in a loop."""
+        Reads one word of shared memory: cheap enough to poll in a loop. Always False in a
+        child (``mpsched.submit``): a cancel of its parent does not reach it (a child may
+        outlive its parent, whose block is then reused); pass it what it needs to stop."""
         return self._handle >= 0 and self._slab.get_word(self._handle, _STATE) == _CANCEL_REQUESTED
 
     def raise_if_cancelled(self) -> None:

@@ -1,0 +1,24 @@
+"""Task functions of test_api_edges.py; module-level so workers can import them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mpsched
+
+
+def context_fields() -> tuple[Any, int, bool]:
+    """The running task's id, version and cancel flag, as ``current_task()`` reports them."""
+    ctx = mpsched.current_task()
+    return ctx.task_id, ctx.version, ctx.cancel_requested
+
+
+def contexts_of_parent_and_child() -> tuple[tuple[Any, int, bool], tuple[Any, int, bool]]:
+    """This task's context fields and those its child sees."""
+    return context_fields(), mpsched.submit(context_fields).result()
+
+
+def task_id_is_nan() -> bool:
+    """Whether this run's id is a NaN (its copy in the worker is another NaN object)."""
+    task_id = mpsched.current_task().task_id
+    return isinstance(task_id, float) and task_id != task_id

@@ -1,0 +1,398 @@
+"""The public API at its edges, as a demanding user drives it: what statistics() adds up to
+across crashes, recycling and shutdown; await_termination before and after shutdown, from
+several threads; a pool or a future sent to a task; the pool's futures next to the stdlib's
+(wait, as_completed, callbacks, the executor-only setters); map's timeout; which ids are one
+id (equal ids, NaN); what current_task() says in plain tasks, timed tasks and children."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import math
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import mpsched
+from mpsched import Pool, PoolStatistics, TaskPicklingError, TaskState, WorkerCrashedError
+
+from . import api_edge_tasks as at
+from . import tasks
+from .conditions import Fifos, wait_until
+
+RESULT_TIMEOUT = 20.0  # s; a future of these tests must end within this (a hang fails)
+FAR = 3600.0  # s; a run_at this far ahead never comes during a test
+
+
+def _executed(stats: PoolStatistics) -> int:
+    return sum(w.executed for w in stats.per_worker)
+
+
+# ---------------------------------------------------------------- statistics()
+def test_statistics_add_up_across_a_crash_between_tasks_and_shutdown() -> None:
+    """A worker SIGKILLed while idle: its slot's counts stay (the replacement goes on counting
+    in the same slot), and the final snapshot after shutdown says the same."""
+    with Pool(2) as pool:
+        assert [pool.submit(tasks.ident, i).result(RESULT_TIMEOUT) for i in range(10)] == list(
+            range(10)
+        )
+        # A worker counts a task just after it published the result: wait for the count.
+        wait_until(lambda: _executed(pool.statistics()) == 10, "the tasks are counted")
+        before = pool.statistics()
+        assert before.completed == 10
+        victim = before.per_worker[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_until(
+            lambda: pool.statistics().per_worker[0].pid not in (0, victim.pid),
+            "the dead worker is replaced",
+        )
+        after = pool.statistics()
+        assert after.crashes == after.respawns == 1
+        assert after.per_worker[0].executed == victim.executed  # kept, not dropped
+        futures = [pool.submit(tasks.ident, i) for i in range(10)]
+        assert [f.result(RESULT_TIMEOUT) for f in futures] == list(range(10))
+        wait_until(lambda: _executed(pool.statistics()) == 20, "the tasks are counted")
+    final = pool.statistics()
+    assert final.submitted == final.completed == _executed(final) == 20
+    assert final.steals == sum(w.stolen for w in final.per_worker)
+    assert all(w.pid == 0 and w.inbox_depth == w.deque_depth == 0 for w in final.per_worker)
+
+
+def test_statistics_add_up_with_recycled_workers() -> None:
+    with Pool(2, max_tasks_per_worker=3) as pool:
+        futures = [pool.submit(tasks.ident, i) for i in range(20)]
+        assert [f.result(RESULT_TIMEOUT) for f in futures] == list(range(20))
+    final = pool.statistics()
+    assert final.submitted == final.completed == _executed(final) == 20
+    assert final.recycled >= 20 // 3 - 1  # one worker may have got its third task at the drain
+    assert final.crashes == 0
+
+
+def test_each_run_of_a_recurring_task_counts_as_submitted() -> None:
+    """completed counts every run; submitted counted only the schedule() call, so a
+    recurring task made completed exceed submitted."""
+    with Pool(1) as pool:
+        pool.with_options(every=0.001, overlap="skip").schedule(
+            "tick", time.monotonic(), 0, tasks.ident, 1
+        )
+        wait_until(lambda: pool.statistics().completed >= 5, "five runs ended")
+        assert pool.cancel("tick")
+    final = pool.statistics()
+    assert final.completed >= 5
+    assert final.submitted >= final.completed == _executed(final)
+
+
+def test_final_statistics_keep_the_counts_of_a_worker_that_died_in_the_drain(
+    fifos: Fifos,
+) -> None:
+    """A worker that dies while the pool drains sends no DRAINED message: its slot's counters
+    (in shared memory until the release) are kept all the same. The final snapshot read 0 for
+    its slot, so the per-worker counts no longer added up to the tasks that ran."""
+    pool = Pool(2)
+    try:
+        futures = [pool.submit(tasks.ident, i) for i in range(20)]
+        assert [f.result(RESULT_TIMEOUT) for f in futures] == list(range(20))
+        running = pool.submit(tasks.report_pid_then_gate, fifos.started, fifos.gate)
+        pid = tasks.read_pid(fifos.started)
+        live = pool.statistics()
+        slot = next(w.slot for w in live.per_worker if w.pid == pid)
+        pool.shutdown(wait=False)
+        os.kill(pid, signal.SIGKILL)
+        assert pool.await_termination(RESULT_TIMEOUT)
+    finally:
+        pool.shutdown()
+    with pytest.raises(WorkerCrashedError, match="unless it is shutting down"):
+        running.result(0)  # not replaced: the message said it was
+    final = pool.statistics()
+    assert final.completed == _executed(final) == 20
+    assert final.per_worker[slot].executed == live.per_worker[slot].executed > 0
+
+
+def test_statistics_from_many_threads_across_shutdown() -> None:
+    """Snapshots taken from several threads while the pool works, drains and is released:
+    each is whole and sane, and no count goes back."""
+    pool = Pool(2)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    seen: list[list[PoolStatistics]] = [[] for _ in range(4)]
+
+    def poll(out: list[PoolStatistics]) -> None:
+        try:
+            while not stop.is_set():
+                out.append(pool.statistics())
+            out.append(pool.statistics())
+        except BaseException as exc:  # reported by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=poll, args=(out,)) for out in seen]
+    for thread in threads:
+        thread.start()
+    try:
+        futures = [pool.submit(tasks.ident, i) for i in range(200)]
+        pool.shutdown(wait=True)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(RESULT_TIMEOUT)
+    assert not errors
+    assert [f.result(0) for f in futures] == list(range(200))
+    for snapshots in seen:
+        for earlier, later in itertools.pairwise(snapshots):
+            assert later.completed >= earlier.completed
+            assert later.submitted >= earlier.submitted
+        for stats in snapshots:
+            assert stats.workers == len(stats.per_worker) == 2
+            assert 0 <= stats.completed <= stats.submitted <= 200
+            assert stats.steals == sum(w.stolen for w in stats.per_worker)
+            assert all(w.inbox_depth >= 0 and w.deque_depth >= 0 for w in stats.per_worker)
+        assert snapshots[-1].completed == _executed(snapshots[-1]) == 200
+    stats = seen[0][-1]
+    with pytest.raises(AttributeError):  # frozen, with its per-worker records
+        stats.completed = 0  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        stats.per_worker[0].executed = 0  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------- await_termination()
+def test_await_termination_before_shutdown_waits_for_anothers_shutdown() -> None:
+    """Before shutdown, await_termination waits for one (Java's awaitTermination): a timeout
+    returns False and changes nothing; waiters in several threads all return True once
+    another thread shut the pool down."""
+    pool = Pool(1)
+    try:
+        assert pool.await_termination(0) is False
+        assert pool.await_termination(0.01) is False
+        assert pool.submit(tasks.ident, 1).result(RESULT_TIMEOUT) == 1  # not poisoned
+        answers: list[bool] = []
+        waiters = [
+            threading.Thread(target=lambda: answers.append(pool.await_termination()))
+            for _ in range(3)
+        ]
+        for waiter in waiters:
+            waiter.start()
+        work = pool.submit(tasks.ident, 2)
+        pool.shutdown(wait=False)
+        for waiter in waiters:
+            waiter.join(RESULT_TIMEOUT)
+        assert answers == [True, True, True]
+        assert work.result(0) == 2
+        assert pool.await_termination(0) is True
+    finally:
+        pool.shutdown()
+
+
+def test_a_shut_down_pool_answers_every_call() -> None:
+    with Pool(1) as pool:
+        pool.schedule("t", time.monotonic(), 0, tasks.ident, 1).result(RESULT_TIMEOUT)
+    with pool as again:  # re-entered: the same pool, still shut down
+        assert again is pool
+        with pytest.raises(mpsched.PoolClosedError):
+            again.submit(tasks.ident, 1)
+    with pytest.raises(mpsched.PoolClosedError):
+        pool.map(tasks.ident, [1])
+    with pytest.raises(mpsched.PoolClosedError):
+        pool.with_options(timeout=1).schedule("t", 0.0, 0, tasks.ident, 1)
+    assert pool.state("t") is TaskState.COMPLETED
+    assert pool.cancel("t") is False
+    assert pool.cancel("t", force=True) is False
+    assert pool.statistics().completed == 1
+    assert "closed" in repr(pool)
+
+
+# ---------------------------------------------------------------- pools and futures in tasks
+def test_a_pool_sent_to_a_task_fails_at_submit_with_a_clear_error() -> None:
+    """A task cannot use the pool (it runs in another process): a call that would carry it
+    (its bound method, an argument, a submitter, a closure) fails in the caller, saying so."""
+    with Pool(1) as pool:
+        for submit in (
+            lambda: pool.submit(pool.shutdown),
+            lambda: pool.submit(tasks.ident, pool),
+            lambda: pool.submit(tasks.ident, pool.with_options(timeout=1)),
+            lambda: pool.submit(lambda: pool.statistics()),
+            lambda: pool.schedule("s", 0.0, 0, pool.cancel, "s"),
+        ):
+            with pytest.raises(TaskPicklingError, match=r"mpsched\.Pool.*mpsched\.submit"):
+                submit()
+        with pytest.raises(TaskPicklingError, match=r"mpsched\.Pool"):
+            next(pool.map(pool.state, ["s"]))
+        with pytest.raises(TypeError, match=r"mpsched\.Pool"):
+            pickle.dumps(pool)
+        assert pool.state("s") is None  # nothing was scheduled
+        assert pool.submit(tasks.ident, 3).result(RESULT_TIMEOUT) == 3  # not poisoned
+
+
+def test_a_future_sent_to_a_task_fails_at_submit_with_a_clear_error() -> None:
+    """A pool's future belongs to the pool's process, pending or done (a done one pickled,
+    a pending one failed on whatever it referred to)."""
+    with Pool(1, timed_after_shutdown=False) as pool:
+        pending = pool.schedule("p", time.monotonic() + FAR, 0, tasks.ident, 1)
+        done = pool.submit(tasks.ident, 2)
+        done.result(RESULT_TIMEOUT)
+        fresh = pool.submit(tasks.ident, 3)
+        for future in (pending, done, fresh):
+            with pytest.raises(TaskPicklingError, match=r"mpsched\.Future"):
+                pool.submit(tasks.ident, future)
+            with pytest.raises(TypeError, match=r"mpsched\.Future"):
+                pickle.dumps(future)
+        assert fresh.result(RESULT_TIMEOUT) == 3
+        assert pending.cancel()
+
+
+# ---------------------------------------------------------------- futures vs the stdlib's
+def test_set_running_or_notify_cancel_is_refused() -> None:
+    """An executor's method, not a user's: on a pool's future it made the future RUNNING,
+    after which cancel() withdrew the task but reported False, and the future never ended
+    (result() waited for ever, also after shutdown)."""
+    with Pool(1, timed_after_shutdown=False) as pool:
+        future = pool.schedule("r", time.monotonic() + FAR, 0, tasks.ident, 1)
+        with pytest.raises(RuntimeError, match="set_running_or_notify_cancel"):
+            future.set_running_or_notify_cancel()
+        assert not future.running()
+        assert future.cancel() is True
+        with pytest.raises(cf.CancelledError):
+            future.result(RESULT_TIMEOUT)
+        assert pool.state("r") is TaskState.CANCELLED
+
+
+def test_pool_futures_next_to_stdlib_futures() -> None:
+    context = multiprocessing.get_context("forkserver")
+    with (
+        Pool(1) as first,
+        Pool(1, timed_after_shutdown=False) as second,
+        cf.ProcessPoolExecutor(1, mp_context=context) as stdlib,
+    ):
+        stdlib_future = stdlib.submit(pow, 2, 3)
+        failing = first.submit(tasks.boom, "first")
+        slow = second.schedule("slow", time.monotonic() + FAR, 0, tasks.ident, 1)
+        assert repr(slow).endswith("state=pending>")
+        done, not_done = cf.wait(
+            [stdlib_future, failing, slow], timeout=RESULT_TIMEOUT, return_when=cf.FIRST_EXCEPTION
+        )
+        assert failing in done
+        assert slow in not_done
+        assert "raised ValueError" in repr(failing)
+        with pytest.raises(cf.TimeoutError):
+            list(cf.as_completed([slow], timeout=0.01))
+        with pytest.raises(cf.TimeoutError):
+            slow.result(timeout=0)
+        with pytest.raises(cf.TimeoutError):
+            slow.exception(timeout=0)
+        assert slow.running() is False  # never True for a pool's future (claims unreported)
+        assert slow.cancel()
+        assert "state=cancelled" in repr(slow)
+        assert stdlib_future.result(RESULT_TIMEOUT) == 8
+        ok = second.submit(tasks.ident, 4)
+        assert {f.result() for f in cf.as_completed([ok, stdlib_future], RESULT_TIMEOUT)} == {4, 8}
+        assert "returned int" in repr(ok)
+        called: list[Any] = []
+        ok.add_done_callback(called.append)  # after done: at once, in this thread
+        assert called == [ok]
+        assert isinstance(failing.exception(0), ValueError)
+
+
+# ---------------------------------------------------------------- map(timeout=...)
+def test_map_timeout_is_checked_at_the_call() -> None:
+    with Pool(1) as pool:
+        with pytest.raises(TypeError, match="timeout"):
+            pool.map(tasks.ident, [1], timeout="1")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="timeout"):
+            pool.map(tasks.ident, [1], timeout=True)
+        with pytest.raises(ValueError, match="timeout"):
+            pool.map(tasks.ident, [1], timeout=math.nan)
+        # Infinite: no limit, as None (it overflowed the wait).
+        assert list(pool.map(tasks.ident, [1, 2], timeout=math.inf)) == [1, 2]
+        # Negative or zero: as the stdlib's map, the first result not ready times out.
+        assert list(pool.map(tasks.ident, [], timeout=-1)) == []
+
+
+# ---------------------------------------------------------------- which ids are one id
+def test_equal_ids_are_one_id_and_a_nan_id_is_only_itself() -> None:
+    """Ids are matched as dict keys are: equal ids (1, 1.0 and True; 0.0 and -0.0) are one id,
+    and an id that is not equal to itself (NaN) is found only by the very object scheduled."""
+    later = time.monotonic() + FAR
+    with Pool(1, timed_after_shutdown=False) as pool:
+        one = pool.schedule(1, later, 0, tasks.ident, "int")
+        true = pool.schedule(True, later, 0, tasks.ident, "bool")
+        assert one.cancelled()  # superseded: the same id
+        assert pool.state(1.0) is TaskState.PENDING
+        assert pool.cancel(1.0)
+        assert true.cancelled()
+        zero = pool.schedule(0.0, later, 0, tasks.ident, 0)
+        pool.schedule(-0.0, later, 0, tasks.ident, 0)
+        assert zero.cancelled()
+        assert pool.cancel(0)
+
+        nan = math.nan
+        pending = pool.schedule(nan, later, 0, tasks.ident, "nan")
+        other = float("nan")
+        assert pool.state(other) is None
+        assert pool.cancel(other) is False
+        assert pool.state(nan) is TaskState.PENDING
+        assert pool.schedule(nan, time.monotonic(), 0, at.task_id_is_nan).result(RESULT_TIMEOUT)
+        assert pending.cancelled()
+        wait_until(lambda: pool.state(nan) is TaskState.COMPLETED, "the NaN id completed")
+        assert pool.cancel(nan) is False
+
+
+def test_await_termination_timeout_is_checked() -> None:
+    """An infinite timeout is no limit (it overflowed the wait, before and after shutdown);
+    a timeout that is not a number, or NaN, is refused (NaN answered False at once)."""
+    pool = Pool(1)
+    try:
+        with pytest.raises(TypeError, match="timeout"):
+            pool.await_termination("1")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="timeout"):
+            pool.await_termination(True)
+        with pytest.raises(ValueError, match="timeout"):
+            pool.await_termination(math.nan)
+        assert pool.await_termination(-1) is False  # running: times out at once
+        work = pool.submit(tasks.ident, 1)
+        pool.shutdown(wait=False)
+        assert pool.await_termination(math.inf) is True
+        assert work.result(0) == 1
+    finally:
+        pool.shutdown()
+
+
+def test_map_and_with_options_check_their_arguments_at_the_call() -> None:
+    with Pool(1) as pool:
+        with pytest.raises(TypeError, match="fn must be callable"):
+            pool.map(5, [1])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="options must be a TaskOptions"):
+            pool.with_options("fast", timeout=1)  # type: ignore[arg-type]
+        assert pool.with_options(mpsched.TaskOptions(), timeout=1).options.timeout == 1
+        assert list(pool.map(tasks.ident, [1, 2])) == [1, 2]
+
+
+# ---------------------------------------------------------------- current_task()
+def test_current_task_in_plain_and_timed_tasks_and_their_children() -> None:
+    with Pool(1) as pool:
+        assert pool.submit(at.context_fields).result(RESULT_TIMEOUT) == (None, 0, False)
+        parent, child = pool.schedule(
+            "ctx", time.monotonic(), 0, at.contexts_of_parent_and_child
+        ).result(RESULT_TIMEOUT)
+        assert parent[:2] == ("ctx", 1)
+        assert parent[2] is False
+        assert child == (None, 0, False)  # a child has no id and cannot be cancelled
+        with pytest.raises(RuntimeError, match="only works inside a task"):
+            mpsched.current_task()
+        with pytest.raises(RuntimeError, match="only works inside a task"):
+            mpsched.submit(tasks.ident, 1)
+        # TaskCancelled raised with no cancel asked is an error, not a cancel.
+        unprompted = pool.schedule("tc", time.monotonic(), 0, tasks.boom_cancelled)
+        with pytest.raises(mpsched.TaskCancelled):
+            unprompted.result(RESULT_TIMEOUT)
+        assert not unprompted.cancelled()
+        wait_until(lambda: pool.state("tc") is TaskState.FAILED, "the id failed")
+
+
+# ---------------------------------------------------------------- constructor
+def test_a_number_of_workers_beyond_any_memory_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="workers"):
+        Pool(10**30)
