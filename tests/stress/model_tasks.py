@@ -16,7 +16,7 @@ import mpsched
 RELEASE_POLL = 0.0005  # s between two looks of a holder at its release file
 
 
-def _append(path: str, record: Any) -> None:
+def append(path: str, record: Any) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         os.write(fd, f"{record!r}\n".encode())
@@ -31,7 +31,7 @@ def hold(path: str, release: str) -> int:
     holder that never started without blocking. The cancel flag is ignored (a run asked to
     stop may still return: it then completes). Returns its version."""
     ctx = mpsched.current_task()
-    _append(path, ("held", ctx.task_id, ctx.version))
+    append(path, ("held", ctx.task_id, ctx.version))
     wait_for(release)
     return ctx.version
 
@@ -47,7 +47,7 @@ def record(path: str, tag: Any = None) -> tuple[Any, int]:
     has none (``submit``); returns ``(id, version)`` as logged."""
     ctx = mpsched.current_task()
     task_id = tag if ctx.task_id is None else ctx.task_id
-    _append(path, ("ran", task_id, ctx.version, ctx.cancel_requested))
+    append(path, ("ran", task_id, ctx.version, ctx.cancel_requested))
     return task_id, ctx.version
 
 

@@ -19,10 +19,10 @@ calling process at its spawn. Every run logs its node id with one ``O_APPEND`` w
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import mpsched
+from tests.stress.model_tasks import append
 
 JOIN_TIMEOUT = 30.0  # s a node waits for a child: a hang fails the tree, not the test run
 
@@ -38,14 +38,6 @@ EXCEPTIONS: dict[str, type[Exception]] = {
 }
 
 Node = tuple[str, tuple[Any, ...], tuple[tuple[int, str], ...], str | None]
-
-
-def append(path: str, record: Any) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, f"{record!r}\n".encode())
-    finally:
-        os.close(fd)
 
 
 def read_log(path: str) -> list[Any]:

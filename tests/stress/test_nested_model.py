@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import shutil
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,26 +38,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mpsched import Pool, _pool
+from tests.integration.conditions import wait_until
 from tests.stress import nested_tasks as nt
 
 pytestmark = pytest.mark.slow
 
 CONDITION_TIMEOUT = 10.0  # s a polled condition or a result may take before the test fails
-POLL = 0.001  # s between two looks at a polled condition
+# Each example runs real tasks on a shared pool: no per-example deadline; big examples are fine.
+MODEL_SETTINGS = settings(
+    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 MAX_DEPTH = 6
 MAX_FANOUT = 4
 MAX_NODES = 60
 MODES = ("result", "catch", "exception")
 # None first: hypothesis shrinks towards it (a node that returns).
 FAILS = (None, None, None, "ValueError", "KeyError", "TreeError")
-
-
-def poll(condition: Any, what: str) -> None:
-    deadline = time.monotonic() + CONDITION_TIMEOUT
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting until {what}")
-        time.sleep(POLL)
 
 
 def quiet(pool: Pool) -> bool:
@@ -85,9 +80,9 @@ def executed(pool: Pool) -> int:
 def check_healthy(pool: Pool, executed_before: int, runs: int, cancels: bool) -> None:
     """The pool is quiet, counted ``runs`` more executions (plus the follow-up submit's) and
     still runs a task; without cancels, every submitted task completed."""
-    poll(lambda: quiet(pool), "the pool is quiet")
+    wait_until(lambda: quiet(pool), "the pool is quiet")
     assert pool.submit(nt.echo, "after").result(CONDITION_TIMEOUT) == "after"
-    poll(lambda: executed(pool) >= executed_before + runs + 1, "executed counts every run")
+    wait_until(lambda: executed(pool) >= executed_before + runs + 1, "executed counts every run")
     assert executed(pool) == executed_before + runs + 1
     stats = pool.statistics()
     assert stats.pending == stats.scheduled == stats.crashes == 0
@@ -146,8 +141,8 @@ def run_trees(pool: Pool, specs: list[nt.Node]) -> None:
         ids = [i for spec in specs for i in node_ids(spec)]
         assert Counter(nt.read_log(reference_log)) == Counter(ids)  # the reference's own check
         # Never-joined children may still run after their root returned.
-        poll(lambda: len(nt.read_log(log)) >= len(ids), "every node ran")
-        poll(lambda: quiet(pool), "the pool is quiet")
+        wait_until(lambda: len(nt.read_log(log)) >= len(ids), "every node ran")
+        wait_until(lambda: quiet(pool), "the pool is quiet")
         assert Counter(nt.read_log(log)) == Counter(ids), "a node did not run exactly once"
         check_healthy(pool, before, len(ids), cancels=False)
     finally:
@@ -165,11 +160,7 @@ def test_random_task_trees_match_a_sequential_run() -> None:
     with Pool(1) as pool1, Pool(2) as pool2:
         pools = {1: pool1, 2: pool2}
 
-        @settings(
-            max_examples=90,
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-        )
+        @settings(MODEL_SETTINGS, max_examples=90)
         @given(workers=st.sampled_from([1, 2]), specs=tree_lists())
         def check(workers: int, specs: list[nt.Node]) -> None:
             run_trees(pools[workers], specs)
@@ -246,7 +237,7 @@ def run_map(
             results.close()
         del results  # dropped: the generator's finalizer abandons the map (if not closed)
 
-        poll(lambda: quiet(pool), "the pool is quiet")
+        wait_until(lambda: quiet(pool), "the pool is quiet")
         ran = Counter(nt.read_log(log))
         taken = min(i.taken for i in inputs)
         assert all(count == 1 for count in ran.values()), "an item ran twice"
@@ -267,11 +258,7 @@ def test_map_matches_the_builtin_map() -> None:
     with Pool(1) as pool1, Pool(2) as pool2:
         pools = {1: pool1, 2: pool2}
 
-        @settings(
-            max_examples=300,
-            deadline=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-        )
+        @settings(MODEL_SETTINGS, max_examples=300)
         @given(
             workers=st.sampled_from([1, 2]),
             lengths=st.lists(st.integers(0, 3000), min_size=1, max_size=2),
@@ -319,7 +306,7 @@ def test_a_child_dropped_by_a_parent_that_reraises_a_childs_error_frees_its_bloc
         assert error is not None
         assert nt.describe(error) == ("ValueError", ("fails",))
         slab = pool._views.slab
-        poll(lambda: slab.free_count() == slab.capacity, "the dropped child's block is free")
+        wait_until(lambda: slab.free_count() == slab.capacity, "the dropped child's block is free")
         assert Counter(nt.read_log(str(tmp / "log"))) == Counter(["root", "fails", "dropped"])
     finally:
         pool.shutdown(cancel_futures=True)

@@ -54,12 +54,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mpsched import Future, Pool, TaskState
+from tests.integration.conditions import wait_until
 from tests.stress import model_tasks
 
 pytestmark = pytest.mark.slow
 
 CONDITION_TIMEOUT = 10.0  # s a polled condition or a result may take before the test fails
-POLL = 0.001  # s between two looks at a polled condition
 FAR = 600.0  # s: a run_at this far ahead is never due during the test
 HOLDERS = [("hold", 0), ("hold", 1)]  # ids of the holders (with one worker, ("hold", 1) is
 IDS = [0, 1, 2, 3, *HOLDERS]  # an ordinary id)
@@ -128,14 +128,6 @@ def must_precede(a: Version, b: Version) -> bool:
     return a.run_at <= b.run_at and a.seq < b.seq  # both orders agree
 
 
-def poll(condition: Any, what: str) -> None:
-    deadline = time.monotonic() + CONDITION_TIMEOUT
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting until {what}")
-        time.sleep(POLL)
-
-
 # An operation: ("schedule", id, due, priority, offset), ("submit",) (a plain task: due at the
 # call, priority 0), ("cancel", id), ("fcancel", index of a version, modulo their number),
 # ("state", id), ("settle",) (wait until every due version left the heap: the cancels that follow
@@ -175,7 +167,7 @@ class Run:
             model.add(task_id, True, 0.0, 0, f)
             model.latest[task_id].status = RUNNING
             model.running[task_id] = model.latest[task_id]
-        poll(
+        wait_until(
             lambda: len(model_tasks.read_log(self.log)) == self.workers,
             "every worker runs a holder",
         )
@@ -194,7 +186,7 @@ class Run:
             f = pool.submit(model_tasks.record, self.log, tag)
             model.versions.append(Version(tag, 0, True, run_at, 0, len(model.versions), f, False))
         elif kind == "settle":
-            poll(self.handed_out, "every due version is handed out")
+            wait_until(self.handed_out, "every due version is handed out")
         elif kind == "cancel":
             assert pool.cancel(op[1]) == model.cancel_id(op[1]), op
         elif kind == "fcancel":
@@ -224,7 +216,7 @@ class Run:
         pool, model = self.pool, self.model
         # Before the release: a due version still in the heap would become due after some
         # lower ones already ran, and the order check would blame the pool for the test.
-        poll(self.handed_out, "every due version is handed out")
+        wait_until(self.handed_out, "every due version is handed out")
         self.release.touch()
         for v in model.running.values():
             assert v.future.result(CONDITION_TIMEOUT) == 1
@@ -315,7 +307,7 @@ def test_a_batch_injected_into_a_sleeping_worker_wakes_an_idle_peer(tmp_path: Pa
         first = [pool.schedule(("warm", k), 0.0, 0, model_tasks.record, log) for k in range(2)]
         for f in first:
             f.result(CONDITION_TIMEOUT)
-        poll(lambda: len(model_tasks.read_log(log)) == 2, "both warm-up tasks ran")
+        wait_until(lambda: len(model_tasks.read_log(log)) == 2, "both warm-up tasks ran")
         coordinator.collect = held_collect  # type: ignore[method-assign]
         armed.set()
         pool._wakeup.wakeup()  # a pass of the loop, which stops in held_collect
@@ -323,9 +315,9 @@ def test_a_batch_injected_into_a_sleeping_worker_wakes_an_idle_peer(tmp_path: Pa
         for task_id in HOLDERS:
             pool.schedule(task_id, 0.0, 0, model_tasks.hold, log, str(release))
         slots = pool._views.slots
-        poll(lambda: all(slot.is_sleeping() for slot in slots), "both workers sleep")
+        wait_until(lambda: all(slot.is_sleeping() for slot in slots), "both workers sleep")
         go_on.set()
-        poll(
+        wait_until(
             lambda: sum(r[0] == "held" for r in model_tasks.read_log(log)) == 2,
             "both holders run (one worker slept while a task waited in its peer's inbox)",
         )
