@@ -431,6 +431,9 @@ class SlotQueues:
         """Owner only: the innermost running task, top-level ``handle``, has its result in its
         block: move it from the run_stack to the done ring in one lock round."""
         w = self._w
+        # Counted before the commit: once the coordinator has the result (and the caller its
+        # future), statistics() counts the run (a death in between counts a failed run).
+        w[EXECUTED] += 1
         if not self._acquire(False):
             self._acquire_contended()
         try:
@@ -447,7 +450,6 @@ class SlotQueues:
         finally:
             w[HOLDER_PID] = 0
             self._release()
-        w[EXECUTED] += 1
 
     def announce_sleep(self) -> bool:
         """Owner only: set ``sleeping`` if, under the lock, both rings are empty.
@@ -657,6 +659,8 @@ class SlotQueues:
                 record is popped in the same lock hold, after the state store.
         """
         w = self._w
+        if finished_by is not None:  # counted before the commit, as in complete()
+            finished_by._w[EXECUTED] += 1
         if not self._acquire(False):
             self._acquire_contended()
         try:
@@ -673,8 +677,6 @@ class SlotQueues:
         finally:
             w[HOLDER_PID] = 0
             self._release()
-        if finished_by is not None:
-            finished_by._w[EXECUTED] += 1
         return previous
 
     def block_state(self, states: BlockStates, handle: int) -> int:
