@@ -764,10 +764,16 @@ class Coordinator:
         if new:
             handles = slab.alloc_many(len(new)) if len(new) > 1 else [slab.alloc()]
             if not handles or handles[0] < 0:
-                batch = batch[: batch.index(new[0])]  # those taken back still go
+                handles = []
+            if len(handles) < len(new):
+                # Slab short: only the tasks before the first new one left without a block go
+                # (those taken back keep theirs); the caller puts the rest back in order. (A
+                # batch cut only when no block at all was free injected the rest as handle -1:
+                # lost futures, and a worker claiming block -1.)
+                batch = batch[: batch.index(new[len(handles)])]
                 if not batch:
                     return 0
-                new = []
+                new = new[: len(handles)]
             for future, handle in zip(new, handles, strict=False):
                 payload = future._payload
                 due = future._due

@@ -1,0 +1,58 @@
+"""Tasks of the resource-exhaustion tests (``test_exhaustion.py``): importable, so that they
+are tabled by reference like a user's module functions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mpsched
+
+
+def ident(x: Any) -> Any:
+    return x
+
+
+def blob(n: int, fill: int = 7) -> bytes:
+    return bytes([fill]) * n
+
+
+def size_of(data: bytes) -> int:
+    return len(data)
+
+
+def kwargs_sizes(**kwargs: bytes) -> dict[str, int]:
+    return {k: len(v) for k, v in kwargs.items()}
+
+
+def spawn_then_join(n: int, arg_bytes: int) -> int:
+    """Spawn ``n`` children (each with ``arg_bytes`` of arguments) without joining any, then
+    join them all: more children than a deque holds, and (with big arguments) than the slab."""
+    pad = b"c" * arg_bytes
+    children = [mpsched.submit(child_value, i, pad) for i in range(n)]
+    return sum(f.result() for f in children)
+
+
+def child_value(i: int, pad: bytes) -> int:
+    return i + len(pad)
+
+
+def _numbered(i: int) -> Callable[[int], int]:
+    def fn(x: int) -> int:
+        return x + i
+
+    # A module-level name and qualname: pickled by reference, so each one takes a function id.
+    fn.__name__ = fn.__qualname__ = f"numbered_{i}"
+    fn.__module__ = __name__
+    return fn
+
+
+NUMBERED = 4096 + 200  # more distinct module functions than a pool's table holds (FTAB_MAX_FIDS)
+for _i in range(NUMBERED):
+    globals()[f"numbered_{_i}"] = _numbered(_i)
+del _i
+
+
+def numbered(i: int) -> Callable[[int], int]:
+    fn: Callable[[int], int] = globals()[f"numbered_{i}"]
+    return fn
