@@ -56,3 +56,15 @@ del _i
 def numbered(i: int) -> Callable[[int], int]:
     fn: Callable[[int], int] = globals()[f"numbered_{i}"]
     return fn
+
+
+class Captured:
+    """An object a closure captures (weakly referenceable: a test checks it is freed)."""
+
+    def __init__(self, n: int) -> None:
+        self.data = bytes(n)
+
+
+def closure_over(obj: Captured) -> Callable[[], int]:
+    """A closure (pickled inline, with its captured ``obj``, by cloudpickle)."""
+    return lambda: len(obj.data)

@@ -10,7 +10,9 @@ stays usable, and every block and stash entry is returned.
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 from mpsched import Pool
 from tests.integration.conditions import CONDITION_TIMEOUT, wait_until
@@ -76,3 +78,20 @@ def test_a_batch_the_slab_can_only_partly_hold_loses_no_task() -> None:
         if taken:
             slab.free_many(taken)
         pool.shutdown(cancel_futures=True)
+
+
+def test_submitted_closures_and_what_they_capture_are_not_kept() -> None:
+    """Found here: the submitting side's function cache (``FunctionCache``) remembered every
+    function it could not table (a lambda, a closure) with a strong reference, so every closure
+    ever submitted, and all it captured, lived as long as the pool: a loop submitting
+    ``lambda: work(chunk)`` kept every chunk."""
+    with Pool(1) as pool:
+        refs = []
+        for _ in range(20):
+            obj = tasks.Captured(100_000)
+            refs.append(weakref.ref(obj))
+            assert pool.submit(tasks.closure_over(obj)).result(CONDITION_TIMEOUT) == 100_000
+            del obj
+        gc.collect()
+        kept = sum(ref() is not None for ref in refs)
+        assert kept == 0, f"{kept} captured objects are still alive after their tasks ended"
