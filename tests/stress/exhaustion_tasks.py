@@ -3,6 +3,7 @@ are tabled by reference like a user's module functions."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -68,3 +69,20 @@ class Captured:
 def closure_over(obj: Captured) -> Callable[[], int]:
     """A closure (pickled inline, with its captured ``obj``, by cloudpickle)."""
     return lambda: len(obj.data)
+
+
+def count(path: str) -> int:
+    """Append one byte to ``path`` (O_APPEND: atomic across processes); the runs so far."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, b".")
+    finally:
+        os.close(fd)
+    return 0
+
+
+def nest(depth: int) -> int:
+    """A chain of ``depth`` children, each joined by its parent (join-helping nests runs)."""
+    if depth == 0:
+        return 0
+    return mpsched.submit(nest, depth - 1).result() + 1
