@@ -92,6 +92,7 @@ _CHILD_QUEUED = int(ChildState.QUEUED)
 _PARENT = int(BlockField.PARENT)
 _UID = int(BlockField.UID)
 _UID_PID_SHIFT = 31  # a child's uid is (spawning worker's pid << 31) | counter (_worker.next_uid)
+_UID_COUNTER_MASK = (1 << _UID_PID_SHIFT) - 1  # counters wrap: see _worker.UID_COUNTER_MASK
 # A top-level task's block: the uid names no process, so orphan_children never takes it for a
 # dead worker's child (the block's handle identifies the task; no per-task number is needed).
 TOP_LEVEL_UID = 0
@@ -829,8 +830,8 @@ class Coordinator:
                 self.stash.pop(-nbytes, None)
 
     def stash_put(self, data: bytes) -> int:
-        self.stash_counter += 1
-        key = (os.getpid() << 31) | self.stash_counter
+        self.stash_counter = counter = (self.stash_counter + 1) & _UID_COUNTER_MASK
+        key = (os.getpid() << _UID_PID_SHIFT) | counter  # the counter must not reach the pid
         self.stash[key] = data
         return key
 

@@ -114,6 +114,23 @@ def test_submitted_closures_and_what_they_capture_are_not_kept() -> None:
         assert kept == 0, f"{kept} captured objects are still alive after their tasks ended"
 
 
+def test_uids_still_name_their_worker_after_two_billion() -> None:
+    """Found here: a worker numbers its children and stash keys ``pid << 31 | counter`` and the
+    crash recovery finds a dead worker's children (and stashed bytes) by ``uid >> 31 == pid``;
+    the counter was never bounded, so after 2**31 spawns in one worker's life (hours of a busy
+    pool without max_tasks_per_worker) uids named another pid: a crash then left that
+    worker's children unfound (their parents waited forever) and keys could collide with a
+    peer's. Made deterministic by setting the counter near the limit. (Past 2**31 alone, an
+    odd pid hides the overlap: bit 31 is one of its own; far past it, counter bits fall on
+    the pid's low 14 bits, which are all ones for no pid but one in 16,384.)"""
+    with Pool(1) as pool:
+        for start in (2**31 - 2, 2**45 - 2):
+            uids = pool.submit(tasks.uids_past_the_counter_limit, start)
+            assert uids.result(CONDITION_TIMEOUT) == [True] * 4, start
+        assert pool.submit(tasks.spawn_past_the_counter_limit).result(CONDITION_TIMEOUT) == 15
+        _assert_all_returned(pool)
+
+
 # ---------------------------------------------------------------- the slab
 def test_more_tasks_in_flight_than_slab_blocks_with_small_and_chained_payloads() -> None:
     """20,000 tasks submitted at once: five times the slab's 4,096 blocks (2 workers), so most
