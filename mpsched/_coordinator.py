@@ -92,6 +92,7 @@ _CHILD_QUEUED = int(ChildState.QUEUED)
 _PARENT = int(BlockField.PARENT)
 _UID = int(BlockField.UID)
 _UID_PID_SHIFT = 31  # a child's uid is (spawning worker's pid << 31) | counter (_worker.next_uid)
+_UID_COUNTER_MASK = (1 << _UID_PID_SHIFT) - 1  # counters wrap: see _worker.UID_COUNTER_MASK
 # A top-level task's block: the uid names no process, so orphan_children never takes it for a
 # dead worker's child (the block's handle identifies the task; no per-task number is needed).
 TOP_LEVEL_UID = 0
@@ -764,10 +765,16 @@ class Coordinator:
         if new:
             handles = slab.alloc_many(len(new)) if len(new) > 1 else [slab.alloc()]
             if not handles or handles[0] < 0:
-                batch = batch[: batch.index(new[0])]  # those taken back still go
+                handles = []
+            if len(handles) < len(new):
+                # Slab short: only the tasks before the first new one left without a block go
+                # (those taken back keep theirs); the caller puts the rest back in order. (A
+                # batch cut only when no block at all was free injected the rest as handle -1:
+                # lost futures, and a worker claiming block -1.)
+                batch = batch[: batch.index(new[len(handles)])]
                 if not batch:
                     return 0
-                new = []
+                new = new[: len(handles)]
             for future, handle in zip(new, handles, strict=False):
                 payload = future._payload
                 due = future._due
@@ -823,8 +830,8 @@ class Coordinator:
                 self.stash.pop(-nbytes, None)
 
     def stash_put(self, data: bytes) -> int:
-        self.stash_counter += 1
-        key = (os.getpid() << 31) | self.stash_counter
+        self.stash_counter = counter = (self.stash_counter + 1) & _UID_COUNTER_MASK
+        key = (os.getpid() << _UID_PID_SHIFT) | counter  # the counter must not reach the pid
         self.stash[key] = data
         return key
 

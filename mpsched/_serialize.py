@@ -28,10 +28,12 @@ of ``__main__`` (classes, their instances in arguments) still go by reference.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Callable
 
 from mpsched._protocol import PICKLE_PROTOCOL
@@ -219,6 +221,10 @@ class FunctionCache:
         self._table_add = table_add
         # Keyed by the function object itself (strong reference: keeps its id from being reused).
         self._fids: dict[Any, int] = {}
+        # Functions that cannot be tabled (lambdas, closures): remembered weakly, so that a
+        # repeat skips the failed pickling, but neither they nor what they capture outlive
+        # their tasks (held in _fids, every closure ever submitted lived as long as the pool).
+        self._untabled: weakref.WeakSet[Any] = weakref.WeakSet()
         self._full = False
         self._lock = threading.Lock()
 
@@ -230,13 +236,18 @@ class FunctionCache:
             fid = self._fids.get(fn)
             if fid is not None:  # another thread tabled it meanwhile
                 return fid
-            if self._full:
+            if self._full or fn in self._untabled:
                 return INLINE
             data = function_bytes(fn)
-            fid = INLINE if data is None else self._table_add(data)
-            if data is not None and fid == INLINE:
+            if data is None:
+                with contextlib.suppress(TypeError):  # not weakly referenceable: not remembered
+                    self._untabled.add(fn)
+                return INLINE
+            fid = self._table_add(data)
+            if fid == INLINE:
                 self._full = True
-            self._fids[fn] = fid
+            else:
+                self._fids[fn] = fid
         return fid
 
     def encode(

@@ -78,6 +78,9 @@ CHILD_QUEUED = int(ChildState.QUEUED)
 CHILD_DONE = int(ChildState.DONE)
 CHILD_ABANDONED = int(ChildState.ABANDONED)
 
+# A uid or stash key is pid << 31 | counter: the counter wraps at 2**31 (a uid is reused only
+# after 2**31 more from the same process, long after its task ended).
+UID_COUNTER_MASK = (1 << 31) - 1
 STEAL_RETRY_ROUNDS = 64  # full rounds over the peers while some answered RETRY, then sleep
 # Before sleeping, watch the own queues this long (s): a caller that waits for each result
 # before it submits the next task (a latency-bound loop) hands the next one over within tens of
@@ -577,8 +580,11 @@ class Worker:
                 self.idle(handle, deadline)
 
     def next_uid(self) -> int:
-        self.stash_counter += 1
-        return (self.pid << 31) | self.stash_counter
+        # The counter wraps within its 31 bits: past them it spilled into the pid's bits, and
+        # the crash recovery, which finds a dead worker's children and stashed bytes by
+        # ``uid >> 31 == pid``, missed them (after 2**31 spawns in one worker's life).
+        self.stash_counter = counter = (self.stash_counter + 1) & UID_COUNTER_MASK
+        return (self.pid << 31) | counter
 
     # ------------------------------------------------------------------ big payloads
     def stash(self, data: bytes, handle: int, field: int) -> int:
