@@ -347,7 +347,6 @@ def test_an_id_cancelled_while_an_older_version_ran_is_forgotten_in_turn() -> No
     assert heap.state("c") is TaskState.CANCELLED
 
 
-
 @pytest.mark.xfail(
     strict=True,
     reason="known gap (docs/design.md, section 3 'Memory'): the ended-id memory counts ends, "
