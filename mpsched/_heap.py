@@ -129,7 +129,9 @@ class VersionedHeap:
         """``remember``: if > 0, keep the records of at most this many ids that reached a
         terminal state (oldest forgotten first, as ``discard`` does); 0 keeps them all."""
         self._remember = remember
-        self._finished: collections.deque[Hashable] = collections.deque()
+        # The record each id had when it ended, in the order of the ends: an entry forgets its
+        # id only while the id has no newer version (see _forget_oldest).
+        self._finished: collections.deque[Record] = collections.deque()
         # Invariant: every live version's record is once in _heap (stale entries may be too).
         self._heap: list[Record] = []
         # Invariant: the one record of every id seen and not discarded; see the module doc.
@@ -271,7 +273,7 @@ class VersionedHeap:
         # _note_finished, inlined; with a version running, its finish() notes the id instead
         if self._remember and not rec[_R_RUNNING]:
             finished = self._finished
-            finished.append(task_id)
+            finished.append(rec)  # the record stays: its version reads CANCELLED
             if len(finished) > self._remember:
                 self._forget_oldest()
         return item
@@ -343,7 +345,7 @@ class VersionedHeap:
             heapq.heappush(self._heap, rec)
             self._in_heap += 1
         elif self._remember:
-            self._note_finished(task_id)
+            self._note_finished(rec)
         return _STATES[outcome]
 
     def discard(self, task_id: Hashable) -> bool:
@@ -360,16 +362,25 @@ class VersionedHeap:
         state = rec[_R_STATE]
         return _CANCELLED if state == _PENDING and rec[_R_SEQ] not in self._items else state
 
-    def _note_finished(self, task_id: Hashable) -> None:
+    def _note_finished(self, rec: Record) -> None:
         finished = self._finished
-        finished.append(task_id)
+        finished.append(rec)
         if len(finished) > self._remember:
             self._forget_oldest()
 
     def _forget_oldest(self) -> None:
+        """Drop the oldest ends beyond ``remember``. An end forgets its id only if the id's
+        latest version is still the one that ended: an id scheduled again since (pending,
+        running, or ended again: a newer entry) stays. (Forgetting by id, an id that ended a
+        moment ago answered None in ``state()`` once an older end of it left the window.)"""
         finished = self._finished
+        records = self._records
         while len(finished) > self._remember:
-            self.discard(finished.popleft())  # no-op if the id was scheduled again
+            ended = finished.popleft()
+            task_id = ended[_R_TASK_ID]
+            rec = records.get(task_id)
+            if rec is not None and rec[_R_VERSION] == ended[_R_VERSION]:
+                self.discard(task_id)  # no-op if that version runs again (a deferred one)
 
     def _prune(self) -> None:
         items = self._items

@@ -347,6 +347,23 @@ def test_an_id_cancelled_while_an_older_version_ran_is_forgotten_in_turn() -> No
     assert heap.state("c") is TaskState.CANCELLED
 
 
+def test_an_id_that_ended_again_is_not_forgotten_by_its_older_end() -> None:
+    """The ended-id memory forgets its oldest end first; an older end of an id that has ended
+    again since must not take the id with it (its latest end is among the kept ones)."""
+    heap = VersionedHeap(remember=2)
+    for task_id in ("r", "x", "r"):  # ends: r (v1), x, r (v2); room for two
+        heap.schedule(task_id, 0.0, 0, noop)
+        due = heap.pop_due(0.0)
+        assert isinstance(due, Due)
+        heap.finish(due)
+    assert heap.state("r") is TaskState.COMPLETED
+    assert heap.state("x") is TaskState.COMPLETED
+    heap.schedule("y", 0.0, 0, noop)
+    heap.cancel("y")  # one more end: x's is the oldest kept, and goes
+    assert heap.state("x") is None
+    assert heap.state("r") is TaskState.COMPLETED
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="known gap (docs/design.md, section 3 'Memory'): the ended-id memory counts ends, "
