@@ -184,15 +184,19 @@ def disown_all() -> None:
     _unreleased.clear()
 
 
-def join_dropped() -> None:
+def join_dropped(stop: bool = False) -> None:
     """Interpreter exit: wait for the pools that were dropped while their work went on (their
     coordinator threads tear them down), as for the pools still referenced. Ctrl-C while
-    waiting stops them now, as it stops a ``with`` block's pool."""
+    waiting, or ``stop`` (the program ended on one), stops them now, as it stops a ``with``
+    block's pool."""
     for resources in list(_unreleased):
         thread = resources.thread
         coordinator = resources.coordinator
         if not resources.dropped or thread is None or coordinator is None:
             continue
+        if stop:
+            coordinator.begin_shutdown(True)
+            coordinator.abort_running()
         try:
             thread.join()
             coordinator.callbacks.join()  # closed at the loop's end: their last ones run

@@ -879,10 +879,25 @@ def _disown_pools_in_forked_child() -> None:
 os.register_at_fork(after_in_child=_disown_pools_in_forked_child)
 
 
+def _exiting_on_ctrl_c() -> bool:
+    """The interpreter exits because a KeyboardInterrupt reached the top of the main module:
+    its report there set ``sys.last_value``. Not in an interactive session, where that is
+    whatever failed last at the prompt."""
+    return isinstance(getattr(sys, "last_value", None), KeyboardInterrupt) and not hasattr(
+        sys, "ps1"
+    )
+
+
 @atexit.register
 def _shutdown_all_pools() -> None:
-    """Interpreter exit: finish and stop every pool the user did not shut down."""
+    """Interpreter exit: finish and stop every pool the user did not shut down; after a Ctrl-C
+    that ended the program, stop them now, as leaving a ``with`` block on it does (the
+    interrupted wait was outside one: the exit waited for every running task)."""
+    stop = _exiting_on_ctrl_c()
     for pool in list(_live_pools):
         with contextlib.suppress(Exception):
+            if stop and pool._started:
+                pool.shutdown(wait=False, cancel_futures=True)
+                pool._coordinator.abort_running()
             pool.shutdown(wait=True)
-    join_dropped()
+    join_dropped(stop)

@@ -691,6 +691,7 @@ def worker_main(
     global _current
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the coordinator
     worker = Worker(slot, views, wake_fds, conn, options)
+    os.register_at_fork(after_in_child=lambda: _forked_by_a_task(conn))
     if options.initializer and not run_initializer(conn, slot, options.initializer):
         return 0  # the coordinator breaks the pool with the initializer's error
     _current = worker
@@ -724,6 +725,18 @@ def worker_main(
         return 70  # EX_SOFTWARE: an mpsched bug
     finally:
         _current = None
+
+
+def _forked_by_a_task(conn: Connection) -> None:
+    """In a process that a task (or the initializer) forked from this worker: it is no worker.
+    It lets go of its copy of the worker's socket, whose EOF is how the coordinator learns of
+    the worker's death: a copy kept by a process that outlives its task (a daemon) hid the
+    worker's death, so its task never failed, its slot was not replaced and the shutdown
+    waited the drain's timeout. ``mpsched.submit`` refuses to run here: it would push into the
+    worker's deque beside the worker, the deque's one owner."""
+    global _current
+    _current = None
+    conn.close()
 
 
 def run_initializer(conn: Connection, slot: int, initializer: bytes) -> bool:

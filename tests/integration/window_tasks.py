@@ -35,12 +35,16 @@ def die_holding_own_slot_lock(started: str, release: str, record_pid: bool) -> N
     once the lock is held."""
     worker = _current()
     gate = os.open(release, os.O_RDONLY | os.O_NONBLOCK)  # open before the test writes to it
-    if os.fork() == 0:  # the helper: holds the worker's fds (its socket included) until released
+    # A forked process lets go of the worker's socket (``_worker._forked_by_a_task``): the
+    # helper keeps it through a copy of the fd that the worker does not know of.
+    socket_copy = os.dup(worker.conn.fileno())
+    if os.fork() == 0:  # the helper: holds the worker's socket until released
         try:
             select.select([gate], [], [], HELPER_MAX_S)
         finally:
             os._exit(0)
     os.close(gate)
+    os.close(socket_copy)
     queues = worker.me
     queues._acquire()
     if record_pid:

@@ -1,0 +1,88 @@
+"""How the pool behaves inside the user's process and the processes its tasks make: a task
+that forks a process outliving it (a bare ``os.fork()``, as daemons and some libraries do), and
+a Ctrl-C that ends a program whose pool is in no ``with`` block (a script in ``tmp_path``, as in
+``test_exit_paths``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import time
+
+import psutil
+import pytest
+
+from mpsched import Pool, WorkerCrashedError
+
+from . import proc_tasks, tasks
+from .conditions import wait_until
+from .test_exit_paths import _run_and_interrupt
+
+TIMEOUT = 20.0  # s; bound of every wait that must succeed
+SOON = 5.0  # s; what the pool may take to notice a death or end, far below the helper's life
+
+
+def _release(fifo: str, helper: int | None) -> None:
+    """Let the helper go (it waits on the FIFO) and wait until it has exited: after its
+    worker died it is no child of ours, so the leak check would not see it."""
+    with contextlib.suppress(OSError):
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        os.write(fd, b"x")
+        os.close(fd)
+    if helper is not None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(helper).wait(TIMEOUT)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_death_is_seen_while_a_process_its_task_forked_lives(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The coordinator learns of a worker's death by EOF on the worker's socket. A process
+    forked by a task inherited the worker's end of it, so a worker that died after such a task
+    was noticed only once that process exited (never, for a daemon): the dead worker's task
+    did not fail, its slot was not replaced and the shutdown waited the drain's timeout. The
+    forked process is no worker either: ``mpsched.submit`` refuses to run there."""
+    release, report = str(tmp_path / "release"), tmp_path / "report"
+    os.mkfifo(release)
+    helper = None
+    pool = Pool(1)
+    try:
+        helper = pool.submit(proc_tasks.fork_helper, release, str(report)).result(TIMEOUT)
+        with pytest.raises(WorkerCrashedError, match=r"exit code 3\b"):
+            pool.submit(proc_tasks.exit_worker, 3).result(SOON)
+        assert pool.submit(tasks.ident, 7).result(SOON) == 7  # the replacement runs it
+        assert psutil.pid_exists(helper), "the helper should still be alive here"
+        wait_until(lambda: report.exists() and report.read_text() != "", "the helper reported")
+        assert report.read_text() == "submit refused"
+        started = time.monotonic()
+        pool.shutdown()
+        assert time.monotonic() - started < SOON, "the shutdown waited for the helper"
+    finally:
+        _release(release, helper)
+        pool.shutdown()
+
+
+# Ctrl-C while the main thread waits on a result, in a program that never put the pool in a
+# ``with`` block (or shut it down): the KeyboardInterrupt ends the program.
+CTRL_C_OUTSIDE_WITH = """
+if __name__ == "__main__":
+    pool = mpsched.Pool(2, start_method=sys.argv[1])
+    futures = [pool.submit(spin, 60.0) for _ in range(2)]
+    when_main_in("result")
+    futures[0].result()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_that_ends_the_program_outside_a_with_block_stops_running_tasks(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The interpreter's exit (the atexit hook) shut the pool down with ``wait=True``: after a
+    Ctrl-C had ended the program, with its traceback printed, the exit still waited for the
+    60 s tasks. Ctrl-C means "stop now" (design.md, "Ctrl-C"), in a ``with`` block or not."""
+    code, _, err = _run_and_interrupt(tmp_path, CTRL_C_OUTSIDE_WITH, "forkserver")
+    assert code != 0
+    assert err.count("Traceback (most recent call last)") == 1, err
+    assert err.rstrip().endswith("KeyboardInterrupt"), err
