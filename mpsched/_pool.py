@@ -538,10 +538,10 @@ class Pool:
         than 10 ms stops, and the rest of its items go again.
 
         Raises:
-            TypeError: no iterable (as the builtin ``map``); ``fn`` is not callable.
+            TypeError: no iterable (as the builtin ``map``); ``fn`` is not callable;
+                ``timeout`` is not a number (a bool is not) or None.
             ValueError: ``chunksize`` is not a positive int (a bool is not) or None;
                 ``timeout`` is NaN.
-            TypeError: ``timeout`` is not a number (a bool is not) or None.
             PoolClosedError: the pool is shutting down or shut down.
             TimeoutError: from the iterator, if a result is not ready ``timeout`` seconds
                 after this call (infinite: no limit; zero or negative: at once).
