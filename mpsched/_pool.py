@@ -514,7 +514,11 @@ class Pool:
             True if a version was cancelled or asked to stop; False for an id with nothing
             pending or running.
         """
-        return self._coordinator.cancel_id(task_id, force)  # unhashable: TypeError there
+        try:  # no check before: in 3.11 a try costs nothing until it catches
+            return self._coordinator.cancel_id(task_id, force)
+        except TypeError:
+            check_task_id(task_id)  # unhashable: say so, as state() does
+            raise
 
     def state(self, task_id: Hashable) -> TaskState | None:
         """The state of the latest version of ``task_id``: PENDING until a worker claims it,

@@ -501,6 +501,14 @@ def test_bad_schedule_arguments_fail_at_the_call(
         assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
 
 
+def test_an_unhashable_id_is_named_by_cancel_and_state() -> None:
+    with Pool(1) as pool:
+        for query in (pool.cancel, pool.state):
+            with pytest.raises(TypeError, match="task_id must be hashable, not list"):
+                query(["unhashable"])  # type: ignore[arg-type]
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [
