@@ -459,7 +459,7 @@ class Coordinator:
         # Withdrawn from its inbox, or taken back (queued here with its block): free the block.
         self.by_handle.pop(future._handle, None)
         self.watched.pop(future._handle, None)
-        self.drop_stashed_args([future._handle])
+        self.drop_stashed([future._handle])
         self.slab.free_tasks([future._handle])
         future._handle = -1
         future._withdrawn = True
@@ -653,7 +653,7 @@ class Coordinator:
                 self.watched.pop(handle, None)
                 future._handle = -1
                 future._withdrawn = True
-            self.drop_stashed_args([h for h, _ in lost])
+            self.drop_stashed([h for h, _ in lost])
             self.slab.free_tasks([h for h, _ in lost])
         logger.warning("mpsched: cancelled %d task(s) lost by an interrupt", len(lost))
         for _, future in lost:
@@ -818,14 +818,19 @@ class Coordinator:
                 os.eventfd_write(self.wake_fds[k], 1)
                 return
 
-    def drop_stashed_args(self, handles: list[int]) -> None:
-        """Before freeing the blocks of top-level tasks that will not fetch their arguments
-        (withdrawn, lost, or their worker died): drop the stashed arguments of those that
-        had them (``inject``). Only a claimer's FETCH takes them out of the stash otherwise,
-        so each cancelled task with big arguments leaked their bytes here."""
+    def drop_stashed(self, handles: list[int], field: int = _NBYTES) -> None:
+        """Before freeing blocks whose stashed bytes nobody will take: drop them. ``_NBYTES``:
+        the arguments of top-level tasks that will not fetch them (withdrawn, lost, or their
+        worker died; only a claimer's FETCH takes them out otherwise, so each cancelled task
+        with big arguments leaked them here). ``_RESULT_NBYTES``: the result of a task on a
+        dead worker's run stack (``recover_slot``, ``fail_child``): a worker sends a big
+        result's STASH before the push that hands the key over (the done ring, or DONE in a
+        child's block), so one that died in between left bytes that nobody will take; its
+        socket was read to EOF before the recovery, so the STASH is in. (A block's result
+        words are cleared when it is written, so a negative count is this run's key.)"""
         slab = self.slab
         for handle in handles:
-            nbytes = slab.get_word(handle, _NBYTES)
+            nbytes = slab.get_word(handle, field)
             if nbytes < 0:
                 self.stash.pop(-nbytes, None)
 
@@ -981,19 +986,21 @@ class Coordinator:
         wait for this thread. (The coordinator thread's sink is its ``CallbackRunner``.)"""
         if threading.get_ident() == self.thread_id:
             with self.collect_lock:
-                self.collect_locked()
+                self.collect_locked(True)
             return
         settled: list[Future] = []
         previous = defer_callbacks(settled.append)
         try:
             with self.collect_lock:
-                self.collect_locked()
+                self.collect_locked(False)
         finally:
             defer_callbacks(previous)
             if settled:
                 invoke_all(settled)
 
-    def collect_locked(self) -> None:
+    def collect_locked(self, in_loop: bool) -> None:
+        """Under ``collect_lock``: read every done ring (``in_loop``: in the coordinator
+        thread, the only one that reads sockets; see ``read_results``)."""
         # First the handles a user-thread collector left (their STASH was not read yet), each
         # entry once: a user thread leaves one whose STASH is still unread to a new list, not
         # to this pass (it would spin, holding collect_lock, for a STASH that only the loop
@@ -1005,14 +1012,14 @@ class Coordinator:
             try:
                 while unread:
                     k, handles = unread.pop()
-                    self.read_results(k, handles)
+                    self.read_results(k, handles, in_loop)
             finally:
                 self.unread += unread  # the entries an exception kept this pass from reading
         for k, slot in enumerate(self.slots):
             if slot.done_depth():
-                self.read_results(k, slot.take_done())
+                self.read_results(k, slot.take_done(), in_loop)
 
-    def read_results(self, k: int, handles: list[int]) -> None:
+    def read_results(self, k: int, handles: list[int], in_loop: bool) -> None:
         """Under ``collect_lock``: settle the tasks of ``handles``, taken from slot ``k``'s done
         ring, and free their blocks. Only the coordinator thread reads sockets: a user thread
         (``help_wait``) leaves a handle whose stashed result has not arrived to the loop
@@ -1024,7 +1031,6 @@ class Coordinator:
         later: list[int] = []  # a user thread's: left to the loop, their blocks kept
         by_handle = self.by_handle
         get_word = slab.get_word
-        in_loop = threading.get_ident() == self.thread_id
         try:
             for handle in handles:
                 future = by_handle.get(handle)
@@ -1395,8 +1401,8 @@ class Coordinator:
             if future is None:  # a child: its parent waits on the block
                 self.fail_child(handle, worker, code)
                 continue
-            self.drop_stashed_args([handle])  # it may have died before it fetched them
-            self.drop_stashed_result(handle)
+            self.drop_stashed([handle])  # it may have died before it fetched them
+            self.drop_stashed([handle], _RESULT_NBYTES)
             self.slab.free_tasks([handle])
             run = future._run
             # Retried only if nothing asked it to stop: a run asked to cancel (pool.cancel) or
@@ -1474,7 +1480,7 @@ class Coordinator:
                     done.append(handle)
         # The spawner wrote the block (uid, NBYTES 0) before it stashed the arguments and
         # stored their key; its socket was read to EOF before this runs, so its STASH is in.
-        self.drop_stashed_args(unpublished)
+        self.drop_stashed(unpublished)
         self.drop_stashed_results(done)
         to_free = done + unpublished
         if to_free:
@@ -1497,16 +1503,6 @@ class Coordinator:
             key = -nbytes
             if self.stash.pop(key, None) is None and (starting or key >> _UID_PID_SHIFT in live):
                 self.unwanted_stash.add(key)
-
-    def drop_stashed_result(self, handle: int) -> None:
-        """A task on a dead worker's run stack (``recover_slot``): a worker sends a big result's
-        STASH before the push that hands the key over (the done ring, or DONE in a child's
-        block), so one that died in between left bytes that nobody will take. Its socket was
-        read to EOF before the recovery, so the STASH is in. (A block's result words are
-        cleared when it is written, so a negative count is this run's key.)"""
-        nbytes = self.slab.get_word(handle, _RESULT_NBYTES)
-        if nbytes < 0:
-            self.stash.pop(-nbytes, None)
 
     def drop_unfetched_args(self, handle: int) -> None:
         """A child on a dead worker's run stack (``fail_child``): arguments stashed by its
@@ -1571,7 +1567,7 @@ class Coordinator:
         if slab.get_word(handle, _STATE) == _CHILD_DONE:
             return
         self.drop_unfetched_args(handle)
-        self.drop_stashed_result(handle)  # overwritten below
+        self.drop_stashed([handle], _RESULT_NBYTES)  # overwritten below
         error = WorkerCrashedError(crash_message(worker, code), code)
         if not slab.write_result(handle, int(ResultStatus.ERROR), dump_exception(error)):
             raise ProtocolError("a crash report does not fit in a block")

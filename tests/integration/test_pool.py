@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import CancelledError, wait
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ import mpsched
 from mpsched import BrokenPoolError, Pool, PoolClosedError, _pool
 
 from . import tasks
+from .conditions import Fifos
 
 START_METHODS = ["forkserver", "spawn", "fork"]
 
@@ -206,13 +208,12 @@ def test_a_child_future_has_the_future_query_methods_and_cannot_be_cancelled() -
 
 
 @pytest.mark.timeout(60)
-def test_a_child_future_is_running_once_a_peer_started_it(tmp_path: object) -> None:
-    started = os.path.join(str(tmp_path), "started")
-    gate = os.path.join(str(tmp_path), "gate")
-    os.mkfifo(started)
-    os.mkfifo(gate)
+def test_a_child_future_is_running_once_a_peer_started_it(tmp_path: Path) -> None:
+    fifos = Fifos(tmp_path)
     with Pool(2) as pool:
-        states = pool.submit(tasks.child_running_states, started, gate).result(timeout=30)
+        states = pool.submit(tasks.child_running_states, fifos.started, fifos.gate).result(
+            timeout=30
+        )
     assert states == {"running": True, "cancel": False, "result": 7, "after": False}
 
 

@@ -560,7 +560,7 @@ def test_a_result_collected_by_a_waiting_thread_while_a_dropped_pool_drains_sett
             event == "call"
             and frame.f_code.co_name == "free_tasks"
             and frame.f_back is not None
-            and frame.f_back.f_code.co_name == "collect_locked"
+            and frame.f_back.f_code.co_name == "read_results"
         ):
             sys.setprofile(None)
             hooked.append("user")
