@@ -75,6 +75,7 @@ from mpsched._protocol import (
     dump_exception,
     encode,
     load_exception,
+    unpickling_failed,
 )
 from mpsched._ready import ReadyQueue
 from mpsched._serialize import with_version
@@ -1768,7 +1769,7 @@ def unpickle_result(data: bytes) -> tuple[bool, Any]:
     try:  # user code runs here (__setstate__, __reduce__): SystemExit included
         return True, pickle.loads(data)
     except BaseException as exc:
-        return False, RuntimeError(f"the task's result could not be unpickled: {exc!r}")
+        return False, unpickling_failed(exc)
 
 
 def settle_loaded(future: Future, ok: bool, value: Any) -> None:

@@ -145,12 +145,22 @@ def _safe_repr(obj: object) -> str:
 
 
 def load_exception(data: bytes) -> BaseException:
-    """Rebuild an exception made by ``dump_exception`` with the remote traceback as its cause."""
+    """Rebuild an exception made by ``dump_exception`` with the remote traceback as its cause.
+    One that cannot be rebuilt, or that ``__reduce__`` rebuilds as something other than an
+    exception, is replaced by a RuntimeError that says so: this runs in the coordinator thread
+    (and in a joining worker), which an error escaping here broke (and the future hung)."""
     try:
         exc, tb = pickle.loads(data)
+        if not issubclass(type(exc), BaseException):  # type(): __class__ can lie
+            raise TypeError(f"unpickled as {type(exc).__qualname__}, not an exception")
+        exc.__cause__ = RemoteTraceback(tb)
     except BaseException as unpickling_error:  # user code (__setstate__, __reduce__) ran
         return RuntimeError(
             f"the task's exception could not be unpickled: {_safe_repr(unpickling_error)}"
         )
-    exc.__cause__ = RemoteTraceback(tb)
     return exc  # type: ignore[no-any-return]
+
+
+def unpickling_failed(error: BaseException) -> RuntimeError:
+    """The error of a task whose result pickled but could not be unpickled (``error``)."""
+    return RuntimeError(f"the task's result could not be unpickled: {_safe_repr(error)}")

@@ -93,6 +93,27 @@ class ExitAtPickleError(Exception):
         raise SystemExit("exit while pickling the exception")
 
 
+class NotAnExceptionAtUnpickle(Exception):
+    """Pickles fine, but unpickles as a ``str``, not as an exception."""
+
+    def __reduce__(self) -> Any:
+        return str, ("not an exception",)
+
+
+class ReprRaisesError(Exception):
+    """Travels fine, but its ``repr()`` raises (user code that an error message may call)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("ReprRaisesError has no repr")
+
+
+class ReprRaisesAtUnpickle:
+    """Pickles fine; unpickling raises an exception whose ``repr()`` raises too."""
+
+    def __reduce__(self) -> Any:
+        return _raise, (ReprRaisesError("at unpickle"),)
+
+
 def return_instance(cls: type) -> Any:
     return cls()
 
@@ -107,6 +128,8 @@ def raise_error(kind: str) -> None:
         raise HostileError
     if kind == "exit-at-pickle":
         raise ExitAtPickleError("boom")
+    if kind == "not-an-exception":
+        raise NotAnExceptionAtUnpickle("boom")
     raise AssertionError(kind)
 
 

@@ -252,6 +252,20 @@ PICKLING_CASES = [
         r"HostileError.*could not be pickled",
     ),
     Case(
+        "exception that unpickles as a non-exception",
+        bt.raise_error,
+        ("not-an-exception",),
+        RuntimeError,
+        r"exception could not be unpickled.*str.* not an exception",
+    ),
+    Case(
+        "result whose unpickling raises an error without a repr",
+        bt.return_instance,
+        (bt.ReprRaisesAtUnpickle,),
+        RuntimeError,
+        r"result could not be unpickled.*ReprRaisesError",
+    ),
+    Case(
         "exception whose pickling exits",
         bt.raise_error,
         ("exit-at-pickle",),
