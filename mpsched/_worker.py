@@ -64,6 +64,7 @@ from mpsched._protocol import (
     dump_exception,
     encode,
     load_exception,
+    unpickling_failed,
 )
 from mpsched._serialize import INLINE, decode_call, dumps, encode_call
 from mpsched._shm import SharedFd
@@ -539,7 +540,13 @@ class Worker:
         data = slab.read_result(handle)[1] if nbytes >= 0 else self.fetch(-nbytes)
         self.free_child(handle)
         if status == _OK:
-            return status, pickle.loads(data)
+            try:
+                return status, pickle.loads(data)
+            except BaseException as exc:  # user code (__reduce__, __setstate__) ran
+                # The child's error, as a top-level task's (the block is freed: an error
+                # escaping here left the future unsettled on a free block, and a second
+                # result() waited on it forever).
+                return _ERROR, dump_exception(unpickling_failed(exc))
         return status, data
 
     def free_child(self, handle: int) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import mpsched
 
 BIG = 200 * 1024 * 1024  # bytes: the "200 MB" argument and results
+CHILD_TIMEOUT = 5.0  # s; a child's future that hangs fails its case (within CASE_TIMEOUT)
 
 
 def _raise(exc: BaseException) -> None:
@@ -183,6 +184,22 @@ def start_threads(n: int, leave_one_blocked: bool) -> list[int]:
 def big_result_of_child(n: int) -> int:
     """A child returns ``n`` bytes to this task (through the coordinator's stash)."""
     return len(mpsched.submit(make_zeros, n).result())
+
+
+def child_result_asked_twice(cls: type) -> list[str]:
+    """A child returns an instance of ``cls``; this task asks its future for the result twice
+    (each wait bounded), then runs one more child. Returns what each of the three gave, as
+    ``repr(value)`` or ``"<type>: <message>"``."""
+    future = mpsched.submit(return_instance, cls)
+    outcomes = []
+    for _ in range(2):
+        try:
+            outcomes.append(repr(future.result(CHILD_TIMEOUT)))
+        except BaseException as exc:  # what the future raised, whatever it is, is the outcome
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+    del future
+    outcomes.append(repr(mpsched.submit(size_of, b"ok").result(CHILD_TIMEOUT)))
+    return outcomes
 
 
 def make_zeros(n: int) -> bytes:

@@ -179,6 +179,10 @@ def test_a_task_that_exits_crashes_forks_or_starts_threads(case: Case, ctx: Any)
 
 
 # ------------------------------------------------------------------ results and exceptions
+# What a child's future raises, each time it is asked, for a result that cannot be unpickled in
+# the parent (as a top-level task's future does).
+_CHILD_UNPICKLING_FAILED = "RuntimeError: the task's result could not be unpickled: {}"
+
 PICKLING_CASES = [
     Case("unpicklable result", tasks.unpicklable_result, (), TaskPicklingError, "pickle"),
     Case(
@@ -215,6 +219,22 @@ PICKLING_CASES = [
         (bt.InterruptAtUnpickle,),
         RuntimeError,
         "result could not be unpickled.*interrupt at unpickle",
+    ),
+    Case(
+        "child result that cannot be unpickled",
+        bt.child_result_asked_twice,
+        (bt.ErrorAtUnpickle,),
+        check=lambda v: (
+            v == [_CHILD_UNPICKLING_FAILED.format("ValueError('error at unpickle')")] * 2 + ["2"]
+        ),
+    ),
+    Case(
+        "child result whose unpickling exits",
+        bt.child_result_asked_twice,
+        (bt.ExitAtUnpickle,),
+        check=lambda v: (
+            v == [_CHILD_UNPICKLING_FAILED.format("SystemExit('exit at unpickle')")] * 2 + ["2"]
+        ),
     ),
     Case(
         "argument that cannot be unpickled",
