@@ -501,13 +501,16 @@ class Worker:
         return ChildFuture(self, handle)
 
     def run_inline(self, payload: bytes) -> ChildFuture:
-        fid, fn, args, kwargs, _ = decode_call(payload)
-        if fid != INLINE:
-            fn = self.load_function(fid)
+        # Decoding runs user code (the arguments' unpickling, the function's import): its
+        # error is the child's, as when a peer runs it (it escaped from mpsched.submit).
         try:
-            return ChildFuture.settled(self, fn(*args, **kwargs), None)
+            fid, fn, args, kwargs, _ = decode_call(payload)
+            if fid != INLINE:
+                fn = self.load_function(fid)
+            value = fn(*args, **kwargs)
         except BaseException as exc:  # user code: reported as a child's error is
             return ChildFuture.settled(self, None, dump_exception(exc))
+        return ChildFuture.settled(self, value, None)
 
     def finish_child(self, handle: int, parent: int) -> None:
         """Executor of a child: publish DONE under the parent's slot lock and wake the parent.

@@ -202,6 +202,22 @@ def child_result_asked_twice(cls: type) -> list[str]:
     return outcomes
 
 
+def nest_then_submit_bad_argument(depth: int) -> str:
+    """Nest ``depth`` more tasks (each waits for its child; past the run stack's depth a worker
+    runs children inline), then submit a child whose argument cannot be unpickled. Says which
+    raised, ``submit()`` or the child's ``result()``, and what."""
+    if depth:
+        return str(mpsched.submit(nest_then_submit_bad_argument, depth - 1).result())
+    try:
+        future = mpsched.submit(size_of, ErrorAtUnpickle())
+    except BaseException as exc:  # what submit() raised is the outcome
+        return f"submit() raised {exc!r}"
+    try:
+        return f"result() returned {future.result(CHILD_TIMEOUT)!r}"
+    except BaseException as exc:
+        return f"result() raised {exc!r}"
+
+
 def make_zeros(n: int) -> bytes:
     return bytes(n)
 

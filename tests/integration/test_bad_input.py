@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from mpsched import Pool, PoolClosedError, TaskPicklingError, WorkerCrashedError
+from mpsched._shm_deque import MAX_NESTING
 
 from . import bad_tasks as bt
 from . import tasks
@@ -299,6 +300,17 @@ PICKLING_CASES = [
 @pytest.mark.parametrize("case", PICKLING_CASES, ids=str)
 def test_a_result_or_exception_that_does_not_travel_fails_its_future_only(case: Case) -> None:
     run_case(case, None)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("depth", [0, MAX_NESTING])
+def test_a_child_whose_argument_cannot_be_unpickled_fails_its_future(depth: int) -> None:
+    """Whether the child is queued or, nested deeper than the run stack, run inline by its
+    parent, its argument's unpickling error ends the child's future, not ``submit()``."""
+    with Pool(1) as pool:  # one worker: every level of the nest runs in it
+        outcome = pool.submit(bt.nest_then_submit_bad_argument, depth).result(CASE_TIMEOUT)
+        assert outcome == "result() raised ValueError('error at unpickle')"
+        assert_pool_works(pool)
 
 
 # ------------------------------------------------------------------ 200 MB payloads
