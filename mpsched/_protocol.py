@@ -131,13 +131,15 @@ def dump_exception(exc: BaseException) -> bytes:
         return pickle.dumps((exc, tb), PICKLE_PROTOCOL)
     except BaseException as pickling_error:
         substitute = RuntimeError(
-            f"the task raised {_safe_repr(exc)}, which could not be pickled to send it back "
-            f"({_safe_repr(pickling_error)})"
+            f"the task raised {safe_repr(exc)}, which could not be pickled to send it back "
+            f"({safe_repr(pickling_error)})"
         )
         return pickle.dumps((substitute, tb), PICKLE_PROTOCOL)
 
 
-def _safe_repr(obj: object) -> str:
+def safe_repr(obj: object) -> str:
+    """``repr(obj)``, or its type's name if that raises (a repr is user code: in an error
+    message it must not replace the error)."""
     try:
         return repr(obj)
     except BaseException:
@@ -156,11 +158,11 @@ def load_exception(data: bytes) -> BaseException:
         exc.__cause__ = RemoteTraceback(tb)
     except BaseException as unpickling_error:  # user code (__setstate__, __reduce__) ran
         return RuntimeError(
-            f"the task's exception could not be unpickled: {_safe_repr(unpickling_error)}"
+            f"the task's exception could not be unpickled: {safe_repr(unpickling_error)}"
         )
     return exc  # type: ignore[no-any-return]
 
 
 def unpickling_failed(error: BaseException) -> RuntimeError:
     """The error of a task whose result pickled but could not be unpickled (``error``)."""
-    return RuntimeError(f"the task's result could not be unpickled: {_safe_repr(error)}")
+    return RuntimeError(f"the task's result could not be unpickled: {safe_repr(error)}")

@@ -36,7 +36,7 @@ import types
 import weakref
 from collections.abc import Callable
 
-from mpsched._protocol import PICKLE_PROTOCOL
+from mpsched._protocol import PICKLE_PROTOCOL, safe_repr
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
@@ -64,8 +64,9 @@ def dumps(obj: Any) -> bytes:
             return _cloudpickle().dumps(obj, PICKLE_PROTOCOL)  # type: ignore[no-any-return]
         except Exception as cloud_error:
             raise TaskPicklingError(
-                f"cannot pickle {_describe(obj)}: {cloud_error!r} (plain pickle: "
-                f"{plain_error!r}). Pass picklable arguments, or share the data another way."
+                f"cannot pickle {_describe(obj)}: {safe_repr(cloud_error)} (plain pickle: "
+                f"{safe_repr(plain_error)}). Pass picklable arguments, or share the data "
+                "another way."
             ) from cloud_error
 
 
@@ -77,8 +78,17 @@ def _cloudpickle() -> Any:
 
 
 def _describe(obj: Any) -> str:
-    text = repr(obj)
-    return text if len(text) <= 200 else text[:197] + "..."
+    """A short repr of ``obj`` for an error message: bounded while it is built (reprlib: the
+    full repr of a big result cost its size in memory and time, only to be cut), and safe (a
+    repr that raised replaced the TaskPicklingError with its own error)."""
+    import reprlib  # here: error paths only
+
+    describer = reprlib.Repr()
+    describer.maxstring = describer.maxother = 200
+    try:
+        return describer.repr(obj)
+    except BaseException:  # user code (__repr__) ran
+        return f"<{type(obj).__qualname__} object (repr failed)>"
 
 
 def encode_call(
@@ -106,9 +116,9 @@ def _encode_with_cloudpickle(call: Call) -> bytes:
     try:
         return _cloudpickle().dumps(call, PICKLE_PROTOCOL)  # type: ignore[no-any-return]
     except Exception as exc:
-        what = "arguments" if fn is None else f"function {fn!r} or its arguments"
+        what = "arguments" if fn is None else f"function {_describe(fn)} or its arguments"
         raise TaskPicklingError(
-            f"cannot pickle the task's {what}: {exc!r}. Tasks run in other processes, so "
+            f"cannot pickle the task's {what}: {safe_repr(exc)}. Tasks run in other processes, so "
             "their function and arguments must be picklable (lambdas and local functions are "
             "fine; open files, locks, sockets and generators are not)."
         ) from exc

@@ -87,6 +87,19 @@ class HostileError(Exception):
         raise RuntimeError("HostileError has no str")
 
 
+class HostileCallable:
+    """A callable that cannot be pickled, and whose ``repr()`` raises."""
+
+    def __call__(self) -> None:
+        pass
+
+    def __reduce__(self) -> Any:
+        raise TypeError("HostileCallable cannot be pickled")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("HostileCallable has no repr")
+
+
 class ExitAtPickleError(Exception):
     """An exception whose pickling raises SystemExit."""
 

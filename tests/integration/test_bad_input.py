@@ -122,6 +122,13 @@ SUBMIT_CASES = [
     Case("unpicklable argument", tasks.ident, (threading.Lock(),), TaskPicklingError, "pickle"),
     Case("unpicklable function", _unpicklable_function(), (), TaskPicklingError, "pickle"),
     Case("argument whose pickling raises", tasks.ident, (bt.ErrorAtPickle(),), TaskPicklingError),
+    Case(
+        "unpicklable function whose repr() raises",
+        bt.HostileCallable(),
+        (),
+        TaskPicklingError,
+        "HostileCallable cannot be pickled",
+    ),
     # Pickling runs in the caller's thread: a SystemExit raised there reaches the caller as is.
     Case("argument whose pickling exits", tasks.ident, (bt.ExitAtPickle(),), SystemExit),
 ]
@@ -186,6 +193,13 @@ _CHILD_UNPICKLING_FAILED = "RuntimeError: the task's result could not be unpickl
 
 PICKLING_CASES = [
     Case("unpicklable result", tasks.unpicklable_result, (), TaskPicklingError, "pickle"),
+    Case(
+        "unpicklable result whose repr() raises",
+        bt.return_instance,
+        (bt.HostileError,),
+        TaskPicklingError,
+        "HostileError cannot be pickled",
+    ),
     Case(
         "result whose pickling raises",
         bt.return_instance,
