@@ -29,6 +29,7 @@ of ``__main__`` (classes, their instances in arguments) still go by reference.
 from __future__ import annotations
 
 import contextlib
+import marshal
 import pickle
 import sys
 import threading
@@ -176,7 +177,9 @@ def portable(fn: Any) -> Any:
     the copy taken when the zygote forked, without what was defined later. By reference alone,
     such a task or initializer failed in the worker with "Can't get attribute". The name is
     tried first so that a function the worker can see keeps the worker's globals (e.g. those
-    an initializer set), as before.
+    an initializer set), as before; but only if the worker's function there has ``fn``'s code:
+    the name may hold an older body (redefined since: a notebook cell run again), which ran
+    instead of the new one.
     """
     if getattr(fn, "__module__", None) != "__main__" or type(fn) not in _TABLED_TYPES:
         return fn
@@ -187,31 +190,49 @@ def portable(fn: Any) -> Any:
         return fn
     if len(by_value) > MAIN_BY_VALUE_MAX:
         return fn
-    return _MainFunction(fn.__qualname__, by_value)
+    return _MainFunction(fn.__qualname__, by_value, code_bytes(fn))
 
 
 class _MainFunction:
-    """Pickles as ``load_main_function(qualname, by_value)`` (see ``portable``)."""
+    """Pickles as ``load_main_function(qualname, by_value, code)`` (see ``portable``)."""
 
-    __slots__ = ("by_value", "qualname")
+    __slots__ = ("by_value", "code", "qualname")
 
-    def __init__(self, qualname: str, by_value: bytes) -> None:
+    def __init__(self, qualname: str, by_value: bytes, code: bytes | None) -> None:
         self.qualname = qualname
         self.by_value = by_value
+        self.code = code
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (load_main_function, (self.qualname, self.by_value))
+        return (load_main_function, (self.qualname, self.by_value, self.code))
 
 
-def load_main_function(qualname: str, by_value: bytes) -> Any:
-    """In a worker: ``__main__.<qualname>`` if it exists there, else the copy ``by_value``."""
+def load_main_function(qualname: str, by_value: bytes, code: bytes | None) -> Any:
+    """In a worker: ``__main__.<qualname>`` if it exists there with the code ``code``, else
+    the copy ``by_value``."""
     obj: Any = sys.modules.get("__main__")
     try:
         for part in qualname.split("."):
             obj = getattr(obj, part)
     except AttributeError:
         return _cloudpickle().loads(by_value)
+    if code is None or code_bytes(obj) != code:  # another function (or object) there
+        return _cloudpickle().loads(by_value)
     return obj
+
+
+def code_bytes(fn: Any) -> bytes | None:
+    """``fn``'s code as bytes that compare equal across processes for equal code (b"" without
+    code, e.g. a builtin; None if it cannot be written). marshal version 2: later versions
+    mark objects referenced more than once, so their bytes depend on reference counts, which
+    differ between processes. ~1 us."""
+    code = getattr(fn, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return b""
+    try:
+        return marshal.dumps(code, 2)
+    except ValueError:  # a constant marshal cannot write (hand-made code): equal to nothing
+        return None
 
 
 # Plain pickle serializes these by reference only, so their bytes never go stale. Bound methods,

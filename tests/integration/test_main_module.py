@@ -83,6 +83,53 @@ def test_functions_defined_in_main_run_under_each_start_method(
     assert "leaked" not in proc.stderr, proc.stderr
 
 
+# A worker's __main__ may hold an older function under a task's name: the one defined there before
+# the script redefined it (fork: the zygote's copy; spawn and forkserver: the script run again).
+# The worker must run the new body, while a function it holds unchanged stays its own (with the
+# globals the initializer set in the worker).
+REDEFINED = """
+import sys
+import mpsched
+
+SEEN = "unset"
+
+def set_seen(value):
+    global SEEN
+    SEEN = value
+
+def seen():
+    return SEEN
+
+def f(x):
+    return x + 1
+
+if __name__ == "__main__":
+    with mpsched.Pool(
+        1, start_method=sys.argv[1], initializer=set_seen, initargs=("worker",)
+    ) as pool:
+        print("seen", pool.submit(seen).result(timeout=20), flush=True)
+        print("first", pool.submit(f, 1).result(timeout=20), flush=True)
+        def f(x):  # a new body under the old name (a notebook cell run again)
+            return x * 100
+        print("redefined", pool.submit(f, 1).result(timeout=20), flush=True)
+        print("map", list(pool.map(f, [1])), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_a_redefined_main_function_runs_its_new_body(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    script = tmp_path / "user_main.py"
+    script.write_text(REDEFINED)
+    proc = _run([sys.executable, str(script), start_method], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["seen worker", "first 2", "redefined 100", "map [100]"], (
+        proc.stderr
+    )
+
+
 # A __main__ function the worker cannot name goes by value (_serialize.portable). Its by-value
 # copy is tabled once (function_bytes) and cached by every worker, with the function's globals
 # as they were at its first submit: a later submit runs with those stale values, while map()
