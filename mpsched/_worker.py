@@ -503,13 +503,22 @@ class Worker:
     def run_inline(self, payload: bytes) -> ChildFuture:
         # Decoding runs user code (the arguments' unpickling, the function's import): its
         # error is the child's, as when a peer runs it (it escaped from mpsched.submit).
+        contexts = self.contexts
+        pushed = False
         try:
             fid, fn, args, kwargs, _ = decode_call(payload)
             if fid != INLINE:
                 fn = self.load_function(fid)
+            # A child's context, as in run(): current_task() in the child reported the
+            # parent's id and version, and its cancel flag (a child has none).
+            contexts.append((-1, False))
+            pushed = True
             value = fn(*args, **kwargs)
         except BaseException as exc:  # user code: reported as a child's error is
             return ChildFuture.settled(self, None, dump_exception(exc))
+        finally:
+            if pushed:
+                contexts.pop()
         return ChildFuture.settled(self, value, None)
 
     def finish_child(self, handle: int, parent: int) -> None:

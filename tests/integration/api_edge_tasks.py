@@ -18,6 +18,13 @@ def contexts_of_parent_and_child() -> tuple[tuple[Any, int, bool], tuple[Any, in
     return context_fields(), mpsched.submit(context_fields).result()
 
 
+def contexts_of_children(n: int) -> list[tuple[Any, int, bool]]:
+    """The context fields ``n`` children see (all spawned before any is waited for: past the
+    deque's capacity they run inline), then this task's own."""
+    futures = [mpsched.submit(context_fields) for _ in range(n)]
+    return [f.result() for f in futures] + [context_fields()]
+
+
 def task_id_is_nan() -> bool:
     """Whether this run's id is a NaN (its copy in the worker is another NaN object)."""
     task_id = mpsched.current_task().task_id
