@@ -26,8 +26,9 @@ Every frame is ``send_bytes(pickle.dumps((tag, *fields)))``. Task payloads trave
 | FATAL    | worker -> coord| an mpsched bug inside the worker   | break the pool                  |
 
 Unknown tags and short reads raise ``ProtocolError``; the coordinator turns it into a broken pool.
-A remote exception travels as ``(exception, formatted traceback)`` and is re-raised locally with
-``__cause__ = RemoteTraceback(text)`` (CPython ``_ExceptionWithTraceback``).
+A remote exception travels as ``(pickled exception, formatted traceback)`` and is re-raised
+locally with ``__cause__ = RemoteTraceback(text)`` (CPython ``_ExceptionWithTraceback``); one that
+cannot be unpickled is replaced by a RuntimeError with that same cause.
 """
 
 from __future__ import annotations
@@ -114,10 +115,11 @@ class RemoteTraceback(Exception):
 
 
 def dump_exception(exc: BaseException) -> bytes:
-    """Pickle ``exc`` with its traceback text. An exception that cannot be pickled (its
-    ``__reduce__`` may even raise SystemExit) is replaced by a RuntimeError that says so and
-    carries its repr, or its type name if the repr fails too: a hostile exception never takes
-    the worker down."""
+    """Pickle ``exc`` with its traceback text, as ``(pickled exc, text)``: the exception nested
+    as bytes, so that the text survives an exception that cannot be unpickled (it was lost with
+    it). An exception that cannot be pickled (its ``__reduce__`` may even raise SystemExit) is
+    replaced by a RuntimeError that says so and carries its repr, or its type name if the repr
+    fails too: a hostile exception never takes the worker down."""
     try:
         # Imported here: traceback (with linecache, tokenize, textwrap) costs a few ms, which a
         # worker should pay at its first error, not every process at start-up.
@@ -128,13 +130,14 @@ def dump_exception(exc: BaseException) -> bytes:
         tb = f"{type(exc).__qualname__} (its traceback could not be formatted)"
     tb = f'\n"""\n{tb}"""'
     try:
-        return pickle.dumps((exc, tb), PICKLE_PROTOCOL)
+        pickled = pickle.dumps(exc, PICKLE_PROTOCOL)
     except BaseException as pickling_error:
         substitute = RuntimeError(
             f"the task raised {safe_repr(exc)}, which could not be pickled to send it back "
             f"({safe_repr(pickling_error)})"
         )
-        return pickle.dumps((substitute, tb), PICKLE_PROTOCOL)
+        pickled = pickle.dumps(substitute, PICKLE_PROTOCOL)
+    return pickle.dumps((pickled, tb), PICKLE_PROTOCOL)
 
 
 def safe_repr(obj: object) -> str:
@@ -149,17 +152,21 @@ def safe_repr(obj: object) -> str:
 def load_exception(data: bytes) -> BaseException:
     """Rebuild an exception made by ``dump_exception`` with the remote traceback as its cause.
     One that cannot be rebuilt, or that ``__reduce__`` rebuilds as something other than an
-    exception, is replaced by a RuntimeError that says so: this runs in the coordinator thread
-    (and in a joining worker), which an error escaping here broke (and the future hung)."""
+    exception, is replaced by a RuntimeError that says so, with the same cause: this runs in
+    the coordinator thread (and in a joining worker), which an error escaping here broke (and
+    the future hung)."""
+    pickled, tb = pickle.loads(data)  # bytes and str: no user code
+    cause = RemoteTraceback(tb)
     try:
-        exc, tb = pickle.loads(data)
+        exc = pickle.loads(pickled)
         if not issubclass(type(exc), BaseException):  # type(): __class__ can lie
             raise TypeError(f"unpickled as {type(exc).__qualname__}, not an exception")
-        exc.__cause__ = RemoteTraceback(tb)
+        exc.__cause__ = cause
     except BaseException as unpickling_error:  # user code (__setstate__, __reduce__) ran
-        return RuntimeError(
+        exc = RuntimeError(
             f"the task's exception could not be unpickled: {safe_repr(unpickling_error)}"
         )
+        exc.__cause__ = cause
     return exc  # type: ignore[no-any-return]
 
 

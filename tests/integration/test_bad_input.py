@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from mpsched import Pool, PoolClosedError, TaskPicklingError, WorkerCrashedError
+from mpsched._protocol import RemoteTraceback
 from mpsched._shm_deque import MAX_NESTING
 
 from . import bad_tasks as bt
@@ -314,6 +315,20 @@ PICKLING_CASES = [
 @pytest.mark.parametrize("case", PICKLING_CASES, ids=str)
 def test_a_result_or_exception_that_does_not_travel_fails_its_future_only(case: Case) -> None:
     run_case(case, None)
+
+
+@pytest.mark.timeout(60)
+def test_an_exception_that_cannot_be_unpickled_keeps_the_workers_traceback() -> None:
+    """The RuntimeError that stands in for it has the worker's traceback as its cause, as the
+    exception would have had: it is the only trace of where the task failed."""
+    with bounded_pool(None) as pool:
+        future = pool.submit(bt.raise_error, "two-arg")
+        with pytest.raises(RuntimeError, match="exception could not be unpickled") as info:
+            future.result(CASE_TIMEOUT)
+        cause = info.value.__cause__
+        assert isinstance(cause, RemoteTraceback), repr(cause)
+        assert "in raise_error" in str(cause)
+        assert "TwoArgError: bad exception (2)" in str(cause)
 
 
 @pytest.mark.timeout(60)
