@@ -216,23 +216,41 @@ def load_main_function(qualname: str, by_value: bytes, code: bytes | None) -> An
             obj = getattr(obj, part)
     except AttributeError:
         return _cloudpickle().loads(by_value)
-    if code is None or code_bytes(obj) != code:  # another function (or object) there
-        return _cloudpickle().loads(by_value)
+    if code is None or type(obj) not in _TABLED_TYPES or code_bytes(obj) != code:
+        return _cloudpickle().loads(by_value)  # another function (or object) under that name
     return obj
 
 
 def code_bytes(fn: Any) -> bytes | None:
-    """``fn``'s code as bytes that compare equal across processes for equal code (b"" without
-    code, e.g. a builtin; None if it cannot be written). marshal version 2: later versions
-    mark objects referenced more than once, so their bytes depend on reference counts, which
-    differ between processes. ~1 us."""
-    code = getattr(fn, "__code__", None)
+    """``fn``'s code, and that of the functions in its closure (a decorator's wrapper has
+    the same code whatever it wraps), as bytes that compare equal across processes for equal
+    code: b"" without code (a builtin), None if it cannot be written. marshal version 2: later
+    versions mark objects referenced more than once, so their bytes depend on reference
+    counts, which differ between processes. ~1 us per function."""
+    parts: list[bytes] = []
+    return b"".join(parts) if _add_code(fn, parts, _CLOSURE_DEPTH) else None
+
+
+_CLOSURE_DEPTH = 4  # levels of closures compared (decorators of decorators); bounds a cycle
+
+
+def _add_code(fn: Any, parts: list[bytes], depth: int) -> bool:
+    code = getattr(fn, "__code__", None)  # fn is a function: no user __getattr__ runs
     if not isinstance(code, types.CodeType):
-        return b""
+        return True
     try:
-        return marshal.dumps(code, 2)
-    except ValueError:  # a constant marshal cannot write (hand-made code): equal to nothing
-        return None
+        data = marshal.dumps(code, 2)
+    except ValueError:  # a constant marshal cannot write (hand-made code)
+        return False
+    parts += (len(data).to_bytes(8, "little"), data)
+    for cell in (fn.__closure__ or ()) if depth else ():
+        try:
+            inner = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if type(inner) is types.FunctionType and not _add_code(inner, parts, depth - 1):
+            return False
+    return True
 
 
 # Plain pickle serializes these by reference only, so their bytes never go stale. Bound methods,

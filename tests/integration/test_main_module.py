@@ -88,8 +88,19 @@ def test_functions_defined_in_main_run_under_each_start_method(
 # The worker must run the new body, while a function it holds unchanged stays its own (with the
 # globals the initializer set in the worker).
 REDEFINED = """
+import functools
 import sys
 import mpsched
+
+def deco(fn):
+    @functools.wraps(fn)
+    def wrapper(x):  # the same code for every function it wraps
+        return fn(x)
+    return wrapper
+
+@deco
+def g(x):
+    return x + 2
 
 SEEN = "unset"
 
@@ -113,6 +124,11 @@ if __name__ == "__main__":
             return x * 100
         print("redefined", pool.submit(f, 1).result(timeout=20), flush=True)
         print("map", list(pool.map(f, [1])), flush=True)
+        print("decorated", pool.submit(g, 1).result(timeout=20), flush=True)
+        @deco
+        def g(x):
+            return x * 1000
+        print("decorated redefined", pool.submit(g, 1).result(timeout=20), flush=True)
 """
 
 
@@ -125,9 +141,14 @@ def test_a_redefined_main_function_runs_its_new_body(
     script.write_text(REDEFINED)
     proc = _run([sys.executable, str(script), start_method], tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == ["seen worker", "first 2", "redefined 100", "map [100]"], (
-        proc.stderr
-    )
+    assert proc.stdout.splitlines() == [
+        "seen worker",
+        "first 2",
+        "redefined 100",
+        "map [100]",
+        "decorated 3",
+        "decorated redefined 1000",
+    ], proc.stderr
 
 
 # A __main__ function the worker cannot name goes by value (_serialize.portable). Its by-value
