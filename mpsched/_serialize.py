@@ -311,6 +311,11 @@ class FunctionCache:
         fid = self._fids.get(fn) if type(fn) in _TABLED_TYPES else INLINE
         if fid is None:
             fid = self.fid(fn)
+            if fid == INLINE and self._full:
+                # Not tabled for want of room: a __main__ function then needs its copy by
+                # value inline (by reference alone it failed in a worker without the name).
+                # A pickling per task, but only once the table is full.
+                fn = portable(fn)
         call = (fid, None if fid != INLINE else fn, args, kwargs, meta)
         try:
             return _dumps(call, PICKLE_PROTOCOL)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pickle
+import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -116,3 +119,40 @@ def test_function_cache_encode_tables_functions_and_inlines_the_rest() -> None:
         cache.encode(len, (threading.Lock(),), {})
     with pytest.raises(TypeError, match="task_id must be hashable and picklable"):
         cache.encode(len, (), {}, (threading.Lock(),))
+
+
+def _main_function() -> Callable[[int], int]:
+    """A function that says it is ``__main__.mpsched_test_triple``, as a script's would."""
+
+    def triple(x: int) -> int:
+        return 3 * x
+
+    triple.__module__ = "__main__"
+    triple.__qualname__ = triple.__name__ = "mpsched_test_triple"
+    return triple
+
+
+@pytest.mark.parametrize("table", ["free", "full"])
+def test_a_main_function_reaches_a_worker_that_lacks_its_name(
+    monkeypatch: pytest.MonkeyPatch, table: str
+) -> None:
+    """A worker's ``__main__`` may lack the name (spawn and forkserver run the script again
+    without its main block; ``python -c`` and notebooks have none): the function travels with
+    its copy by value, tabled or, once the function table is full, inline."""
+    fn = _main_function()
+    main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "mpsched_test_triple", fn, raising=False)
+    tabled: list[bytes] = []
+
+    def table_add(data: bytes) -> int:
+        if table == "full":
+            return INLINE
+        tabled.append(data)
+        return len(tabled) - 1
+
+    payload = FunctionCache(table_add).encode(fn, (2,), {})
+    monkeypatch.delattr(main, "mpsched_test_triple")  # the worker's __main__
+    fid, loaded, args, kwargs, _ = decode_call(payload)
+    if fid != INLINE:
+        loaded = pickle.loads(tabled[fid])
+    assert loaded(*args, **kwargs) == 6
