@@ -155,7 +155,10 @@ def load_exception(data: bytes) -> BaseException:
     exception, is replaced by a RuntimeError that says so, with the same cause: this runs in
     the coordinator thread (and in a joining worker), which an error escaping here broke (and
     the future hung)."""
-    pickled, tb = pickle.loads(data)  # bytes and str: no user code
+    try:
+        pickled, tb = pickle.loads(data)  # bytes and str: no user code, only a bug fails here
+    except Exception as error:
+        return RuntimeError(f"the task's exception could not be read: {error!r}")
     cause = RemoteTraceback(tb)
     try:
         exc = pickle.loads(pickled)
