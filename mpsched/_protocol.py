@@ -117,9 +117,10 @@ class RemoteTraceback(Exception):
 def dump_exception(exc: BaseException) -> bytes:
     """Pickle ``exc`` with its traceback text, as ``(pickled exc, text)``: the exception nested
     as bytes, so that the text survives an exception that cannot be unpickled (it was lost with
-    it). An exception that cannot be pickled (its ``__reduce__`` may even raise SystemExit) is
-    replaced by a RuntimeError that says so and carries its repr, or its type name if the repr
-    fails too: a hostile exception never takes the worker down."""
+    it). Plain pickle first, cloudpickle where it cannot. An exception that cannot be pickled
+    (its ``__reduce__`` may even raise SystemExit) is replaced by a RuntimeError that says so
+    and carries its repr, or its type name if the repr fails too: a hostile exception never
+    takes the worker down."""
     try:
         # Imported here: traceback (with linecache, tokenize, textwrap) costs a few ms, which a
         # worker should pay at its first error, not every process at start-up.
@@ -131,6 +132,16 @@ def dump_exception(exc: BaseException) -> bytes:
     tb = f'\n"""\n{tb}"""'
     try:
         pickled = pickle.dumps(exc, PICKLE_PROTOCOL)
+    except BaseException:
+        pickled = b""
+    try:
+        if not pickled:
+            # As a result (``_serialize.dumps``): a class plain pickle cannot name (a local
+            # one, or one of ``__main__`` that the worker's lacks) goes by value. Imported
+            # here: only such an error pays for it.
+            import cloudpickle
+
+            pickled = cloudpickle.dumps(exc, PICKLE_PROTOCOL)
     except BaseException as pickling_error:
         substitute = RuntimeError(
             f"the task raised {safe_repr(exc)}, which could not be pickled to send it back "

@@ -151,6 +151,50 @@ def test_a_redefined_main_function_runs_its_new_body(
     ], proc.stderr
 
 
+# An exception class of the main block travels by value (cloudpickle) as results do: plain
+# pickle names it __main__.BlockError, which a worker's __main__ lacks (or holds as another
+# class: a copy by value), and the task's error arrived as a RuntimeError saying so.
+MAIN_EXCEPTION = """
+import sys
+import mpsched
+
+if __name__ == "__main__":
+    class BlockError(Exception):
+        pass
+
+    def fail():
+        raise BlockError("from the main block")
+
+    def fail_local():
+        class LocalError(Exception):
+            pass
+        raise LocalError("local")
+
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        for fn in (fail, lambda: fail(), fail_local):
+            try:
+                pool.submit(fn).result(timeout=20)
+            except Exception as exc:
+                print(type(exc).__name__, isinstance(exc, BlockError), exc, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_an_exception_class_of_the_main_block_reaches_the_caller(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    script = tmp_path / "user_main.py"
+    script.write_text(MAIN_EXCEPTION)
+    proc = _run([sys.executable, str(script), start_method], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "BlockError True from the main block",
+        "BlockError True from the main block",
+        "LocalError False local",
+    ], proc.stderr
+
+
 # A __main__ function the worker cannot name goes by value (_serialize.portable). Its by-value
 # copy is tabled once (function_bytes) and cached by every worker, with the function's globals
 # as they were at its first submit: a later submit runs with those stale values, while map()
