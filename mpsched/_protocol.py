@@ -136,7 +136,7 @@ def dump_exception(exc: BaseException) -> bytes:
         pickled = b""
     try:
         if not pickled:
-            # As a result (``_serialize.dumps``): a class plain pickle cannot name (a local
+            # As for a result (``_serialize.dumps``): a class plain pickle cannot name (a local
             # one, or one of ``__main__`` that the worker's lacks) goes by value. Imported
             # here: only such an error pays for it.
             import cloudpickle
