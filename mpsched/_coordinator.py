@@ -1437,7 +1437,18 @@ class Coordinator:
                 status, data = _ERROR, dump_exception(error)
             outcomes.append((future, status, data))
         self.orphan_children(worker.slot, worker.pid)
+        self.wake_sleepers(worker.slot)
         self.settle(outcomes)
+
+    def wake_sleepers(self, dead: int) -> None:
+        """After a death: wake every sleeping peer of slot ``dead``. The dead worker may have
+        died between a publication and its wake-up: a child's DONE published and its parent,
+        asleep in ``join``, not woken (nothing else wakes a joiner in an idle pool: its task,
+        and the drain, waited for ever), or a push with the sleeper it owed a wake-up not woken.
+        A woken worker rechecks and sleeps again if it has nothing to do."""
+        for k, slot in enumerate(self.slots):
+            if k != dead and slot.is_sleeping() and slot.clear_sleeping():
+                os.eventfd_write(self.wake_fds[k], 1)
 
     def orphan_children(self, k: int, pid: int) -> None:
         """The worker of slot ``k`` died: nobody will collect the children its tasks spawned.

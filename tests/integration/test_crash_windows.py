@@ -1,6 +1,7 @@
 """A worker killed at the worst moments of mpsched's own code (found by tests/stress/test_chaos.py,
 reproduced here deterministically, see ``window_tasks``): inside a shared lock, with its pid
-recorded as the holder or not yet; inside ``mpsched.submit``; with orphaned children queued.
+recorded as the holder or not yet; inside ``mpsched.submit``; with orphaned children queued;
+between a child's DONE and the wake-up of its parent.
 
 In each, the pool must fail only the dead worker's task, replace the worker, keep running tasks,
 leak no slab block, and shut down. Every wait is bounded: a hang fails the test.
@@ -130,5 +131,39 @@ def test_the_blocks_of_a_dead_parents_children_are_freed() -> None:
             pool.submit(wt.spawn_then_die, 5).result(TIMEOUT)
         assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
         assert slab.free_count() == slab.capacity, "orphaned children's blocks leaked"
+    finally:
+        shut_down(pool)
+
+
+@pytest.mark.timeout(60)
+def test_a_parent_asleep_in_a_join_wakes_when_its_childs_executor_dies_after_done(
+    tmp_path: object,
+) -> None:
+    """The executor of a stolen child publishes DONE and dies before it wakes the parent,
+    which sleeps in ``join``: the recovery must wake it (nothing else will, in an idle pool).
+    The child finished, so the parent gets its result."""
+    started = os.path.join(str(tmp_path), "started")
+    gate = os.path.join(str(tmp_path), "gate")
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    pool = Pool(2)
+    try:
+        parent = pool.submit(wt.join_a_stolen_child, started, gate, 42)
+        with open(started, "rb") as fifo:
+            executor = int(fifo.read())
+        joiner = next(w.slot for w in pool.statistics().per_worker if w.pid != executor)
+        slot = pool._views.slots[joiner]
+        deadline = time.monotonic() + TIMEOUT
+        while not slot.is_sleeping():  # the parent found nothing to help with
+            assert time.monotonic() < deadline, "the parent never slept in its join"
+            time.sleep(POLL)
+        with open(gate, "wb") as fifo:
+            fifo.write(b"x")
+        assert parent.result(TIMEOUT) == 42
+        assert pool.submit(tasks.add, 1, 2).result(TIMEOUT) == 3
+        stats = pool.statistics()
+        assert (stats.crashes, stats.respawns) == (1, 1)
+        slab = pool._views.slab
+        assert slab.free_count() == slab.capacity
     finally:
         shut_down(pool)

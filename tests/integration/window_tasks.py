@@ -2,7 +2,8 @@
 
 A SIGKILL can land between any two bytecodes of a worker. These tasks reproduce, on purpose and
 deterministically, the deaths that the chaos test (tests/stress/test_chaos.py) hits at random:
-inside a shared lock, inside ``mpsched.submit``, and in a parent with children still queued.
+inside a shared lock, inside ``mpsched.submit``, in a parent with children still queued, and
+in a child's executor between its DONE and its parent's wake-up.
 They reach into the worker's internals (``mpsched._worker._current``): white-box by design.
 """
 
@@ -67,3 +68,26 @@ def spawn_then_die(children: int) -> None:
     futures = [mpsched.submit(abs, -i) for i in range(children)]
     assert futures
     os._exit(3)
+
+
+def child_dies_after_publishing_done(started: str, gate_path: str, value: int) -> int:
+    """A child that, once a peer stole it, writes its executor's pid into the FIFO
+    ``started``, waits at ``gate_path`` and returns ``value``: its executor then dies right
+    after publishing DONE (``finish_child``'s exchange), before it wakes the parent (the
+    ``live_children`` update comes in between)."""
+    worker = _current()
+    worker.header.add_live_children = lambda delta: os._exit(3)
+    with open(started, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    with open(gate_path, "rb") as fifo:
+        fifo.read(1)
+    return value
+
+
+def join_a_stolen_child(started: str, gate_path: str, value: int) -> int:
+    """Spawn ``child_dies_after_publishing_done``, wait until a peer stole it (so that this
+    worker, finding nothing to help with, sleeps in the join), then join it."""
+    child = mpsched.submit(child_dies_after_publishing_done, started, gate_path, value)
+    while not child.running():  # this worker takes nothing meanwhile: only a peer can steal it
+        pass
+    return child.result()  # type: ignore[no-any-return]
