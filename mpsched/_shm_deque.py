@@ -650,6 +650,7 @@ class SlotQueues:
         handle: int,
         value: int,
         finished_by: SlotQueues | None = None,
+        unless: int = -1,
     ) -> int:
         """Under this slot's lock, set block ``handle``'s state to ``value``; return the old one.
 
@@ -657,6 +658,7 @@ class SlotQueues:
             states: the slab holding the block.
             finished_by: the caller's OWN slot, when the caller just ran ``handle``: its run_stack
                 record is popped in the same lock hold, after the state store.
+            unless: a state that stays as it is (returned, not overwritten).
         """
         w = self._w
         if finished_by is not None:  # counted before the commit, as in complete()
@@ -671,7 +673,8 @@ class SlotQueues:
                 if depth < 0 or fw[RUN_STACK + depth] != handle:
                     raise InternalError(f"block {handle} is not its executor's innermost task")
             previous = states.get_state(handle)
-            states.set_state(handle, value)  # commit
+            if previous != unless:
+                states.set_state(handle, value)  # commit
             if finished_by is not None:
                 fw[RUN_DEPTH] = depth  # the record went stale at the commit
         finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import threading
 import time
 
@@ -165,5 +166,50 @@ def test_a_parent_asleep_in_a_join_wakes_when_its_childs_executor_dies_after_don
         assert (stats.crashes, stats.respawns) == (1, 1)
         slab = pool._views.slab
         assert slab.free_count() == slab.capacity
+    finally:
+        shut_down(pool)
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_parents_abandoned_child_freed_by_its_executor_is_freed_once(
+    tmp_path: object,
+) -> None:
+    """The parent dropped a child's future (ABANDONED: the executor frees the block) and dies
+    while the executor is between publishing the child's end and freeing its block: the
+    recovery of the parent must not free the block too (a double free: two tasks would then
+    share one block; here the executor's free overflows the free stack and breaks the pool)."""
+    names = ("started", "gate", "window", "release", "parent")
+    started, gate, window, release, parent_fifo = (os.path.join(str(tmp_path), n) for n in names)
+    for path in (started, gate, window, release, parent_fifo):
+        os.mkfifo(path)
+    pool = Pool(2)
+    try:
+        parent = pool.submit(wt.abandon_a_stolen_child, started, gate, window, release, parent_fifo)
+        with open(started, "rb") as fifo:
+            fifo.read()
+        with open(parent_fifo, "rb") as fifo:
+            parent_pid = int(fifo.read())
+        with open(gate, "wb") as fifo:  # the child ends; its executor stops before the free
+            fifo.write(b"x")
+        with open(window, "rb") as fifo:
+            fifo.read()
+        os.kill(parent_pid, signal.SIGKILL)
+        with pytest.raises(WorkerCrashedError, match=r"SIGKILL\(-9\)"):
+            parent.result(TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while pool.statistics().respawns < 1:  # the parent's recovery is over
+            assert time.monotonic() < deadline, "the parent's death was never recovered"
+            time.sleep(POLL)
+        with open(release, "wb") as fifo:  # now the executor frees the child's block
+            fifo.write(b"x")
+        assert [pool.submit(tasks.add, i, i).result(TIMEOUT) for i in range(4)] == [0, 2, 4, 6]
+        assert pool.statistics().crashes == 1
+        slab = pool._views.slab
+        deadline = time.monotonic() + TIMEOUT
+        while slab.free_count() != slab.capacity:  # the executor's free comes after its task
+            assert time.monotonic() < deadline, "the child's block leaked"
+            time.sleep(POLL)
+        free = slab.free_indices()
+        assert len(set(free)) == len(free) == slab.capacity, "a block was freed twice"
     finally:
         shut_down(pool)

@@ -91,3 +91,43 @@ def join_a_stolen_child(started: str, gate_path: str, value: int) -> int:
     while not child.running():  # this worker takes nothing meanwhile: only a peer can steal it
         pass
     return child.result()  # type: ignore[no-any-return]
+
+
+def child_frees_slowly(started: str, gate_path: str, window: str, release: str) -> int:
+    """A child whose executor, once the child's parent dropped its future, stops inside the
+    free of the child's block (``free_unread_child``): it writes its pid into the FIFO
+    ``window`` and waits at ``release`` before it frees. Announces itself on ``started`` and
+    waits at ``gate_path`` before it returns."""
+    worker = _current()
+    free = worker.free_unread_child
+
+    def free_unread_child(handle: int) -> None:
+        with open(window, "wb") as fifo:
+            fifo.write(str(os.getpid()).encode())
+        with open(release, "rb") as fifo:
+            fifo.read(1)
+        free(handle)
+
+    worker.free_unread_child = free_unread_child
+    with open(started, "wb") as fifo:
+        fifo.write(b"s")
+    with open(gate_path, "rb") as fifo:
+        fifo.read(1)
+    return 1
+
+
+def abandon_a_stolen_child(
+    started: str, gate_path: str, window: str, release: str, parent: str
+) -> None:
+    """Spawn ``child_frees_slowly``, wait until a peer stole it, drop its future (the child is
+    ABANDONED: its executor frees its block), then write this worker's pid into the FIFO
+    ``parent`` and wait there until the test kills this worker."""
+    worker = _current()
+    child = mpsched.submit(child_frees_slowly, started, gate_path, window, release)
+    while not child.running():  # this worker takes nothing meanwhile: only a peer can steal it
+        pass
+    del child
+    worker.release_abandoned()  # as after the task: the executor owns the block now
+    with open(parent, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    signal.pause()

@@ -347,6 +347,20 @@ def test_exchange_block_state_pops_the_executors_record(region: Region) -> None:
     assert parent.holder_pid() == 0
 
 
+def test_exchange_block_state_leaves_the_unless_state_and_still_pops(region: Region) -> None:
+    parent, executor = region.slots
+    blocks = FakeBlocks()
+    blocks.set_state(5, 3)  # e.g. ABANDONED: the executor frees the block, nobody else
+    parent.push(5)
+    assert parent.steal(into=executor) == (SUCCESS, 5)
+    assert parent.exchange_block_state(blocks, 5, 2, finished_by=executor, unless=3) == 3
+    assert parent.block_state(blocks, 5) == 3
+    assert executor.running() == []
+    assert parent.exchange_block_state(blocks, 5, 1, unless=3) == 3
+    assert parent.exchange_block_state(blocks, 5, 2, unless=1) == 3
+    assert parent.block_state(blocks, 5) == 2
+
+
 def test_take_running_clears_the_slot_for_a_replacement(sq: SlotQueues) -> None:
     sq.bind_owner()
     sq.mark_running(4)
