@@ -541,7 +541,13 @@ class Worker:
             raise InternalError(f"collecting child block {handle} that is not done")
         status = slab.get_word(handle, _RESULT_STATUS)
         nbytes = slab.get_word(handle, _RESULT_NBYTES)
-        data = slab.read_result(handle)[1] if nbytes >= 0 else self.fetch(-nbytes)
+        if nbytes >= 0:
+            data = slab.read_result(handle)[1]
+        else:
+            data = self.fetch(-nbytes)
+            # Fetched: a death in the free below leaves a DONE block that the crash recovery
+            # frees, and it must not wait for the bytes (unwanted_stash) as if still stashed.
+            slab.set_word(handle, _RESULT_NBYTES, 0)
         self.free_child(handle)
         if status == _OK:
             return status, pickle.loads(data)

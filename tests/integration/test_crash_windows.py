@@ -213,3 +213,22 @@ def test_a_dead_parents_abandoned_child_freed_by_its_executor_is_freed_once(
         assert len(set(free)) == len(free) == slab.capacity, "a block was freed twice"
     finally:
         shut_down(pool)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nbytes", [8, 400_000], ids=["in-block", "stashed"])
+def test_a_parent_killed_freeing_a_joined_childs_block_leaks_it_not(nbytes: int) -> None:
+    """The parent read its child's result and dies in the free of the child's block, before
+    the free commits: the block is its dead spawner's DONE child, which the recovery frees;
+    a stashed result was fetched already, so nothing waits for its bytes."""
+    pool = Pool(2)
+    try:
+        slab = pool._views.slab
+        with pytest.raises(WorkerCrashedError, match=r"exit code 3\b"):
+            pool.submit(wt.die_freeing_a_joined_child, nbytes).result(TIMEOUT)
+        assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
+        assert slab.free_count() == slab.capacity, "the joined child's block leaked"
+        coordinator = pool._coordinator
+        assert (coordinator.stash, coordinator.unwanted_stash) == ({}, set())
+    finally:
+        shut_down(pool)

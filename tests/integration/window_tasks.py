@@ -131,3 +131,15 @@ def abandon_a_stolen_child(
     with open(parent, "wb") as fifo:
         fifo.write(str(os.getpid()).encode())
     signal.pause()
+
+
+def die_freeing_a_joined_child(nbytes: int) -> None:
+    """Join a child that a peer stole (its result ``bytes(nbytes)``, stashed if too big for
+    the slab), then die in the free of its block, waiting for the allocator lock (as a SIGKILL
+    there does, while a peer holds that lock)."""
+    worker = _current()
+    child = mpsched.submit(bytes, nbytes)
+    while worker.me.in_deque(child._handle):  # only a peer can take it meanwhile
+        pass
+    worker.slab._acquire = lambda *args: os._exit(3)
+    child.result()
