@@ -267,7 +267,10 @@ class Coordinator:
 
     def spawn(self, slot: int) -> None:
         self.starting.add(slot)
-        self.zygote.send_bytes(encode(Tag.SPAWN, slot))
+        try:
+            self.zygote.send_bytes(encode(Tag.SPAWN, slot))
+        except OSError as exc:  # EPIPE: it died, its EOF not read yet (e.g. during a recovery)
+            raise zygote_died() from exc
 
     def wait_ready(self, timeout: float) -> None:
         """Before the loop runs, in the pool's thread: wait for the zygote's READY (it has
@@ -1306,10 +1309,7 @@ class Coordinator:
         try:
             return decode(self.zygote.recv_bytes())
         except (EOFError, OSError) as exc:
-            raise BrokenPoolError(
-                "the pool's zygote process died (if this happened at start-up, its traceback "
-                "is above: e.g. the main module could not be imported under spawn)"
-            ) from exc
+            raise zygote_died() from exc
 
     # ------------------------------------------------------------------ worker death
     def on_worker_gone(self, worker: WorkerHandle) -> None:
@@ -1709,6 +1709,13 @@ class Coordinator:
 
     def close(self) -> None:
         self.epoll.close()
+
+
+def zygote_died() -> BrokenPoolError:
+    return BrokenPoolError(
+        "the pool's zygote process died (if this happened at start-up, its traceback is above: "
+        "e.g. the main module could not be imported under spawn)"
+    )
 
 
 def crash_message(worker: WorkerHandle, code: int | None) -> str:
