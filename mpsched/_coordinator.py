@@ -1067,13 +1067,16 @@ class Coordinator:
         finally:
             if later:
                 self.unread.append((k, later))
-            if unknown or later:
-                kept = {*unknown, *later}
-                slab.free_tasks([h for h in handles if h not in kept])
-            else:
-                slab.free_tasks(handles)
-            self.completed += len(outcomes)
-            self.settle(outcomes)
+            try:
+                if unknown or later:
+                    kept = {*unknown, *later}
+                    slab.free_tasks([h for h in handles if h not in kept])
+                else:
+                    slab.free_tasks(handles)
+            finally:  # a free that raised (a corrupt free stack) breaks the pool: these
+                # futures left by_handle above, so its sweep would not end them
+                self.completed += len(outcomes)
+                self.settle(outcomes)
         if unknown:
             raise InternalError(f"worker {k} completed unknown task blocks {unknown}")
 
