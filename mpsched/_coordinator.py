@@ -1390,10 +1390,11 @@ class Coordinator:
         one with retries left goes back to the front of the ready queue; any other fails with
         WorkerCrashedError."""
         slot = self.slots[worker.slot]
-        slot.break_dead_holder(worker.pid, slot)
+        slab = self.slab
+        slot.break_dead_holder(worker.pid, slot, slab, _CHILD_DONE)
         for other in self.slots:
             if other is not slot:
-                other.break_dead_holder(worker.pid, slot)
+                other.break_dead_holder(worker.pid, slot, slab, _CHILD_DONE)
         self.slab.break_dead_holder(worker.pid)
         self.header.break_dead_holder(worker.pid)
         self.release_orphans()
@@ -1571,12 +1572,15 @@ class Coordinator:
                 structure.break_dead_holder(holder)
                 return
             owned = [q for q in self.slots if q.owner_pid() == holder]
-            structure.break_dead_holder(holder, owned[0] if owned else structure)
+            dead_slot = owned[0] if owned else structure
+            structure.break_dead_holder(holder, dead_slot, self.slab, _CHILD_DONE)
 
     def fail_child(self, handle: int, worker: WorkerHandle, code: int | None) -> None:
         """A child was running in the dead worker: settle it with the crash, wake its parent.
-        A child that reached DONE before the death (its run-stack entry was not popped yet)
-        keeps its result."""
+        (A child whose DONE the dead worker published without popping its run-stack record,
+        dying in between inside the parent's lock, is not here: ``break_dead_holder`` drops
+        that record before it releases the lock, after which the parent may free the block
+        and a new task take it. Read here, its state named that task's.)"""
         slab = self.slab
         if slab.get_word(handle, _STATE) == _CHILD_DONE:
             return

@@ -232,3 +232,57 @@ def test_a_parent_killed_freeing_a_joined_childs_block_leaks_it_not(nbytes: int)
         assert (coordinator.stash, coordinator.unwanted_stash) == ({}, set())
     finally:
         shut_down(pool)
+
+
+@pytest.mark.timeout(60)
+def test_a_childs_block_reused_after_its_executor_died_inside_done_is_left_alone(
+    tmp_path: object,
+) -> None:
+    """The executor of a stolen child dies inside the exchange that publishes DONE, after the
+    store, before the pop of its run-stack record, holding the parent's slot lock. Once the
+    lock is repaired, the parent reads the result, frees the block and a new child takes it:
+    the recovery of the executor must not take the stale record for a child it was running
+    (it wrote a crash into the new child, which had not even run)."""
+    names = ("started", "release", "report", "gate")
+    started, release, report, gate = (os.path.join(str(tmp_path), n) for n in names)
+    for path in (started, release, report, gate):
+        os.mkfifo(path)
+    pool = Pool(2)
+    released = False
+    try:
+        parent = pool.submit(
+            wt.join_a_child_whose_executor_dies_inside_done, started, release, report, gate
+        )
+        with open(started, "rb") as fifo:
+            executor = int(fifo.read())
+        wait_dead(executor)
+        joiner = next(w.slot for w in pool.statistics().per_worker if w.pid != executor)
+        slot = pool._views.slots[joiner]
+        probes = []
+        deadline = time.monotonic() + TIMEOUT
+        while slot.inbox_depth() == 0:  # dispatch into the joiner's slot repairs its lock
+            assert time.monotonic() < deadline, "the coordinator is stuck on the dead lock"
+            probes.append(pool.submit(tasks.add, len(probes), 1))
+            until = time.monotonic() + 0.5
+            while slot.inbox_depth() == 0 and time.monotonic() < until:
+                time.sleep(POLL)
+        with open(report, "rb") as fifo:
+            assert fifo.read() == b"1", "the new child did not take the freed block"
+        with open(release, "wb") as fifo:  # now the coordinator sees the death
+            fifo.write(b"x")
+        released = True
+        deadline = time.monotonic() + TIMEOUT
+        while pool.statistics().respawns < 1:  # the executor's recovery is over
+            assert time.monotonic() < deadline, "the executor's death was never recovered"
+            time.sleep(POLL)
+        tasks.open_gate(gate)
+        assert parent.result(TIMEOUT) == (True, 5)
+        assert [f.result(TIMEOUT) for f in probes] == [i + 1 for i in range(len(probes))]
+        assert pool.statistics().crashes == 1
+    finally:
+        if not released:
+            with contextlib.suppress(OSError):
+                fd = os.open(release, os.O_WRONLY | os.O_NONBLOCK)
+                os.write(fd, b"x")
+                os.close(fd)
+        shut_down(pool)

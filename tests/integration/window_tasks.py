@@ -143,3 +143,62 @@ def die_freeing_a_joined_child(nbytes: int) -> None:
         pass
     worker.slab._acquire = lambda *args: os._exit(3)
     child.result()
+
+
+def _keep_socket_open(worker: Any, release: str) -> None:
+    """Fork a helper that keeps ``worker``'s socket open (so the coordinator does not see the
+    worker's death) until the test writes to the FIFO ``release``."""
+    gate = os.open(release, os.O_RDONLY | os.O_NONBLOCK)  # open before the test writes to it
+    socket_copy = os.dup(worker.conn.fileno())  # the worker's own copy closes in the helper
+    if os.fork() == 0:
+        try:
+            select.select([gate], [], [], HELPER_MAX_S)
+        finally:
+            os._exit(0)
+    os.close(gate)
+    os.close(socket_copy)
+
+
+def child_dies_inside_its_done(started: str, release: str, value: int) -> None:
+    """A stolen child whose executor dies inside ``finish_child``'s exchange, after the DONE
+    store and before the pop of its run-stack record, holding the parent's slot lock (its
+    result ``value`` is written). The coordinator sees the death only once the test writes
+    to ``release``; the executor's pid goes to the FIFO ``started``."""
+    from mpsched._payloads import BlockField
+    from mpsched._protocol import ChildState, ResultStatus
+    from mpsched._serialize import dumps
+
+    worker = _current()
+    handle = worker.me.running()[-1]
+    parent = worker.slots[worker.slab.get_word(handle, int(BlockField.PARENT))]
+    _keep_socket_open(worker, release)
+    assert worker.slab.write_result(handle, int(ResultStatus.OK), dumps(value))
+    parent._acquire()
+    parent._w[HOLDER_PID] = os.getpid()
+    worker.slab.set_state(handle, int(ChildState.DONE))  # the exchange's commit; no pop
+    with open(started, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def join_a_child_whose_executor_dies_inside_done(
+    started: str, release: str, report: str, gate_path: str
+) -> tuple[bool, int]:
+    """Join ``child_dies_inside_its_done`` (stolen by the peer); once the coordinator repaired
+    this slot's lock, the child's result is read and its block freed: spawn a new child,
+    which takes that block again (the free stack is LIFO). Write whether it did into the FIFO
+    ``report``, wait at ``gate_path`` (the test lets the coordinator recover the executor
+    meanwhile), then join the new child. Returns (block reused, the new child's result)."""
+    worker = _current()
+    child = mpsched.submit(child_dies_inside_its_done, started, release, 7)
+    while worker.me.in_deque(child._handle):  # only a peer can take it meanwhile
+        pass
+    old = child._handle
+    assert child.result() == 7
+    again = mpsched.submit(abs, -5)
+    reused = again._handle == old
+    with open(report, "wb") as fifo:
+        fifo.write(b"1" if reused else b"0")
+    with open(gate_path, "rb") as fifo:
+        fifo.read(1)
+    return reused, again.result()
