@@ -1572,8 +1572,10 @@ class Coordinator:
                 structure.break_dead_holder(holder)
                 return
             owned = [q for q in self.slots if q.owner_pid() == holder]
-            dead_slot = owned[0] if owned else structure
-            structure.break_dead_holder(holder, dead_slot, self.slab, _CHILD_DONE)
+            if owned:
+                structure.break_dead_holder(holder, owned[0], self.slab, _CHILD_DONE)
+            else:  # its slot was recovered (ownership cleared): no record of its to check
+                structure.break_dead_holder(holder, structure)
 
     def fail_child(self, handle: int, worker: WorkerHandle, code: int | None) -> None:
         """A child was running in the dead worker: settle it with the crash, wake its parent.
