@@ -41,6 +41,15 @@ def wait_dead(pid: int) -> None:
         os.close(fd)
 
 
+def peer_slot(pool: Pool, pid: int) -> int:
+    """The slot of a Pool(2) whose worker is not ``pid``, once both workers are registered."""
+    deadline = time.monotonic() + TIMEOUT
+    while not all(w.pid for w in pool.statistics().per_worker):
+        assert time.monotonic() < deadline, "the workers were never registered"
+        time.sleep(POLL)
+    return next(w.slot for w in pool.statistics().per_worker if w.pid != pid)
+
+
 def shut_down(pool: Pool) -> None:
     """Shut the pool down; fail (instead of hanging) if even ``shutdown(wait=False)`` blocks,
     as it does when the coordinator thread is stuck holding its lock."""
@@ -152,7 +161,7 @@ def test_a_parent_asleep_in_a_join_wakes_when_its_childs_executor_dies_after_don
         parent = pool.submit(wt.join_a_stolen_child, started, gate, 42)
         with open(started, "rb") as fifo:
             executor = int(fifo.read())
-        joiner = next(w.slot for w in pool.statistics().per_worker if w.pid != executor)
+        joiner = peer_slot(pool, executor)
         slot = pool._views.slots[joiner]
         deadline = time.monotonic() + TIMEOUT
         while not slot.is_sleeping():  # the parent found nothing to help with
@@ -256,7 +265,7 @@ def test_a_childs_block_reused_after_its_executor_died_inside_done_is_left_alone
         with open(started, "rb") as fifo:
             executor = int(fifo.read())
         wait_dead(executor)
-        joiner = next(w.slot for w in pool.statistics().per_worker if w.pid != executor)
+        joiner = peer_slot(pool, executor)
         slot = pool._views.slots[joiner]
         probes = []
         deadline = time.monotonic() + TIMEOUT
