@@ -268,7 +268,10 @@ class Coordinator:
 
     def spawn(self, slot: int) -> None:
         self.starting.add(slot)
-        self.zygote.send_bytes(encode(Tag.SPAWN, slot))
+        try:
+            self.zygote.send_bytes(encode(Tag.SPAWN, slot))
+        except OSError as exc:  # EPIPE: it died, its EOF not read yet (e.g. during a recovery)
+            raise zygote_died() from exc
 
     def wait_ready(self, timeout: float) -> None:
         """Before the loop runs, in the pool's thread: wait for the zygote's READY (it has
@@ -1065,13 +1068,16 @@ class Coordinator:
         finally:
             if later:
                 self.unread.append((k, later))
-            if unknown or later:
-                kept = {*unknown, *later}
-                slab.free_tasks([h for h in handles if h not in kept])
-            else:
-                slab.free_tasks(handles)
-            self.completed += len(outcomes)
-            self.settle(outcomes)
+            try:
+                if unknown or later:
+                    kept = {*unknown, *later}
+                    slab.free_tasks([h for h in handles if h not in kept])
+                else:
+                    slab.free_tasks(handles)
+            finally:  # a free that raised (a corrupt free stack) breaks the pool: these
+                # futures left by_handle above, so its sweep would not end them
+                self.completed += len(outcomes)
+                self.settle(outcomes)
         if unknown:
             raise InternalError(f"worker {k} completed unknown task blocks {unknown}")
 
@@ -1307,10 +1313,7 @@ class Coordinator:
         try:
             return decode(self.zygote.recv_bytes())
         except (EOFError, OSError) as exc:
-            raise BrokenPoolError(
-                "the pool's zygote process died (if this happened at start-up, its traceback "
-                "is above: e.g. the main module could not be imported under spawn)"
-            ) from exc
+            raise zygote_died() from exc
 
     # ------------------------------------------------------------------ worker death
     def on_worker_gone(self, worker: WorkerHandle) -> None:
@@ -1388,10 +1391,11 @@ class Coordinator:
         one with retries left goes back to the front of the ready queue; any other fails with
         WorkerCrashedError."""
         slot = self.slots[worker.slot]
-        slot.break_dead_holder(worker.pid, slot)
+        slab = self.slab
+        slot.break_dead_holder(worker.pid, slot, slab, _CHILD_DONE)
         for other in self.slots:
             if other is not slot:
-                other.break_dead_holder(worker.pid, slot)
+                other.break_dead_holder(worker.pid, slot, slab, _CHILD_DONE)
         self.slab.break_dead_holder(worker.pid)
         self.header.break_dead_holder(worker.pid)
         self.release_orphans()
@@ -1438,7 +1442,18 @@ class Coordinator:
                 status, data = _ERROR, dump_exception(error)
             outcomes.append((future, status, data))
         self.orphan_children(worker.slot, worker.pid)
+        self.wake_sleepers(worker.slot)
         self.settle(outcomes)
+
+    def wake_sleepers(self, dead: int) -> None:
+        """After a death: wake every sleeping peer of slot ``dead``. The dead worker may have
+        died between a publication and its wake-up: a child's DONE published and its parent,
+        asleep in ``join``, not woken (nothing else wakes a joiner in an idle pool: its task,
+        and the drain, waited for ever), or a push with the sleeper it owed a wake-up not woken.
+        A woken worker rechecks and sleeps again if it has nothing to do."""
+        for k, slot in enumerate(self.slots):
+            if k != dead and slot.is_sleeping() and slot.clear_sleeping():
+                os.eventfd_write(self.wake_fds[k], 1)
 
     def orphan_children(self, k: int, pid: int) -> None:
         """The worker of slot ``k`` died: nobody will collect the children its tasks spawned.
@@ -1558,12 +1573,17 @@ class Coordinator:
                 structure.break_dead_holder(holder)
                 return
             owned = [q for q in self.slots if q.owner_pid() == holder]
-            structure.break_dead_holder(holder, owned[0] if owned else structure)
+            if owned:
+                structure.break_dead_holder(holder, owned[0], self.slab, _CHILD_DONE)
+            else:  # its slot was recovered (ownership cleared): no record of its to check
+                structure.break_dead_holder(holder, structure)
 
     def fail_child(self, handle: int, worker: WorkerHandle, code: int | None) -> None:
         """A child was running in the dead worker: settle it with the crash, wake its parent.
-        A child that reached DONE before the death (its run-stack entry was not popped yet)
-        keeps its result."""
+        (A child whose DONE the dead worker published without popping its run-stack record,
+        dying in between inside the parent's lock, is not here: ``break_dead_holder`` drops
+        that record before it releases the lock, after which the parent may free the block
+        and a new task take it. Read here, its state named that task's.)"""
         slab = self.slab
         if slab.get_word(handle, _STATE) == _CHILD_DONE:
             return
@@ -1699,6 +1719,13 @@ class Coordinator:
 
     def close(self) -> None:
         self.epoll.close()
+
+
+def zygote_died() -> BrokenPoolError:
+    return BrokenPoolError(
+        "the pool's zygote process died (if this happened at start-up, its traceback is above: "
+        "e.g. the main module could not be imported under spawn)"
+    )
 
 
 def crash_message(worker: WorkerHandle, code: int | None) -> str:

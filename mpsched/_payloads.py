@@ -308,8 +308,9 @@ class Slab:
             w[_HOLDER_PID] = 0
             self._release()
 
-    def free_many(self, indices: Sequence[int]) -> None:
-        """Return several blocks in one lock round."""
+    def free_many(self, indices: Sequence[int], children: Sequence[int] = ()) -> None:
+        """Return several blocks in one lock round; first clear the ``state`` and ``uid`` words
+        of ``children`` (some of ``indices``: see ``free_children``)."""
         values = array("q", indices)
         k = len(values)
         if k and not (min(values) >= 0 and max(values) < self.capacity):
@@ -321,6 +322,10 @@ class Slab:
             top = w[_FREE_TOP]
             if top + k > self.capacity:
                 raise InternalError(f"free_many of {k} with free_top={top}: double free")
+            for index in children:
+                base = self._blocks_word + index * self._block_words
+                w[base + _STATE] = 0
+                w[base + _UID] = 0
             self._stack[top : top + k] = values
             w[_FREE_TOP] = top + k  # commit
         finally:
@@ -433,23 +438,21 @@ class Slab:
         return w[base + _RESULT_STATUS], self._gather(index, w[base + _RESULT_NBYTES], _NEXT_RESULT)
 
     def free_children(self, indices: Sequence[int]) -> None:
-        """``free_tasks`` for child-task blocks, first clearing their ``state`` and ``uid``
-        words: a free block, and one just allocated and not yet written, then never looks like
-        a live child of anyone (the coordinator looks for a dead worker's children by uid)."""
-        w = self._w
-        for index in indices:
-            base = self._blocks_word + index * self._block_words
-            w[base + _STATE] = 0
-            w[base + _UID] = 0
-        self.free_tasks(indices)
+        """``free_tasks`` for child-task blocks, clearing their ``state`` and ``uid`` words: a
+        free block, and one just allocated and not yet written, then never looks like a live
+        child of anyone (the coordinator looks for a dead worker's children by uid). Cleared
+        under the allocator lock, right before the commit: a freer that dies before the commit
+        (waiting for the lock) leaves the block as it was, a child the crash recovery still
+        finds (cleared first, such a block leaked: free of nothing, yet in no free stack)."""
+        self.free_tasks(indices, True)
 
-    def free_tasks(self, indices: Sequence[int]) -> None:
+    def free_tasks(self, indices: Sequence[int], children: bool = False) -> None:
         """Free task blocks with both of their chains, in one lock round."""
         every = list(indices)
         for index in indices:
             every.extend(self._chain(index, _NEXT_ARG))
             every.extend(self._chain(index, _NEXT_RESULT))
-        self.free_many(every)
+        self.free_many(every, indices if children else ())
 
     # ---- chains ----
 

@@ -78,7 +78,9 @@ class ChildState(enum.IntEnum):
 
     QUEUED = 1  # pushed; not finished
     DONE = 2  # result written; the parent reads it and frees the block
-    ABANDONED = 3  # the parent dropped its future; whoever sees the second of DONE/ABANDONED frees
+    # The parent dropped its future; whoever sees the second of DONE/ABANDONED frees. An executor
+    # that finishes an ABANDONED child leaves it ABANDONED (DONE: the parent's to free).
+    ABANDONED = 3
 
 
 class TopState(enum.IntEnum):

@@ -98,8 +98,9 @@ Recording the claim (so a crash never loses a task):
     commits done_back, THEN pops the run_stack: a crash in between leaves the handle in both,
     and ``break_dead_holder`` drops the stale record (found in the done ring). Likewise
     ``exchange_block_state(finished_by=...)`` commits the state word, then pops the executor's
-    run_stack: after a crash in between the record stays, so the engine must treat a recorded
-    child whose state already says "done" as done. All this needs handles to be unique while
+    run_stack: after a crash in between, ``break_dead_holder`` (given the block states and the
+    "done" value) drops the record, before it releases the lock (after it, the block may be
+    freed and reused). All this needs handles to be unique while
     live: the engine must not reuse a block index while that task is queued, running or done
     but uncollected. ``drain`` (coordinator only) commits twice, once per ring.
 
@@ -650,6 +651,7 @@ class SlotQueues:
         handle: int,
         value: int,
         finished_by: SlotQueues | None = None,
+        unless: int = -1,
     ) -> int:
         """Under this slot's lock, set block ``handle``'s state to ``value``; return the old one.
 
@@ -657,6 +659,7 @@ class SlotQueues:
             states: the slab holding the block.
             finished_by: the caller's OWN slot, when the caller just ran ``handle``: its run_stack
                 record is popped in the same lock hold, after the state store.
+            unless: a state that stays as it is (returned, not overwritten).
         """
         w = self._w
         if finished_by is not None:  # counted before the commit, as in complete()
@@ -671,7 +674,8 @@ class SlotQueues:
                 if depth < 0 or fw[RUN_STACK + depth] != handle:
                     raise InternalError(f"block {handle} is not its executor's innermost task")
             previous = states.get_state(handle)
-            states.set_state(handle, value)  # commit
+            if previous != unless:
+                states.set_state(handle, value)  # commit
             if finished_by is not None:
                 fw[RUN_DEPTH] = depth  # the record went stale at the commit
         finally:
@@ -772,16 +776,30 @@ class SlotQueues:
 
     # Coordinator, after a worker died.
 
-    def break_dead_holder(self, dead_pid: int, dead_slot: SlotQueues) -> bool:
+    def break_dead_holder(
+        self,
+        dead_pid: int,
+        dead_slot: SlotQueues,
+        states: BlockStates | None = None,
+        finished: int = -1,
+    ) -> bool:
         """The single breaker (coordinator) only, once ``dead_pid`` is known to be dead.
 
         If ``dead_pid`` holds this slot's lock: drop ``dead_slot``'s innermost run_stack record
-        if its handle is still queued here (step 3 done, commit not) or already in the done ring
-        (``complete`` committed, pop not), clear holder_pid and release the lock from here.
+        if its handle is still queued here (step 3 done, commit not), already in the done ring
+        (``complete`` committed, pop not) or its block's state in ``states`` already reads
+        ``finished`` (``exchange_block_state(finished_by=dead_slot)`` committed, pop not),
+        clear holder_pid and release the lock from here.
+
+        The last one is decided here, before the release: once the lock is free, the block's
+        owner (a parent that reads its child's state under this lock) may free the block and
+        reuse it, and a record left behind would then name another task's block.
 
         Args:
             dead_pid: the dead worker's pid.
             dead_slot: the slot that worker owned (may be ``self``).
+            states: where block state words live (the slab), with ``finished``: the state a
+                finished task's exchange stores (a value no task that runs ever has).
 
         Returns:
             True if the lock was released.
@@ -794,7 +812,8 @@ class SlotQueues:
         if 0 < depth <= MAX_NESTING:
             h = dw[RUN_STACK + depth - 1]
             if (
-                _find(self._deque, self._dmask, w[DEQUE_FRONT], w[DEQUE_BACK], h) >= 0
+                (states is not None and states.get_state(h) == finished)
+                or _find(self._deque, self._dmask, w[DEQUE_FRONT], w[DEQUE_BACK], h) >= 0
                 or _find(self._inbox, self._imask, w[INBOX_FRONT], w[INBOX_BACK], h) >= 0
                 or _find(self._done, self._cmask, w[DONE_FRONT], w[DONE_BACK], h) >= 0
             ):

@@ -527,9 +527,14 @@ class Worker:
         The run-stack pop happens in the same lock hold (``finished_by``): the parent frees
         the block only after confirming DONE under that lock, so a handle is never both on a
         run stack and free (the uniqueness crash repair relies on).
+
+        An ABANDONED child stays ABANDONED (``unless``): this worker frees it, and DONE would
+        tell the crash recovery of a dead parent (``orphan_children``) that the block is the
+        parent's to free, so that it freed it too (a double free) while this worker was
+        between the exchange and its free.
         """
         previous = self.slots[parent].exchange_block_state(
-            self.slab, handle, CHILD_DONE, finished_by=self.me
+            self.slab, handle, CHILD_DONE, finished_by=self.me, unless=CHILD_ABANDONED
         )
         self.header.add_live_children(-1)
         if previous == CHILD_ABANDONED:
@@ -549,7 +554,13 @@ class Worker:
             raise InternalError(f"collecting child block {handle} that is not done")
         status = slab.get_word(handle, _RESULT_STATUS)
         nbytes = slab.get_word(handle, _RESULT_NBYTES)
-        data = slab.read_result(handle)[1] if nbytes >= 0 else self.fetch(-nbytes)
+        if nbytes >= 0:
+            data = slab.read_result(handle)[1]
+        else:
+            data = self.fetch(-nbytes)
+            # Fetched: a death in the free below leaves a DONE block that the crash recovery
+            # frees, and it must not wait for the bytes (unwanted_stash) as if still stashed.
+            slab.set_word(handle, _RESULT_NBYTES, 0)
         self.free_child(handle)
         if status == _OK:
             try:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import psutil
 import pytest
@@ -18,6 +19,7 @@ import pytest
 import mpsched
 
 from . import tasks
+from .conditions import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEATH_DEADLINE = 2.0  # seconds, from the issue
@@ -93,4 +95,36 @@ def test_sigkill_of_the_zygote_takes_its_busy_workers_with_it(start_method: str)
     finally:
         if pool._zygote.is_alive():  # failed before the kill: do not wait for the spinning tasks
             os.kill(pool._zygote.pid, signal.SIGKILL)
+        pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_zygote_dead_when_a_replacement_is_asked_for_breaks_the_pool_saying_so(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The zygote dies during a worker's recovery, before the coordinator asks it for the
+    replacement (and before the coordinator read its EOF): the pool breaks with the zygote's
+    death as the reason, not with a bare BrokenPipeError."""
+    started, gate = str(tmp_path / "started"), str(tmp_path / "gate")
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    pool = mpsched.Pool(2)
+    try:
+        coordinator = pool._coordinator
+        recover = coordinator.recover_slot
+
+        def recover_once_the_zygote_died(*args: Any) -> None:
+            pool._zygote.kill()
+            pool._zygote.join(20.0)
+            recover(*args)
+
+        coordinator.recover_slot = recover_once_the_zygote_died  # type: ignore[method-assign]
+        victim = pool.submit(tasks.report_pid_then_gate, started, gate)
+        os.kill(tasks.read_pid(started), signal.SIGKILL)
+        with pytest.raises(mpsched.WorkerCrashedError):
+            victim.result(timeout=20.0)
+        wait_until(lambda: coordinator.broken is not None, "the pool broke")
+        with pytest.raises(mpsched.BrokenPoolError, match="zygote process died"):
+            pool.submit(tasks.add, 1, 1)
+    finally:
         pool.shutdown(wait=True)

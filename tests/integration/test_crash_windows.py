@@ -1,6 +1,7 @@
 """A worker killed at the worst moments of mpsched's own code (found by tests/stress/test_chaos.py,
 reproduced here deterministically, see ``window_tasks``): inside a shared lock, with its pid
-recorded as the holder or not yet; inside ``mpsched.submit``; with orphaned children queued.
+recorded as the holder or not yet; inside ``mpsched.submit``; with orphaned children queued;
+between a child's DONE and the wake-up of its parent.
 
 In each, the pool must fail only the dead worker's task, replace the worker, keep running tasks,
 leak no slab block, and shut down. Every wait is bounded: a hang fails the test.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import signal
 import threading
 import time
 
@@ -37,6 +39,15 @@ def wait_dead(pid: int) -> None:
         assert readable, f"process {pid} did not die"
     finally:
         os.close(fd)
+
+
+def peer_slot(pool: Pool, pid: int) -> int:
+    """The slot of a Pool(2) whose worker is not ``pid``, once both workers are registered."""
+    deadline = time.monotonic() + TIMEOUT
+    while not all(w.pid for w in pool.statistics().per_worker):
+        assert time.monotonic() < deadline, "the workers were never registered"
+        time.sleep(POLL)
+    return next(w.slot for w in pool.statistics().per_worker if w.pid != pid)
 
 
 def shut_down(pool: Pool) -> None:
@@ -131,4 +142,156 @@ def test_the_blocks_of_a_dead_parents_children_are_freed() -> None:
         assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
         assert slab.free_count() == slab.capacity, "orphaned children's blocks leaked"
     finally:
+        shut_down(pool)
+
+
+@pytest.mark.timeout(60)
+def test_a_parent_asleep_in_a_join_wakes_when_its_childs_executor_dies_after_done(
+    tmp_path: object,
+) -> None:
+    """The executor of a stolen child publishes DONE and dies before it wakes the parent,
+    which sleeps in ``join``: the recovery must wake it (nothing else will, in an idle pool).
+    The child finished, so the parent gets its result."""
+    started = os.path.join(str(tmp_path), "started")
+    gate = os.path.join(str(tmp_path), "gate")
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    pool = Pool(2)
+    try:
+        parent = pool.submit(wt.join_a_stolen_child, started, gate, 42)
+        with open(started, "rb") as fifo:
+            executor = int(fifo.read())
+        joiner = peer_slot(pool, executor)
+        slot = pool._views.slots[joiner]
+        deadline = time.monotonic() + TIMEOUT
+        while not slot.is_sleeping():  # the parent found nothing to help with
+            assert time.monotonic() < deadline, "the parent never slept in its join"
+            time.sleep(POLL)
+        with open(gate, "wb") as fifo:
+            fifo.write(b"x")
+        assert parent.result(TIMEOUT) == 42
+        assert pool.submit(tasks.add, 1, 2).result(TIMEOUT) == 3
+        stats = pool.statistics()
+        assert (stats.crashes, stats.respawns) == (1, 1)
+        slab = pool._views.slab
+        assert slab.free_count() == slab.capacity
+    finally:
+        shut_down(pool)
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_parents_abandoned_child_freed_by_its_executor_is_freed_once(
+    tmp_path: object,
+) -> None:
+    """The parent dropped a child's future (ABANDONED: the executor frees the block) and dies
+    while the executor is between publishing the child's end and freeing its block: the
+    recovery of the parent must not free the block too (a double free: two tasks would then
+    share one block; here the executor's free overflows the free stack and breaks the pool)."""
+    names = ("started", "gate", "window", "release", "parent")
+    started, gate, window, release, parent_fifo = (os.path.join(str(tmp_path), n) for n in names)
+    for path in (started, gate, window, release, parent_fifo):
+        os.mkfifo(path)
+    pool = Pool(2)
+    try:
+        parent = pool.submit(wt.abandon_a_stolen_child, started, gate, window, release, parent_fifo)
+        with open(started, "rb") as fifo:
+            fifo.read()
+        with open(parent_fifo, "rb") as fifo:
+            parent_pid = int(fifo.read())
+        with open(gate, "wb") as fifo:  # the child ends; its executor stops before the free
+            fifo.write(b"x")
+        with open(window, "rb") as fifo:
+            fifo.read()
+        os.kill(parent_pid, signal.SIGKILL)
+        with pytest.raises(WorkerCrashedError, match=r"SIGKILL\(-9\)"):
+            parent.result(TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while pool.statistics().respawns < 1:  # the parent's recovery is over
+            assert time.monotonic() < deadline, "the parent's death was never recovered"
+            time.sleep(POLL)
+        with open(release, "wb") as fifo:  # now the executor frees the child's block
+            fifo.write(b"x")
+        assert [pool.submit(tasks.add, i, i).result(TIMEOUT) for i in range(4)] == [0, 2, 4, 6]
+        assert pool.statistics().crashes == 1
+        slab = pool._views.slab
+        deadline = time.monotonic() + TIMEOUT
+        while slab.free_count() != slab.capacity:  # the executor's free comes after its task
+            assert time.monotonic() < deadline, "the child's block leaked"
+            time.sleep(POLL)
+        free = slab.free_indices()
+        assert len(set(free)) == len(free) == slab.capacity, "a block was freed twice"
+    finally:
+        shut_down(pool)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nbytes", [8, 400_000], ids=["in-block", "stashed"])
+def test_a_parent_killed_freeing_a_joined_childs_block_leaks_it_not(nbytes: int) -> None:
+    """The parent read its child's result and dies in the free of the child's block, before
+    the free commits: the block is its dead spawner's DONE child, which the recovery frees;
+    a stashed result was fetched already, so nothing waits for its bytes."""
+    pool = Pool(2)
+    try:
+        slab = pool._views.slab
+        with pytest.raises(WorkerCrashedError, match=r"exit code 3\b"):
+            pool.submit(wt.die_freeing_a_joined_child, nbytes).result(TIMEOUT)
+        assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
+        assert slab.free_count() == slab.capacity, "the joined child's block leaked"
+        coordinator = pool._coordinator
+        assert (coordinator.stash, coordinator.unwanted_stash) == ({}, set())
+    finally:
+        shut_down(pool)
+
+
+@pytest.mark.timeout(60)
+def test_a_childs_block_reused_after_its_executor_died_inside_done_is_left_alone(
+    tmp_path: object,
+) -> None:
+    """The executor of a stolen child dies inside the exchange that publishes DONE, after the
+    store, before the pop of its run-stack record, holding the parent's slot lock. Once the
+    lock is repaired, the parent reads the result, frees the block and a new child takes it:
+    the recovery of the executor must not take the stale record for a child it was running
+    (it wrote a crash into the new child, which had not even run)."""
+    names = ("started", "release", "report", "gate")
+    started, release, report, gate = (os.path.join(str(tmp_path), n) for n in names)
+    for path in (started, release, report, gate):
+        os.mkfifo(path)
+    pool = Pool(2)
+    released = False
+    try:
+        parent = pool.submit(
+            wt.join_a_child_whose_executor_dies_inside_done, started, release, report, gate
+        )
+        with open(started, "rb") as fifo:
+            executor = int(fifo.read())
+        wait_dead(executor)
+        joiner = peer_slot(pool, executor)
+        slot = pool._views.slots[joiner]
+        probes = []
+        deadline = time.monotonic() + TIMEOUT
+        while slot.inbox_depth() == 0:  # dispatch into the joiner's slot repairs its lock
+            assert time.monotonic() < deadline, "the coordinator is stuck on the dead lock"
+            probes.append(pool.submit(tasks.add, len(probes), 1))
+            until = time.monotonic() + 0.5
+            while slot.inbox_depth() == 0 and time.monotonic() < until:
+                time.sleep(POLL)
+        with open(report, "rb") as fifo:
+            assert fifo.read() == b"1", "the new child did not take the freed block"
+        with open(release, "wb") as fifo:  # now the coordinator sees the death
+            fifo.write(b"x")
+        released = True
+        deadline = time.monotonic() + TIMEOUT
+        while pool.statistics().respawns < 1:  # the executor's recovery is over
+            assert time.monotonic() < deadline, "the executor's death was never recovered"
+            time.sleep(POLL)
+        tasks.open_gate(gate)
+        assert parent.result(TIMEOUT) == (True, 5)
+        assert [f.result(TIMEOUT) for f in probes] == [i + 1 for i in range(len(probes))]
+        assert pool.statistics().crashes == 1
+    finally:
+        if not released:
+            with contextlib.suppress(OSError):
+                fd = os.open(release, os.O_WRONLY | os.O_NONBLOCK)
+                os.write(fd, b"x")
+                os.close(fd)
         shut_down(pool)

@@ -23,7 +23,7 @@ from mpsched import (
     _pool,
 )
 from mpsched._coordinator import Coordinator
-from mpsched._errors import ProtocolError
+from mpsched._errors import InternalError, ProtocolError
 from mpsched._protocol import Tag, decode
 
 from . import edge_tasks as et
@@ -547,3 +547,28 @@ def test_a_map_finalized_by_a_gc_pass_inside_a_critical_section_does_not_deadloc
     assert result.returncode == 0, result.stderr
     # Items 0 and 1 ran; the cancels of 2 and 3 (unclaimed) were not lost.
     assert result.stdout.split() == ["ok", "2"]
+
+
+@pytest.mark.timeout(60)
+def test_a_free_that_raises_in_a_collection_still_settles_what_it_took() -> None:
+    """The slab's free stack is corrupt (a double free elsewhere): the loop's collection raises
+    and the pool breaks; the futures it took from the done ring (out of ``by_handle``, where
+    the break's sweep looks) must still end, not wait for ever."""
+    pool = Pool(1)
+    try:
+        slab = pool._views.slab
+        free_tasks = slab.free_tasks
+
+        def corrupt(indices: Any, children: bool = False) -> None:
+            slab.free_tasks = free_tasks  # type: ignore[method-assign]
+            raise InternalError("free_many: double free (simulated)")
+
+        slab.free_tasks = corrupt  # type: ignore[method-assign]
+        future = pool.submit(tasks.add, 1, 2)
+        done, _ = wait([future], timeout=20)  # not result(): the loop collects, not this thread
+        assert done, "the future taken by the failed collection never ended"
+        assert future.result() == 3
+        with pytest.raises(BrokenPoolError, match="double free"):
+            pool.submit(tasks.add, 1, 1)
+    finally:
+        pool.shutdown(wait=True)

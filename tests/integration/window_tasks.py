@@ -2,7 +2,8 @@
 
 A SIGKILL can land between any two bytecodes of a worker. These tasks reproduce, on purpose and
 deterministically, the deaths that the chaos test (tests/stress/test_chaos.py) hits at random:
-inside a shared lock, inside ``mpsched.submit``, and in a parent with children still queued.
+inside a shared lock, inside ``mpsched.submit``, in a parent with children still queued, and
+in a child's executor between its DONE and its parent's wake-up.
 They reach into the worker's internals (``mpsched._worker._current``): white-box by design.
 """
 
@@ -67,3 +68,137 @@ def spawn_then_die(children: int) -> None:
     futures = [mpsched.submit(abs, -i) for i in range(children)]
     assert futures
     os._exit(3)
+
+
+def child_dies_after_publishing_done(started: str, gate_path: str, value: int) -> int:
+    """A child that, once a peer stole it, writes its executor's pid into the FIFO
+    ``started``, waits at ``gate_path`` and returns ``value``: its executor then dies right
+    after publishing DONE (``finish_child``'s exchange), before it wakes the parent (the
+    ``live_children`` update comes in between)."""
+    worker = _current()
+    worker.header.add_live_children = lambda delta: os._exit(3)
+    with open(started, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    with open(gate_path, "rb") as fifo:
+        fifo.read(1)
+    return value
+
+
+def join_a_stolen_child(started: str, gate_path: str, value: int) -> int:
+    """Spawn ``child_dies_after_publishing_done``, wait until a peer stole it (so that this
+    worker, finding nothing to help with, sleeps in the join), then join it."""
+    child = mpsched.submit(child_dies_after_publishing_done, started, gate_path, value)
+    while not child.running():  # this worker takes nothing meanwhile: only a peer can steal it
+        pass
+    return child.result()  # type: ignore[no-any-return]
+
+
+def child_frees_slowly(started: str, gate_path: str, window: str, release: str) -> int:
+    """A child whose executor, once the child's parent dropped its future, stops inside the
+    free of the child's block (``free_unread_child``): it writes its pid into the FIFO
+    ``window`` and waits at ``release`` before it frees. Announces itself on ``started`` and
+    waits at ``gate_path`` before it returns."""
+    worker = _current()
+    free = worker.free_unread_child
+
+    def free_unread_child(handle: int) -> None:
+        with open(window, "wb") as fifo:
+            fifo.write(str(os.getpid()).encode())
+        with open(release, "rb") as fifo:
+            fifo.read(1)
+        free(handle)
+
+    worker.free_unread_child = free_unread_child
+    with open(started, "wb") as fifo:
+        fifo.write(b"s")
+    with open(gate_path, "rb") as fifo:
+        fifo.read(1)
+    return 1
+
+
+def abandon_a_stolen_child(
+    started: str, gate_path: str, window: str, release: str, parent: str
+) -> None:
+    """Spawn ``child_frees_slowly``, wait until a peer stole it, drop its future (the child is
+    ABANDONED: its executor frees its block), then write this worker's pid into the FIFO
+    ``parent`` and wait there until the test kills this worker."""
+    worker = _current()
+    child = mpsched.submit(child_frees_slowly, started, gate_path, window, release)
+    while not child.running():  # this worker takes nothing meanwhile: only a peer can steal it
+        pass
+    del child
+    worker.release_abandoned()  # as after the task: the executor owns the block now
+    with open(parent, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    signal.pause()
+
+
+def die_freeing_a_joined_child(nbytes: int) -> None:
+    """Join a child that a peer stole (its result ``bytes(nbytes)``, stashed if too big for
+    the slab), then die in the free of its block, waiting for the allocator lock (as a SIGKILL
+    there does, while a peer holds that lock)."""
+    worker = _current()
+    child = mpsched.submit(bytes, nbytes)
+    while worker.me.in_deque(child._handle):  # only a peer can take it meanwhile
+        pass
+    worker.slab._acquire = lambda *args: os._exit(3)
+    child.result()
+
+
+def _keep_socket_open(worker: Any, release: str) -> None:
+    """Fork a helper that keeps ``worker``'s socket open (so the coordinator does not see the
+    worker's death) until the test writes to the FIFO ``release``."""
+    gate = os.open(release, os.O_RDONLY | os.O_NONBLOCK)  # open before the test writes to it
+    socket_copy = os.dup(worker.conn.fileno())  # the worker's own copy closes in the helper
+    if os.fork() == 0:
+        try:
+            select.select([gate], [], [], HELPER_MAX_S)
+        finally:
+            os._exit(0)
+    os.close(gate)
+    os.close(socket_copy)
+
+
+def child_dies_inside_its_done(started: str, release: str, value: int) -> None:
+    """A stolen child whose executor dies inside ``finish_child``'s exchange, after the DONE
+    store and before the pop of its run-stack record, holding the parent's slot lock (its
+    result ``value`` is written). The coordinator sees the death only once the test writes
+    to ``release``; the executor's pid goes to the FIFO ``started``."""
+    from mpsched._payloads import BlockField
+    from mpsched._protocol import ChildState, ResultStatus
+    from mpsched._serialize import dumps
+
+    worker = _current()
+    handle = worker.me.running()[-1]
+    parent = worker.slots[worker.slab.get_word(handle, int(BlockField.PARENT))]
+    _keep_socket_open(worker, release)
+    assert worker.slab.write_result(handle, int(ResultStatus.OK), dumps(value))
+    parent._acquire()
+    parent._w[HOLDER_PID] = os.getpid()
+    worker.slab.set_state(handle, int(ChildState.DONE))  # the exchange's commit; no pop
+    with open(started, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def join_a_child_whose_executor_dies_inside_done(
+    started: str, release: str, report: str, gate_path: str
+) -> tuple[bool, int]:
+    """Join ``child_dies_inside_its_done`` (stolen by the peer); once the coordinator repaired
+    this slot's lock, the child's result is read and its block freed: spawn a new child,
+    which takes that block again (the free stack is LIFO). Write whether it did into the FIFO
+    ``report``, wait at ``gate_path`` (the test lets the coordinator recover the executor
+    meanwhile), then join the new child. Returns (block reused, the new child's result)."""
+    worker = _current()
+    child = mpsched.submit(child_dies_inside_its_done, started, release, 7)
+    while worker.me.in_deque(child._handle):  # only a peer can take it meanwhile
+        pass
+    old = child._handle
+    assert child.result() == 7
+    again = mpsched.submit(abs, -5)
+    reused = again._handle == old
+    with open(report, "wb") as fifo:
+        fifo.write(b"1" if reused else b"0")
+    with open(gate_path, "rb") as fifo:
+        fifo.read(1)
+    return reused, again.result()

@@ -347,6 +347,20 @@ def test_exchange_block_state_pops_the_executors_record(region: Region) -> None:
     assert parent.holder_pid() == 0
 
 
+def test_exchange_block_state_leaves_the_unless_state_and_still_pops(region: Region) -> None:
+    parent, executor = region.slots
+    blocks = FakeBlocks()
+    blocks.set_state(5, 3)  # e.g. ABANDONED: the executor frees the block, nobody else
+    parent.push(5)
+    assert parent.steal(into=executor) == (SUCCESS, 5)
+    assert parent.exchange_block_state(blocks, 5, 2, finished_by=executor, unless=3) == 3
+    assert parent.block_state(blocks, 5) == 3
+    assert executor.running() == []
+    assert parent.exchange_block_state(blocks, 5, 1, unless=3) == 3
+    assert parent.exchange_block_state(blocks, 5, 2, unless=1) == 3
+    assert parent.block_state(blocks, 5) == 2
+
+
 def test_take_running_clears_the_slot_for_a_replacement(sq: SlotQueues) -> None:
     sq.bind_owner()
     sq.mark_running(4)
@@ -493,3 +507,24 @@ def test_cancel_injected_vs_claim_exactly_one_wins(ctx: Any) -> None:
     assert len(stolen) == len(set(stolen)), "a handle came out twice"
     assert not cancelled & set(stolen), "a cancelled handle was claimed"
     assert cancelled | set(stolen) == set(range(2 * CANCEL_ROUNDS)), "a handle was lost"
+
+
+@pytest.mark.parametrize("state", [2, 1], ids=["done-stored", "not-stored"])
+def test_break_dead_holder_drops_the_record_of_a_finish_committed_but_not_popped(
+    region: Region, state: int
+) -> None:
+    """An executor died inside ``exchange_block_state(finished_by=...)`` holding the parent's
+    lock: after the state store (the record goes, before the lock is released: the parent may
+    then free and reuse the block) or before it (the record stays: the task did not finish)."""
+    parent, executor = region.slots
+    blocks = FakeBlocks()
+    blocks.set_state(5, 1)
+    parent.push(5)
+    assert parent.steal(into=executor) == (SUCCESS, 5)
+    dead = 999_999  # the breaker only compares the recorded holder with it
+    parent._acquire()
+    parent._w[dq.HOLDER_PID] = dead
+    blocks.set_state(5, state)
+    assert parent.break_dead_holder(dead, executor, blocks, 2)
+    assert parent.holder_pid() == 0
+    assert executor.running() == ([] if state == 2 else [5])
