@@ -732,8 +732,14 @@ class Coordinator:
         if run is None or run.recurrence is None:
             return False
         options = run.options
-        if options.misfire != "skip" or not is_misfire(
-            run.run_at, time.monotonic(), options.misfire_grace
+        if (
+            options.misfire != "skip"
+            # A retry (its worker died): the run started on time, so it runs again, as the
+            # retries option says. Dropped, it continued a recurrence that a schedule of the id
+            # may have replaced meanwhile: that next version superseded the new schedule's,
+            # whose future never settled (test_a_retried_run_of_a_superseded_recurrence_...).
+            or run.retries_left != options.retries
+            or not is_misfire(run.run_at, time.monotonic(), options.misfire_grace)
         ):
             return False
         self.misfires += 1
@@ -751,7 +757,8 @@ class Coordinator:
             self.withdraw(future)
         future._withdrawn = True
         self.timetable.end(future, None, cancelled=True)
-        self.continue_recurrence(future, skipped=True)
+        if run.recurrence.active:  # else a schedule of the id replaced it: never continue it
+            self.continue_recurrence(future, skipped=True)
         return True
 
     def inject(self, k: int, batch: list[Future], lowest: int) -> int:

@@ -340,3 +340,39 @@ def test_a_recurrence_kept_after_shutdown_runs_until_its_future_is_cancelled(
     assert rec.cancelled()
     assert pool.state("r") in (TaskState.CANCELLED, TaskState.COMPLETED)
     assert len(tt.read_tags(log)) == n
+
+
+# ---------------------------------------------------------------- retries of recurring runs
+@pytest.mark.timeout(60)
+def test_a_retried_run_of_a_superseded_recurrence_keeps_the_new_schedule(fifos: Fifos) -> None:
+    """A recurring run (retries=1, misfire "skip") runs; the id is scheduled again (a new
+    recurrence, its first run deferred behind the running one); the run's worker dies once the
+    run is later than its misfire grace. The retry started on time, so it is no misfire: it
+    runs again. (Dropped as a misfire, it continued the recurrence that the new schedule had
+    replaced: that next run superseded the new schedule's version, which never ran.)"""
+    with Pool(1) as pool:
+        due = time.monotonic()
+        old = pool.with_options(
+            every=600.0, retries=1, misfire="skip", misfire_grace=MISFIRE_GRACE
+        ).schedule("r", due, 0, tt.log_pid_then_gate, fifos.log, "old", fifos.gate)
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "the first run runs")
+        new = pool.with_options(every=600.0).schedule(
+            "r", time.monotonic(), 0, tt.log, fifos.log, "new"
+        )
+        assert old.cancelled()
+        # Lateness is the subject here: wait for the clock, not for an event.
+        wait_until(lambda: time.monotonic() > due + 2 * MISFIRE_GRACE, "the run is late")
+        [(_, pid)] = tt.read_tags(fifos.log)
+        os.kill(pid, signal.SIGKILL)
+        wait_until(
+            lambda: len(tt.read_tags(fifos.log)) == 2 or pool.statistics().misfires > 0,
+            "the retry runs or is dropped",
+        )
+        assert pool.statistics().misfires == 0, "the retry was dropped as a misfire"
+        tasks.open_gate(fifos.gate)
+        wait_until(lambda: "new" in tt.read_tags(fifos.log), "the new schedule runs")
+        assert not new.done()
+        assert pool.cancel("r") is True
+        assert new.cancelled()
+    assert [t if t == "new" else t[0] for t in tt.read_tags(fifos.log)] == ["old", "old", "new"]
+    assert pool.statistics().retried == 1
