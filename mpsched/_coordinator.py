@@ -411,9 +411,19 @@ class Coordinator:
         with self.lock:
             if not self.withdraw(future):
                 return False
-            if future._due is not None:
-                self.timetable.withdrawn(future)
-            return True
+            if future._due is None or not self.timetable.withdrawn(future):
+                return True
+            # It ended a retry with a newer version of its id waiting behind it: that one
+            # entered the heap, and the loop must learn its due time (else it stayed there,
+            # its future never settled and the drain waited for it for ever).
+            self.note_due(self.timetable.heap.next_deadline())
+            due = self.next_due
+            wake = due is not None and due < self.sleep_until
+            if due is not None and wake:
+                self.sleep_until = due
+        if wake:
+            self.wakeup()
+        return True
 
     def cancel_later(self, futures: Iterable[Future]) -> None:
         """Any thread, in any context: have the loop cancel ``futures`` (``Future.cancel``) on

@@ -376,3 +376,37 @@ def test_a_retried_run_of_a_superseded_recurrence_keeps_the_new_schedule(fifos: 
         assert new.cancelled()
     assert [t if t == "new" else t[0] for t in tt.read_tags(fifos.log)] == ["old", "old", "new"]
     assert pool.statistics().retried == 1
+
+
+@pytest.mark.timeout(60)
+def test_future_cancel_of_a_retry_lets_the_deferred_version_run(
+    fifos: Fifos, tmp_path: Path
+) -> None:
+    """Version 1 of an id (retries=1) runs; version 2 is scheduled, so it waits behind the
+    running one; the worker dies and the retry of version 1 waits, unclaimed, in the
+    replacement's inbox, where ``Future.cancel()`` withdraws it. That ends version 1, and
+    version 2 may start: it must run (its due time was not handed to the loop, which never
+    released it: its future never settled and the shutdown waited for it for ever)."""
+    marker = str(tmp_path / "replacing")
+    init_gate = str(tmp_path / "init")
+    os.mkfifo(init_gate)
+    with Pool(1, initializer=tt.gate_replacements, initargs=(marker, init_gate)) as pool:
+        v1 = pool.with_options(retries=1).schedule(
+            "x", 0.0, 0, tt.log_pid_then_gate, fifos.log, "v1", fifos.gate
+        )
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "version 1 runs")
+        v2 = pool.schedule("x", 0.0, 0, tt.log, fifos.log, "v2")
+        wait_until(lambda: pool.statistics().scheduled == 1, "version 2 waits behind it")
+        open(marker, "w").close()
+        [(_, pid)] = tt.read_tags(fifos.log)
+        os.kill(pid, signal.SIGKILL)
+        wait_until(
+            lambda: pool.statistics().per_worker[0].inbox_depth == 1,
+            "the retry waits in the replacement's inbox",
+        )
+        assert pool.statistics().retried == 1
+        assert v1.cancel() is True
+        tasks.open_gate(init_gate)
+        assert v2.result(timeout=CONDITION_TIMEOUT) > 0
+        assert pool.state("x") is TaskState.COMPLETED
+    assert [t if t == "v2" else t[0] for t in tt.read_tags(fifos.log)] == ["v1", "v2"]
