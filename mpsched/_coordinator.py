@@ -1207,9 +1207,15 @@ class Coordinator:
         rec: Recurrence = future._run.recurrence
         if status == _OK and rec.active:
             with self.lock:
-                if rec.active:
+                continued = rec.active
+                if continued:
                     self.continue_recurrence(future, skipped=False)
-                    return
+            if continued:
+                # A user thread's collection (help_wait) woke the loop before this (settle),
+                # and the loop may have gone to sleep since without this run's due time.
+                if threading.get_ident() != self.thread_id:
+                    self.wakeup()
+                return
         if status == _OK:
             return  # stopped meanwhile: its future was cancelled then
         with self.lock:

@@ -11,16 +11,20 @@ from __future__ import annotations
 import fractions
 import logging
 import os
+import select
 import signal
+import threading
 import time
 from concurrent.futures import wait
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 import mpsched
 from mpsched import Pool, TaskState
+from mpsched._coordinator import Coordinator
 
 from . import bad_tasks as bt
 from . import tasks
@@ -410,3 +414,71 @@ def test_future_cancel_of_a_retry_lets_the_deferred_version_run(
         assert v2.result(timeout=CONDITION_TIMEOUT) > 0
         assert pool.state("x") is TaskState.COMPLETED
     assert [t if t == "v2" else t[0] for t in tt.read_tags(fifos.log)] == ["v1", "v2"]
+
+
+class PollWatch:
+    """Stands for the coordinator's epoll: notes when the loop goes to sleep with no timeout
+    and no wake-up pending (it then sleeps until someone writes the wakeup pipe)."""
+
+    def __init__(self, epoll: Any, wakeup_fd: int) -> None:
+        self.epoll = epoll
+        self.wakeup_fd = wakeup_fd
+        self.armed = threading.Event()
+        self.asleep = threading.Event()
+
+    def poll(self, timeout: float = -1) -> list[tuple[int, int]]:
+        pending = select.select([self.wakeup_fd], [], [], 0)[0]
+        if self.armed.is_set() and timeout == -1 and not pending:
+            self.asleep.set()
+        result: list[tuple[int, int]] = self.epoll.poll(timeout)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.epoll, name)
+
+
+@pytest.mark.timeout(60)
+def test_a_recurrence_collected_by_a_user_thread_wakes_the_loop_for_its_next_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user thread collects results (``result()``'s help_wait) and settles a recurring run;
+    it wakes the loop, then schedules the next run. The loop may run its pass, find nothing due
+    and go to sleep with no timeout in between: the next run's due time must wake it (it was
+    only noted, and the recurrence stopped until something else woke the loop)."""
+    log = str(tmp_path / "log")
+    loop_collects = threading.Event()
+    loop_collects.set()
+    real_collect = Coordinator.collect
+    real_end_runs = Coordinator.end_runs
+    real_end_recurring_run = Coordinator.end_recurring_run
+
+    def collect(self: Coordinator) -> None:  # the loop leaves the run to the user thread
+        if loop_collects.is_set() or threading.get_ident() != self.thread_id:
+            real_collect(self)
+
+    def end_runs(self: Coordinator, outcomes: Any) -> None:
+        real_end_runs(self, outcomes)
+        if threading.get_ident() != self.thread_id:
+            watch.armed.set()  # from here on, a sleep with no timeout is the one in question
+
+    def end_recurring_run(self: Coordinator, future: Any, status: int, data: bytes) -> None:
+        if threading.get_ident() != self.thread_id:
+            assert watch.asleep.wait(CONDITION_TIMEOUT), "the loop did not go to sleep"
+        real_end_recurring_run(self, future, status, data)
+
+    monkeypatch.setattr(Coordinator, "collect", collect)
+    monkeypatch.setattr(Coordinator, "end_runs", end_runs)
+    monkeypatch.setattr(Coordinator, "end_recurring_run", end_recurring_run)
+    with Pool(1) as pool:
+        coordinator = pool._coordinator
+        watch = PollWatch(coordinator.epoll, coordinator.wakeup_fd)
+        coordinator.epoll = watch  # type: ignore[assignment]
+        loop_collects.clear()
+        rec = pool.with_options(every=0.01).schedule("r", time.monotonic(), 0, tt.log, log, "r")
+        slot = pool._views.slots[0]
+        wait_until(lambda: slot.done_depth() == 1, "the first run's result waits in the ring")
+        coordinator.collect()  # as a user thread's help_wait does
+        loop_collects.set()
+        wait_until(lambda: len(tt.read_tags(log)) >= 2, "the next run runs")
+        assert pool.cancel("r") is True
+        assert rec.cancelled()
