@@ -482,3 +482,51 @@ def test_a_recurrence_collected_by_a_user_thread_wakes_the_loop_for_its_next_run
         wait_until(lambda: len(tt.read_tags(log)) >= 2, "the next run runs")
         assert pool.cancel("r") is True
         assert rec.cancelled()
+
+
+# ---------------------------------------------------------------- a recurrence due in the past
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", ["coalesce", "skip"])
+def test_a_recurrence_scheduled_in_the_past_starts_its_grid_at_once(
+    fifos: Fifos, overlap: str
+) -> None:
+    """``run_at`` in the past means due at once (``Pool.schedule``). For a recurrence, the due
+    times between that ``run_at`` and the call did not pass "while its previous run was still
+    going" (the overlap policy's subject): the grid starts at the call. (From ``run_at=0.0``,
+    the first run ended with days of grid times behind it: "coalesce" ran once more at once,
+    "skip" counted them all as skipped, "queue" ran each of them back to back.)"""
+    with Pool(1) as pool:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
+        tasks.wait_started(fifos.started)
+        rec = pool.with_options(every=600.0, overlap=overlap).schedule(
+            "r", 0.0, 0, tt.log, fifos.log, "r"
+        )
+        # Due at once after "r" (a later run_at): it starts after the first run ended, and
+        # settles after that run was collected and the next one scheduled.
+        after = pool.schedule("after", time.monotonic(), 0, tt.log, fifos.log, "after")
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=CONDITION_TIMEOUT) == "blocker"
+        after.result(timeout=CONDITION_TIMEOUT)
+        assert pool.statistics().skipped_runs == 0
+        assert pool.cancel("r") is True
+        assert rec.cancelled()
+    assert tt.read_tags(fifos.log) == ["r", "after"]
+
+
+@pytest.mark.timeout(60)
+def test_a_recurrence_scheduled_in_the_past_is_no_misfire(tmp_path: Path) -> None:
+    """A recurrence due at once (``run_at`` in the past) with the misfire policy "skip": its
+    first run starts within its grace of the call, so it runs (it was dropped as a misfire,
+    late by all the time since ``run_at``)."""
+    log = str(tmp_path / "log")
+    with Pool(1) as pool:
+        rec = pool.with_options(every=600.0, misfire="skip", misfire_grace=10.0).schedule(
+            "m", 0.0, 0, tt.log, log, "m"
+        )
+        wait_until(
+            lambda: tt.read_tags(log) or pool.statistics().misfires, "the first run runs or not"
+        )
+        assert pool.statistics().misfires == 0
+        assert tt.read_tags(log) == ["m"]
+        assert pool.cancel("m") is True
+        assert rec.cancelled()
