@@ -860,18 +860,24 @@ class Coordinator:
     # ------------------------------------------------------------------ running tasks
     def apply_requests(self) -> None:
         """Cancel requests for running tasks: set the flag the task polls, or kill its worker
-        (``force``). Here, not in the user's thread: only this thread frees top-level blocks,
-        so a block whose future is still in ``by_handle`` is still that task's."""
+        (``force``). Here, not in the user's thread, and under ``collect_lock``: only a
+        collector frees top-level blocks, so a block whose future is still in ``by_handle`` is
+        still that task's while no collector runs."""
         with self.lock:
             requests, self.requests = self.requests, []
         later = []
-        for future, force in requests:
-            handle = future._handle
-            if handle < 0 or self.by_handle.get(handle) is not future:
-                continue  # finished meanwhile
-            self.slab.set_word(handle, _STATE, _CANCEL_REQUESTED)
-            if force and not self.kill_running(future):
-                later.append((future, force))
+        # Under collect_lock, as the timeout check: a user thread's collection (help_wait)
+        # pops a task from by_handle and frees its block, and a submit may put a new task
+        # into that block at once; between the check below and the write, the flag (or the
+        # kill) would reach that task (test_a_cancel_request_never_flags_the_next_task_...).
+        with self.collect_lock:
+            for future, force in requests:
+                handle = future._handle
+                if handle < 0 or self.by_handle.get(handle) is not future:
+                    continue  # finished meanwhile
+                self.slab.set_word(handle, _STATE, _CANCEL_REQUESTED)
+                if force and not self.kill_running(future):
+                    later.append((future, force))
         if later:  # retried at the next pass (the 5 ms sweep: these tasks are in flight)
             with self.lock:
                 self.requests[:0] = later

@@ -25,6 +25,8 @@ import pytest
 import mpsched
 from mpsched import Pool, TaskState
 from mpsched._coordinator import Coordinator
+from mpsched._payloads import BlockField
+from mpsched._protocol import TopState
 
 from . import bad_tasks as bt
 from . import tasks
@@ -530,3 +532,80 @@ def test_a_recurrence_scheduled_in_the_past_is_no_misfire(tmp_path: Path) -> Non
         assert tt.read_tags(log) == ["m"]
         assert pool.cancel("m") is True
         assert rec.cancelled()
+
+
+# ---------------------------------------------------------------- cancel requests
+class SlabHook:
+    """Stands for the coordinator's slab: calls ``before_flag()`` before the cancel flag is
+    written into a block (``apply_requests``), once armed."""
+
+    def __init__(self, slab: Any, before_flag: Any) -> None:
+        self.slab = slab
+        self.before_flag = before_flag
+        self.armed = False
+
+    def set_word(self, index: int, field: int, value: int) -> None:
+        if (
+            self.armed
+            and field == int(BlockField.STATE)
+            and value == int(TopState.CANCEL_REQUESTED)
+        ):
+            self.armed = False
+            self.before_flag()
+        self.slab.set_word(index, field, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.slab, name)
+
+
+@pytest.mark.timeout(60)
+def test_a_cancel_request_never_flags_the_next_task_of_a_reused_block(
+    fifos: Fifos, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pool.cancel(id)`` of a version that has just finished (its result not collected yet)
+    queues a request; the loop checks that the version is still in flight, then writes the
+    flag into its block. A user thread's collection (``result()``'s help_wait) may free that
+    block in between, and a submit to the idle pool may put a new task into it at once: the
+    flag must not reach that task, which nobody asked to cancel (nor may a forced request kill
+    its worker). The hook lets a collector run there whenever nothing excludes it
+    (``collect_lock`` is free), as a user thread's can."""
+    loop_collects = threading.Event()
+    loop_collects.set()
+    real_collect = Coordinator.collect
+
+    def collect(self: Coordinator) -> None:  # the loop leaves the result to the user thread
+        if loop_collects.is_set() or threading.get_ident() != self.thread_id:
+            real_collect(self)
+
+    monkeypatch.setattr(Coordinator, "collect", collect)
+    with Pool(1) as pool:
+        coordinator = pool._coordinator
+        later: list[mpsched.Future] = []
+
+        def collect_and_submit() -> None:  # a user thread: collect, then submit to the idle pool
+            coordinator.collect()
+            later.append(pool.submit(tt.gated_cancel_flag, fifos.gate))
+
+        def before_flag() -> None:
+            if coordinator.collect_lock.acquire(blocking=False):  # nothing excludes a collector
+                coordinator.collect_lock.release()
+                user = threading.Thread(target=collect_and_submit)
+                user.start()
+                user.join()
+
+        hook = SlabHook(coordinator.slab, before_flag)
+        coordinator.slab = hook  # type: ignore[assignment]
+        loop_collects.clear()
+        done = pool.schedule("x", 0.0, 0, tasks.ident, "x")
+        slot = pool._views.slots[0]
+        wait_until(lambda: slot.done_depth() == 1, "the version's result waits in the ring")
+        hook.armed = True
+        assert pool.cancel("x") is True  # it runs, as far as the pool knows: asked to stop
+        wait_until(lambda: not hook.armed, "the loop applied the request")
+        loop_collects.set()
+        assert done.result(timeout=CONDITION_TIMEOUT) == "x"
+        if not later:  # the collector was excluded: the next task comes now
+            later.append(pool.submit(tt.gated_cancel_flag, fifos.gate))
+        tasks.open_gate(fifos.gate)
+        assert later[0].result(timeout=CONDITION_TIMEOUT) is False, "a stale request flagged it"
+        assert pool.state("x") is TaskState.COMPLETED

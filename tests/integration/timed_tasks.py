@@ -184,3 +184,9 @@ def gate_replacements(marker: str, gate_path: str) -> None:
     dispatched to the replacement stays unclaimed in its inbox until the test opens it."""
     if os.path.exists(marker):
         gate(gate_path)
+
+
+def gated_cancel_flag(gate_path: str) -> bool:
+    """Wait at the gate, then return whether this task was asked to cancel."""
+    gate(gate_path)
+    return mpsched.current_task().cancel_requested
