@@ -457,6 +457,8 @@ class Coordinator:
                 return future._withdrawn or future.cancelled()
             future._withdrawn = True
             future._payload = b""
+            if type(future._due) is not tuple:  # not a heap record: it waits in the queue
+                self.ready.withdrawn += 1
             return True
         if self.by_handle.get(future._handle) is not future:
             # Collected (collect pops it, then frees its block, without this lock): it ran. Its
@@ -467,6 +469,10 @@ class Coordinator:
         if future._slot >= 0 and not self.slots[future._slot].cancel_injected(future._handle):
             return False  # a worker claimed it first
         # Withdrawn from its inbox, or taken back (queued here with its block): free the block.
+        if future._slot < 0:
+            # Taken back: it waits in the ready queue (misfired and cancel_everything_unclaimed
+            # took it out first: they correct the count).
+            self.ready.withdrawn += 1
         self.by_handle.pop(future._handle, None)
         self.watched.pop(future._handle, None)
         self.drop_stashed([future._handle])
@@ -765,6 +771,7 @@ class Coordinator:
             # entry in by_handle. Withdraw it (frees both), or the pool would count it in flight
             # for ever (found by test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block).
             self.withdraw(future)
+            self.ready.withdrawn -= 1  # counted as queued: take() had popped it already
         future._withdrawn = True
         self.timetable.end(future, None, cancelled=True)
         if run.recurrence.active:  # else a schedule of the id replaced it: never continue it
@@ -1660,6 +1667,7 @@ class Coordinator:
                 future._withdrawn = True
                 if future._due is not None:
                     self.timetable.end(future, None, cancelled=True)
+            self.ready.withdrawn = 0  # drained: withdraw counted the taken-back ones as queued
         for future in queued:
             future._mark_cancelled()
         for future in injected:

@@ -751,7 +751,7 @@ class Pool:
             workers=self._workers,
             submitted=coord.submitted,
             completed=coord.completed,
-            pending=len(coord.ready),
+            pending=coord.ready.live(),
             scheduled=len(coord.timetable.heap),
             steals=sum(w.stolen for w in per_worker),
             crashes=coord.crashes,

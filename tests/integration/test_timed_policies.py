@@ -90,6 +90,7 @@ def test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block(
         wait_until(lambda: time.monotonic() > due + 2 * MISFIRE_GRACE, "the run is late")
         high = pool.schedule("high", 0.0, 1, tasks.ident, "high")
         wait_until(lambda: pool.statistics().misfires == 1, "the late run is skipped")
+        assert pool.statistics().pending == 0  # it left the ready queue: not counted there
         tasks.open_gate(fifos.gate)
         assert blocker.result(timeout=CONDITION_TIMEOUT) == "blocker"
         assert high.result(timeout=CONDITION_TIMEOUT) == "high"
@@ -609,3 +610,38 @@ def test_a_cancel_request_never_flags_the_next_task_of_a_reused_block(
         tasks.open_gate(fifos.gate)
         assert later[0].result(timeout=CONDITION_TIMEOUT) is False, "a stale request flagged it"
         assert pool.state("x") is TaskState.COMPLETED
+
+
+# ---------------------------------------------------------------- statistics
+@pytest.mark.timeout(60)
+def test_pending_does_not_count_cancelled_tasks(fifos: Fifos) -> None:
+    """``statistics().pending`` counts the due tasks not yet handed to a worker. A cancelled
+    one will never be: it must not count, also while the worker is busy and nothing is taken
+    from the ready queue (cancelled tasks stayed counted there until a dispatch popped them)."""
+    with Pool(1, dispatch_window=1) as pool:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
+        tasks.wait_started(fifos.started)
+        injected = pool.submit(tasks.ident, "injected")  # the window of one: in the inbox
+        queued = [pool.submit(tasks.ident, i) for i in range(3)]
+        due = [pool.schedule(i, 0.0, 0, tasks.ident, i) for i in range(3)]
+        wait_until(lambda: pool.statistics().scheduled == 0, "the timed ones are due")
+        assert pool.statistics().pending == 6
+        assert all(f.cancel() for f in queued)
+        assert pool.cancel(0) is True
+        assert pool.statistics().pending == 2
+        assert pool.cancel(1) is True
+        assert pool.cancel(2) is True
+        assert pool.statistics().pending == 0
+        # A higher priority takes the injected one back to the ready queue, with its block.
+        high = pool.schedule("high", 0.0, 1, tasks.ident, "high")
+        wait_until(
+            lambda: injected._slot == -1 and pool.statistics().pending == 1,
+            "the injected one is taken back",
+        )
+        assert injected.cancel() is True
+        assert pool.statistics().pending == 0
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=CONDITION_TIMEOUT) == "blocker"
+        assert high.result(timeout=CONDITION_TIMEOUT) == "high"
+        assert pool.statistics().pending == 0
+    assert all(f.cancelled() for f in [injected, *queued, *due])
