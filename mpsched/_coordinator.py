@@ -418,9 +418,10 @@ class Coordinator:
             # its future never settled and the drain waited for it for ever).
             self.note_due(self.timetable.heap.next_deadline())
             due = self.next_due
-            wake = due is not None and due < self.sleep_until
-            if due is not None and wake:
+            wake = False
+            if due is not None and due < self.sleep_until:  # as schedule() does
                 self.sleep_until = due
+                wake = True
         if wake:
             self.wakeup()
         return True
@@ -766,12 +767,12 @@ class Coordinator:
             run.run_at,
             options.misfire_grace,
         )
-        if future._handle >= 0:
-            # Taken back from an inbox (take_back_lower): it still holds its slab block and its
-            # entry in by_handle. Withdraw it (frees both), or the pool would count it in flight
-            # for ever (found by test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block).
-            self.withdraw(future)
-            self.ready.withdrawn -= 1  # counted as queued: take() had popped it already
+        # Taken back from an inbox (take_back_lower): it still holds its slab block and its
+        # entry in by_handle. Withdraw it (frees both), or the pool would count it in flight
+        # for ever (found by test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block).
+        # withdraw counts it as queued, but take() had popped it already.
+        if future._handle >= 0 and self.withdraw(future):
+            self.ready.withdrawn -= 1
         future._withdrawn = True
         self.timetable.end(future, None, cancelled=True)
         if run.recurrence.active:  # else a schedule of the id replaced it: never continue it
