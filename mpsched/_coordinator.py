@@ -415,9 +415,20 @@ class Coordinator:
         with self.lock:
             if not self.withdraw(future):
                 return False
-            if future._due is not None:
-                self.timetable.withdrawn(future)
-            return True
+            if future._due is None or not self.timetable.withdrawn(future):
+                return True
+            # It ended a retry with a newer version of its id waiting behind it: that one
+            # entered the heap, and the loop must learn its due time (else it stayed there,
+            # its future never settled and the drain waited for it for ever).
+            self.note_due(self.timetable.heap.next_deadline())
+            due = self.next_due
+            wake = False
+            if due is not None and due < self.sleep_until:  # as schedule() does
+                self.sleep_until = due
+                wake = True
+        if wake:
+            self.wakeup()
+        return True
 
     def cancel_later(self, futures: Iterable[Future]) -> None:
         """Any thread, in any context: have the loop cancel ``futures`` (``Future.cancel``) on
@@ -451,6 +462,8 @@ class Coordinator:
                 return future._withdrawn or future.cancelled()
             future._withdrawn = True
             future._payload = b""
+            if type(future._due) is not tuple:  # not a heap record: it waits in the queue
+                self.ready.withdrawn += 1
             return True
         if self.by_handle.get(future._handle) is not future:
             # Collected (collect pops it, then frees its block, without this lock): it ran. Its
@@ -461,6 +474,10 @@ class Coordinator:
         if future._slot >= 0 and not self.slots[future._slot].cancel_injected(future._handle):
             return False  # a worker claimed it first
         # Withdrawn from its inbox, or taken back (queued here with its block): free the block.
+        if future._slot < 0:
+            # Taken back: it waits in the ready queue (misfired and cancel_everything_unclaimed
+            # took it out first: they correct the count).
+            self.ready.withdrawn += 1
         self.by_handle.pop(future._handle, None)
         self.watched.pop(future._handle, None)
         self.drop_stashed([future._handle])
@@ -736,8 +753,14 @@ class Coordinator:
         if run is None or run.recurrence is None:
             return False
         options = run.options
-        if options.misfire != "skip" or not is_misfire(
-            run.run_at, time.monotonic(), options.misfire_grace
+        if (
+            options.misfire != "skip"
+            # A retry (its worker died): the run started on time, so it runs again, as the
+            # retries option says. Dropped, it continued a recurrence that a schedule of the id
+            # may have replaced meanwhile: that next version superseded the new schedule's,
+            # whose future never settled (test_a_retried_run_of_a_superseded_recurrence_...).
+            or run.retries_left != options.retries
+            or not is_misfire(run.run_at, time.monotonic(), options.misfire_grace)
         ):
             return False
         self.misfires += 1
@@ -748,14 +771,16 @@ class Coordinator:
             run.run_at,
             options.misfire_grace,
         )
-        if future._handle >= 0:
-            # Taken back from an inbox (take_back_lower): it still holds its slab block and its
-            # entry in by_handle. Withdraw it (frees both), or the pool would count it in flight
-            # for ever (found by test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block).
-            self.withdraw(future)
+        # Taken back from an inbox (take_back_lower): it still holds its slab block and its
+        # entry in by_handle. Withdraw it (frees both), or the pool would count it in flight
+        # for ever (found by test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block).
+        # withdraw counts it as queued, but take() had popped it already.
+        if future._handle >= 0 and self.withdraw(future):
+            self.ready.withdrawn -= 1
         future._withdrawn = True
         self.timetable.end(future, None, cancelled=True)
-        self.continue_recurrence(future, skipped=True)
+        if run.recurrence.active:  # else a schedule of the id replaced it: never continue it
+            self.continue_recurrence(future, skipped=True)
         return True
 
     def inject(self, k: int, batch: list[Future], lowest: int) -> int:
@@ -847,18 +872,24 @@ class Coordinator:
     # ------------------------------------------------------------------ running tasks
     def apply_requests(self) -> None:
         """Cancel requests for running tasks: set the flag the task polls, or kill its worker
-        (``force``). Here, not in the user's thread: only this thread frees top-level blocks,
-        so a block whose future is still in ``by_handle`` is still that task's."""
+        (``force``). Here, not in the user's thread, and under ``collect_lock``: only a
+        collector frees top-level blocks, so a block whose future is still in ``by_handle`` is
+        still that task's while no collector runs."""
         with self.lock:
             requests, self.requests = self.requests, []
         later = []
-        for future, force in requests:
-            handle = future._handle
-            if handle < 0 or self.by_handle.get(handle) is not future:
-                continue  # finished meanwhile
-            self.slab.set_word(handle, _STATE, _CANCEL_REQUESTED)
-            if force and not self.kill_running(future):
-                later.append((future, force))
+        # Under collect_lock, as the timeout check: a user thread's collection (help_wait)
+        # pops a task from by_handle and frees its block, and a submit may put a new task
+        # into that block at once; between the check below and the write, the flag (or the
+        # kill) would reach that task (test_a_cancel_request_never_flags_the_next_task_...).
+        with self.collect_lock:
+            for future, force in requests:
+                handle = future._handle
+                if handle < 0 or self.by_handle.get(handle) is not future:
+                    continue  # finished meanwhile
+                self.slab.set_word(handle, _STATE, _CANCEL_REQUESTED)
+                if force and not self.kill_running(future):
+                    later.append((future, force))
         if later:  # retried at the next pass (the 5 ms sweep: these tasks are in flight)
             with self.lock:
                 self.requests[:0] = later
@@ -1197,9 +1228,15 @@ class Coordinator:
         rec: Recurrence = future._run.recurrence
         if status == _OK and rec.active:
             with self.lock:
-                if rec.active:
+                continued = rec.active
+                if continued:
                     self.continue_recurrence(future, skipped=False)
-                    return
+            if continued:
+                # A user thread's collection (help_wait) woke the loop before this (settle),
+                # and the loop may have gone to sleep since without this run's due time.
+                if threading.get_ident() != self.thread_id:
+                    self.wakeup()
+                return
         if status == _OK:
             return  # stopped meanwhile: its future was cancelled then
         with self.lock:
@@ -1652,6 +1689,7 @@ class Coordinator:
                 future._withdrawn = True
                 if future._due is not None:
                     self.timetable.end(future, None, cancelled=True)
+            self.ready.withdrawn = 0  # drained: withdraw counted the taken-back ones as queued
         for future in queued:
             future._mark_cancelled()
         for future in injected:

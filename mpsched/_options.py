@@ -10,9 +10,11 @@ Why an options object: ``pool.submit(fn, *args, **kwargs)`` passes every keyword
 ``timeout=`` keyword there would steal ``fn``'s own argument of that name. Options travel on a
 separate call, ``pool.with_options(...)``, which returns a submitter bound to them.
 
-Recurrence (fixed rate): runs are due at ``first + k * every``. A run of an id never overlaps the
-previous run of that id; when a run ends after one or more later due times have passed, the
-overlap policy decides what happens to those missed times:
+Recurrence (fixed rate): runs are due at ``first + k * every``, where ``first`` is the ``run_at``
+given to ``schedule``, or the time of that call if ``run_at`` has passed (due at once: the time
+before the call holds no due times). A run of an id never overlaps the previous run of that id;
+when a run ends after one or more later due times have passed, the overlap policy decides what
+happens to those missed times:
 
     "skip"      the missed times are dropped; the next run is due at the first grid time after
                 now (the count of skipped times is returned, for the pool's statistics);

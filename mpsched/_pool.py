@@ -472,6 +472,7 @@ class Pool:
         future = Future(coordinator, call, priority)
         recurrence = None
         if options is not None and not options.is_plain:
+            grid_start = run_at
             if options.every is not None:
                 recurrence = Recurrence(
                     task_id,
@@ -480,7 +481,13 @@ class Pool:
                     options,
                     functools.partial(coordinator.cancel_id, task_id, False),
                 )
-            future._run = TaskRun(options, recurrence, run_at)
+                # Due in the past is due at once: the grid (and the first run's misfire grace)
+                # starts now. From the run_at given, the time since then was a backlog of due
+                # times that never passed during a run: "queue" ran all of them back to back,
+                # "coalesce" once more, "skip" counted them, and a misfire policy "skip"
+                # dropped the first run.
+                grid_start = max(run_at, time.monotonic())
+            future._run = TaskRun(options, recurrence, grid_start)
         if coordinator.schedule(task_id, run_at, priority, future, recurrence):
             self._wakeup.wakeup()
         return future if recurrence is None else recurrence.future
@@ -744,7 +751,7 @@ class Pool:
             workers=self._workers,
             submitted=coord.submitted,
             completed=coord.completed,
-            pending=len(coord.ready),
+            pending=coord.ready.live(),
             scheduled=len(coord.timetable.heap),
             steals=sum(w.stolen for w in per_worker),
             crashes=coord.crashes,

@@ -33,12 +33,16 @@ NO_LEVEL = -(2**63)  # "no level": below every priority
 
 
 class ReadyQueue:
-    __slots__ = ("_levels", "_order", "size")
+    __slots__ = ("_levels", "_order", "size", "withdrawn")
 
     def __init__(self) -> None:
         self._levels: dict[int, collections.deque[Future]] = {}
         self._order: list[int] = []  # priorities with a deque, ascending (the last is the top)
         self.size = 0  # items queued, withdrawn ones included until they are popped
+        # Of those, the withdrawn ones (the coordinator counts each as it withdraws it): what
+        # ``statistics().pending`` leaves out. Kept apart from ``size``, which decides whether
+        # the loop dispatches (it must pop them).
+        self.withdrawn = 0
 
     def __len__(self) -> int:
         return self.size
@@ -94,6 +98,8 @@ class ReadyQueue:
                 if not item._withdrawn:
                     out.append(item)
                     lowest = top
+                else:
+                    self.withdrawn -= 1
         return out, lowest
 
     def drain(self) -> list[Future]:
@@ -104,7 +110,12 @@ class ReadyQueue:
         self._levels.clear()
         self._order.clear()
         self.size = 0
+        self.withdrawn = 0
         return out
+
+    def live(self) -> int:
+        """Items queued and not withdrawn."""
+        return self.size - self.withdrawn
 
     def age(self, now: float, aging: float) -> int:
         """Move up the items that waited long enough (module doc); returns how many moved.

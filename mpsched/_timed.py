@@ -101,15 +101,19 @@ class Timetable:
         item = self.heap.pending_item(task_id)
         return item if isinstance(item, Future) else None
 
-    def withdrawn(self, future: Future) -> None:
+    def withdrawn(self, future: Future) -> bool:
         """``future``'s version will never run (the coordinator withdrew its future): take it
         out of the heap if it still waits there, or end it if it was handed out. (A version no
         longer in the heap was taken by a supersede or a cancel by id racing ``Future.cancel``,
-        which marks the future cancelled itself.)"""
-        if type(future._due) is tuple:
+        which marks the future cancelled itself.) True if that made a newer version of the id
+        eligible: it waited behind this one (a retry, see ``Coordinator.recover_slot``) and
+        entered the heap, with a due time the caller must hand to the loop."""
+        due = future._due
+        if type(due) is tuple:
             self.withdraw_pending(future)
-        else:
-            self.end(future, None, cancelled=True)
+            return False
+        self.end(future, None, cancelled=True)
+        return self.heap.pending_item(due.task_id) is not None
 
     def withdraw_pending(self, future: Future) -> bool:
         """Cancel ``future``'s version if it still waits in the heap."""

@@ -11,16 +11,22 @@ from __future__ import annotations
 import fractions
 import logging
 import os
+import select
 import signal
+import threading
 import time
 from concurrent.futures import wait
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 import mpsched
 from mpsched import Pool, TaskState
+from mpsched._coordinator import Coordinator
+from mpsched._payloads import BlockField
+from mpsched._protocol import TopState
 
 from . import bad_tasks as bt
 from . import tasks
@@ -84,6 +90,7 @@ def test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block(
         wait_until(lambda: time.monotonic() > due + 2 * MISFIRE_GRACE, "the run is late")
         high = pool.schedule("high", 0.0, 1, tasks.ident, "high")
         wait_until(lambda: pool.statistics().misfires == 1, "the late run is skipped")
+        assert pool.statistics().pending == 0  # it left the ready queue: not counted there
         tasks.open_gate(fifos.gate)
         assert blocker.result(timeout=CONDITION_TIMEOUT) == "blocker"
         assert high.result(timeout=CONDITION_TIMEOUT) == "high"
@@ -340,3 +347,301 @@ def test_a_recurrence_kept_after_shutdown_runs_until_its_future_is_cancelled(
     assert rec.cancelled()
     assert pool.state("r") in (TaskState.CANCELLED, TaskState.COMPLETED)
     assert len(tt.read_tags(log)) == n
+
+
+# ---------------------------------------------------------------- retries of recurring runs
+@pytest.mark.timeout(60)
+def test_a_retried_run_of_a_superseded_recurrence_keeps_the_new_schedule(fifos: Fifos) -> None:
+    """A recurring run (retries=1, misfire "skip") runs; the id is scheduled again (a new
+    recurrence, its first run deferred behind the running one); the run's worker dies once the
+    run is later than its misfire grace. The retry started on time, so it is no misfire: it
+    runs again. (Dropped as a misfire, it continued the recurrence that the new schedule had
+    replaced: that next run superseded the new schedule's version, which never ran.)"""
+    with Pool(1) as pool:
+        due = time.monotonic()
+        old = pool.with_options(
+            every=600.0, retries=1, misfire="skip", misfire_grace=MISFIRE_GRACE
+        ).schedule("r", due, 0, tt.log_pid_then_gate, fifos.log, "old", fifos.gate)
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "the first run runs")
+        new = pool.with_options(every=600.0).schedule(
+            "r", time.monotonic(), 0, tt.log, fifos.log, "new"
+        )
+        assert old.cancelled()
+        # Lateness is the subject here: wait for the clock, not for an event.
+        wait_until(lambda: time.monotonic() > due + 2 * MISFIRE_GRACE, "the run is late")
+        [(_, pid)] = tt.read_tags(fifos.log)
+        os.kill(pid, signal.SIGKILL)
+        wait_until(
+            lambda: len(tt.read_tags(fifos.log)) == 2 or pool.statistics().misfires > 0,
+            "the retry runs or is dropped",
+        )
+        assert pool.statistics().misfires == 0, "the retry was dropped as a misfire"
+        tasks.open_gate(fifos.gate)
+        wait_until(lambda: "new" in tt.read_tags(fifos.log), "the new schedule runs")
+        assert not new.done()
+        assert pool.cancel("r") is True
+        assert new.cancelled()
+    assert [t if t == "new" else t[0] for t in tt.read_tags(fifos.log)] == ["old", "old", "new"]
+    assert pool.statistics().retried == 1
+
+
+@pytest.mark.timeout(60)
+def test_future_cancel_of_a_retry_lets_the_deferred_version_run(
+    fifos: Fifos, tmp_path: Path
+) -> None:
+    """Version 1 of an id (retries=1) runs; version 2 is scheduled, so it waits behind the
+    running one; the worker dies and the retry of version 1 waits, unclaimed, in the
+    replacement's inbox, where ``Future.cancel()`` withdraws it. That ends version 1, and
+    version 2 may start: it must run (its due time was not handed to the loop, which never
+    released it: its future never settled and the shutdown waited for it for ever)."""
+    marker = str(tmp_path / "replacing")
+    init_gate = str(tmp_path / "init")
+    os.mkfifo(init_gate)
+    with Pool(1, initializer=tt.gate_replacements, initargs=(marker, init_gate)) as pool:
+        v1 = pool.with_options(retries=1).schedule(
+            "x", 0.0, 0, tt.log_pid_then_gate, fifos.log, "v1", fifos.gate
+        )
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "version 1 runs")
+        v2 = pool.schedule("x", 0.0, 0, tt.log, fifos.log, "v2")
+        wait_until(lambda: pool.statistics().scheduled == 1, "version 2 waits behind it")
+        open(marker, "w").close()
+        [(_, pid)] = tt.read_tags(fifos.log)
+        os.kill(pid, signal.SIGKILL)
+        wait_until(
+            lambda: pool.statistics().per_worker[0].inbox_depth == 1,
+            "the retry waits in the replacement's inbox",
+        )
+        assert pool.statistics().retried == 1
+        assert v1.cancel() is True
+        tasks.open_gate(init_gate)
+        assert v2.result(timeout=CONDITION_TIMEOUT) > 0
+        assert pool.state("x") is TaskState.COMPLETED
+    assert [t if t == "v2" else t[0] for t in tt.read_tags(fifos.log)] == ["v1", "v2"]
+
+
+class PollWatch:
+    """Stands for the coordinator's epoll: notes when the loop goes to sleep with no timeout
+    and no wake-up pending (it then sleeps until someone writes the wakeup pipe)."""
+
+    def __init__(self, epoll: Any, wakeup_fd: int) -> None:
+        self.epoll = epoll
+        self.wakeup_fd = wakeup_fd
+        self.armed = threading.Event()
+        self.asleep = threading.Event()
+
+    def poll(self, timeout: float = -1) -> list[tuple[int, int]]:
+        pending = select.select([self.wakeup_fd], [], [], 0)[0]
+        if self.armed.is_set() and timeout == -1 and not pending:
+            self.asleep.set()
+        result: list[tuple[int, int]] = self.epoll.poll(timeout)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.epoll, name)
+
+
+@pytest.mark.timeout(60)
+def test_a_recurrence_collected_by_a_user_thread_wakes_the_loop_for_its_next_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user thread collects results (``result()``'s help_wait) and settles a recurring run;
+    it wakes the loop, then schedules the next run. The loop may run its pass, find nothing due
+    and go to sleep with no timeout in between: the next run's due time must wake it (it was
+    only noted, and the recurrence stopped until something else woke the loop)."""
+    log = str(tmp_path / "log")
+    loop_collects = threading.Event()
+    loop_collects.set()
+    real_collect = Coordinator.collect
+    real_end_runs = Coordinator.end_runs
+    real_end_recurring_run = Coordinator.end_recurring_run
+
+    def collect(self: Coordinator) -> None:  # the loop leaves the run to the user thread
+        if loop_collects.is_set() or threading.get_ident() != self.thread_id:
+            real_collect(self)
+
+    def end_runs(self: Coordinator, outcomes: Any) -> None:
+        real_end_runs(self, outcomes)
+        if threading.get_ident() != self.thread_id:
+            watch.armed.set()  # from here on, a sleep with no timeout is the one in question
+
+    def end_recurring_run(self: Coordinator, future: Any, status: int, data: bytes) -> None:
+        if threading.get_ident() != self.thread_id:
+            assert watch.asleep.wait(CONDITION_TIMEOUT), "the loop did not go to sleep"
+        real_end_recurring_run(self, future, status, data)
+
+    monkeypatch.setattr(Coordinator, "collect", collect)
+    monkeypatch.setattr(Coordinator, "end_runs", end_runs)
+    monkeypatch.setattr(Coordinator, "end_recurring_run", end_recurring_run)
+    with Pool(1) as pool:
+        coordinator = pool._coordinator
+        watch = PollWatch(coordinator.epoll, coordinator.wakeup_fd)
+        coordinator.epoll = watch  # type: ignore[assignment]
+        loop_collects.clear()
+        rec = pool.with_options(every=0.01).schedule("r", time.monotonic(), 0, tt.log, log, "r")
+        slot = pool._views.slots[0]
+        wait_until(lambda: slot.done_depth() == 1, "the first run's result waits in the ring")
+        coordinator.collect()  # as a user thread's help_wait does
+        loop_collects.set()
+        wait_until(lambda: len(tt.read_tags(log)) >= 2, "the next run runs")
+        assert pool.cancel("r") is True
+        assert rec.cancelled()
+
+
+# ---------------------------------------------------------------- a recurrence due in the past
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", ["coalesce", "skip"])
+def test_a_recurrence_scheduled_in_the_past_starts_its_grid_at_once(
+    fifos: Fifos, overlap: str
+) -> None:
+    """``run_at`` in the past means due at once (``Pool.schedule``). For a recurrence, the due
+    times between that ``run_at`` and the call did not pass "while its previous run was still
+    going" (the overlap policy's subject): the grid starts at the call. (From ``run_at=0.0``,
+    the first run ended with days of grid times behind it: "coalesce" ran once more at once,
+    "skip" counted them all as skipped, "queue" ran each of them back to back.)"""
+    with Pool(1) as pool:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
+        tasks.wait_started(fifos.started)
+        rec = pool.with_options(every=600.0, overlap=overlap).schedule(
+            "r", 0.0, 0, tt.log, fifos.log, "r"
+        )
+        # Due at once after "r" (a later run_at): it starts after the first run ended, and
+        # settles after that run was collected and the next one scheduled.
+        after = pool.schedule("after", time.monotonic(), 0, tt.log, fifos.log, "after")
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=CONDITION_TIMEOUT) == "blocker"
+        after.result(timeout=CONDITION_TIMEOUT)
+        assert pool.statistics().skipped_runs == 0
+        assert pool.cancel("r") is True
+        assert rec.cancelled()
+    assert tt.read_tags(fifos.log) == ["r", "after"]
+
+
+@pytest.mark.timeout(60)
+def test_a_recurrence_scheduled_in_the_past_is_no_misfire(tmp_path: Path) -> None:
+    """A recurrence due at once (``run_at`` in the past) with the misfire policy "skip": its
+    first run starts within its grace of the call, so it runs (it was dropped as a misfire,
+    late by all the time since ``run_at``)."""
+    log = str(tmp_path / "log")
+    with Pool(1) as pool:
+        rec = pool.with_options(every=600.0, misfire="skip", misfire_grace=10.0).schedule(
+            "m", 0.0, 0, tt.log, log, "m"
+        )
+        wait_until(
+            lambda: tt.read_tags(log) or pool.statistics().misfires, "the first run runs or not"
+        )
+        assert pool.statistics().misfires == 0
+        assert tt.read_tags(log) == ["m"]
+        assert pool.cancel("m") is True
+        assert rec.cancelled()
+
+
+# ---------------------------------------------------------------- cancel requests
+class SlabHook:
+    """Stands for the coordinator's slab: calls ``before_flag()`` before the cancel flag is
+    written into a block (``apply_requests``), once armed."""
+
+    def __init__(self, slab: Any, before_flag: Any) -> None:
+        self.slab = slab
+        self.before_flag = before_flag
+        self.armed = False
+
+    def set_word(self, index: int, field: int, value: int) -> None:
+        if (
+            self.armed
+            and field == int(BlockField.STATE)
+            and value == int(TopState.CANCEL_REQUESTED)
+        ):
+            self.armed = False
+            self.before_flag()
+        self.slab.set_word(index, field, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.slab, name)
+
+
+@pytest.mark.timeout(60)
+def test_a_cancel_request_never_flags_the_next_task_of_a_reused_block(
+    fifos: Fifos, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pool.cancel(id)`` of a version that has just finished (its result not collected yet)
+    queues a request; the loop checks that the version is still in flight, then writes the
+    flag into its block. A user thread's collection (``result()``'s help_wait) may free that
+    block in between, and a submit to the idle pool may put a new task into it at once: the
+    flag must not reach that task, which nobody asked to cancel (nor may a forced request kill
+    its worker). The hook lets a collector run there whenever nothing excludes it
+    (``collect_lock`` is free), as a user thread's can."""
+    loop_collects = threading.Event()
+    loop_collects.set()
+    real_collect = Coordinator.collect
+
+    def collect(self: Coordinator) -> None:  # the loop leaves the result to the user thread
+        if loop_collects.is_set() or threading.get_ident() != self.thread_id:
+            real_collect(self)
+
+    monkeypatch.setattr(Coordinator, "collect", collect)
+    with Pool(1) as pool:
+        coordinator = pool._coordinator
+        later: list[mpsched.Future] = []
+
+        def collect_and_submit() -> None:  # a user thread: collect, then submit to the idle pool
+            coordinator.collect()
+            later.append(pool.submit(tt.gated_cancel_flag, fifos.gate))
+
+        def before_flag() -> None:
+            if coordinator.collect_lock.acquire(blocking=False):  # nothing excludes a collector
+                coordinator.collect_lock.release()
+                user = threading.Thread(target=collect_and_submit)
+                user.start()
+                user.join()
+
+        hook = SlabHook(coordinator.slab, before_flag)
+        coordinator.slab = hook  # type: ignore[assignment]
+        loop_collects.clear()
+        done = pool.schedule("x", 0.0, 0, tasks.ident, "x")
+        slot = pool._views.slots[0]
+        wait_until(lambda: slot.done_depth() == 1, "the version's result waits in the ring")
+        hook.armed = True
+        assert pool.cancel("x") is True  # it runs, as far as the pool knows: asked to stop
+        wait_until(lambda: not hook.armed, "the loop applied the request")
+        loop_collects.set()
+        assert done.result(timeout=CONDITION_TIMEOUT) == "x"
+        if not later:  # the collector was excluded: the next task comes now
+            later.append(pool.submit(tt.gated_cancel_flag, fifos.gate))
+        tasks.open_gate(fifos.gate)
+        assert later[0].result(timeout=CONDITION_TIMEOUT) is False, "a stale request flagged it"
+        assert pool.state("x") is TaskState.COMPLETED
+
+
+# ---------------------------------------------------------------- statistics
+@pytest.mark.timeout(60)
+def test_pending_does_not_count_cancelled_tasks(fifos: Fifos) -> None:
+    """``statistics().pending`` counts the due tasks not yet handed to a worker. A cancelled
+    one will never be: it must not count, also while the worker is busy and nothing is taken
+    from the ready queue (cancelled tasks stayed counted there until a dispatch popped them)."""
+    with Pool(1, dispatch_window=1) as pool:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
+        tasks.wait_started(fifos.started)
+        injected = pool.submit(tasks.ident, "injected")  # the window of one: in the inbox
+        queued = [pool.submit(tasks.ident, i) for i in range(3)]
+        due = [pool.schedule(i, 0.0, 0, tasks.ident, i) for i in range(3)]
+        wait_until(lambda: pool.statistics().scheduled == 0, "the timed ones are due")
+        assert pool.statistics().pending == 6
+        assert all(f.cancel() for f in queued)
+        assert pool.cancel(0) is True
+        assert pool.statistics().pending == 2
+        assert pool.cancel(1) is True
+        assert pool.cancel(2) is True
+        assert pool.statistics().pending == 0
+        # A higher priority takes the injected one back to the ready queue, with its block.
+        high = pool.schedule("high", 0.0, 1, tasks.ident, "high")
+        wait_until(
+            lambda: injected._slot == -1 and pool.statistics().pending == 1,
+            "the injected one is taken back",
+        )
+        assert injected.cancel() is True
+        assert pool.statistics().pending == 0
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=CONDITION_TIMEOUT) == "blocker"
+        assert high.result(timeout=CONDITION_TIMEOUT) == "high"
+        assert pool.statistics().pending == 0
+    assert all(f.cancelled() for f in [injected, *queued, *due])

@@ -176,3 +176,17 @@ def exit_when_asked(started: str) -> None:
     while not ctx.cancel_requested:
         pass
     os._exit(3)
+
+
+def gate_replacements(marker: str, gate_path: str) -> None:
+    """A pool initializer: a worker started once ``marker`` exists (the test creates it before
+    it kills the first worker) waits at the gate before it takes a task, so that what is
+    dispatched to the replacement stays unclaimed in its inbox until the test opens it."""
+    if os.path.exists(marker):
+        gate(gate_path)
+
+
+def gated_cancel_flag(gate_path: str) -> bool:
+    """Wait at the gate, then return whether this task was asked to cancel."""
+    gate(gate_path)
+    return mpsched.current_task().cancel_requested
