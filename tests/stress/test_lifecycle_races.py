@@ -339,6 +339,10 @@ def test_a_collection_in_a_done_callback_finalizes_a_dropped_pool_and_an_abandon
     never ran), and the pool ends."""
     path = str(tmp_path / "log")
     started, gate = _fifos(tmp_path)
+    # The even rounds' trigger waits here until the pool and its map are dropped: finished
+    # before the ``del`` below, its collection found them still referenced and freed nothing.
+    trigger_gate = str(tmp_path / "trigger_gate")
+    os.mkfifo(trigger_gate)
     other = Pool(1, start_method=METHOD)  # whose coordinator runs the even rounds' callbacks
     try:
         for round_ in range(6):
@@ -359,14 +363,16 @@ def test_a_collection_in_a_done_callback_finalizes_a_dropped_pool_and_an_abandon
             tasks.wait_started(started)  # item 1 holds the only worker
             unclaimed = [f for f, _ in chunks[first + 2 :]]
             # Own rounds: queued behind item 1, so the callback runs after the gate opened.
-            trigger = (pool if own else other).submit(tasks.add, 1, 1)
+            if own:
+                trigger = pool.submit(tasks.add, 1, 1)
+            else:
+                trigger = other.submit(tasks.gated_ident, trigger_gate, 2)
             trigger.add_done_callback(collect)
             cycle: list[Any] = [it, pool]
             cycle.append(cycle)
             del it, pool, cycle
             with fast_switching():
-                if own:
-                    tasks.open_gate(gate)
+                tasks.open_gate(gate if own else trigger_gate)
                 if round_ % 3 == 0:
                     assert trigger.result(CONDITION_TIMEOUT) == 2  # may collect here
                 assert collected.wait(CONDITION_TIMEOUT)
