@@ -280,7 +280,7 @@ def test_forced_cancel_kills_only_that_task_and_the_pool_replaces_the_worker(
 def test_timeout_cancels_cooperatively(fifos: Fifos) -> None:
     with Pool(1) as pool:
         f = pool.with_options(timeout=0.1).schedule(
-            "slow", 0.0, 0, tt.wait_for_cancel, fifos.started, False
+            "slow", 0.0, 0, tt.wait_for_cancel, fifos.started, False, timed=True
         )
         tasks.wait_started(fifos.started)
         with pytest.raises(TimeoutError, match=r"timeout of 0\.1 s"):

@@ -41,7 +41,7 @@ def test_state_of_a_task_that_timed_out_cooperatively_is_failed(fifos: Fifos) ->
     was asked for; the task ran out of time)."""
     with Pool(1) as pool:
         f = pool.with_options(timeout=0.05).schedule(
-            "slow", 0.0, 0, tt.wait_for_cancel, fifos.started, False
+            "slow", 0.0, 0, tt.wait_for_cancel, fifos.started, False, timed=True
         )
         tasks.wait_started(fifos.started)
         with pytest.raises(TimeoutError):
@@ -56,7 +56,7 @@ def test_recurrence_whose_run_times_out_ends_with_timeout_error(fifos: Fifos) ->
     a recurrence), not as if it had been cancelled."""
     with Pool(1) as pool:
         rec = pool.with_options(every=30.0, timeout=0.05).schedule(
-            "r", 0.0, 0, tt.wait_for_cancel, fifos.started, False
+            "r", 0.0, 0, tt.wait_for_cancel, fifos.started, False, timed=True
         )
         tasks.wait_started(fifos.started)
         wait([rec], timeout=CONDITION_TIMEOUT)

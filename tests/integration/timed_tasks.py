@@ -55,11 +55,16 @@ def announce(started: str) -> None:
         fifo.write(b"s")
 
 
-def wait_for_cancel(started: str, then_return: bool) -> str:
-    """Signal that the task runs, poll the cancel flag, then acknowledge or ignore it."""
+def wait_for_cancel(started: str, then_return: bool, timed: bool = False) -> str:
+    """Signal that the task runs, poll the cancel flag, then acknowledge or ignore it.
+
+    The flag must be clear at the start, unless the task runs under a timeout (``timed``):
+    that timeout's cancel may come before a stalled worker gets here. Announced first either
+    way, so that the test waiting for it never hangs."""
     ctx = mpsched.current_task()
-    assert not ctx.cancel_requested
+    flagged_at_start = ctx.cancel_requested
     announce(started)
+    assert timed or not flagged_at_start
     while not ctx.cancel_requested:
         pass
     if then_return:
