@@ -1461,7 +1461,10 @@ class Coordinator:
         a child still queued or running elsewhere is marked ABANDONED under slot ``k``'s lock
         (its executor frees it when it finishes, as for a dropped ChildFuture); one already
         DONE, or one never published (the worker died inside ``mpsched.submit``, between the
-        alloc and the push: in no ring and on no run stack), is freed now.
+        alloc and the push: in no ring and on no run stack), is freed now. A block allocated
+        and not yet written (``state`` 0: ``Slab.alloc_child`` stamps the uid and a zero state
+        before its commit; ``write`` stores the state last) is freed alone: its other words,
+        chain links included, are still the previous task's.
 
         Snapshots: queued handles first, then run stacks, so that a child moving from a ring to
         a run stack between the two is seen in one of them; a child only moves forward (ring ->
@@ -1474,18 +1477,26 @@ class Coordinator:
         to_free = []
         done = []  # their results, if stashed, are in the stash: only a FETCH empties it
         unpublished = []  # their arguments, if stashed, too
+        unwritten = []
         for handle in range(slab.capacity):
-            # A child's uid holds its spawner's pid, and free_children clears it: a block that
-            # a live worker is reusing (its parent and state words still stale, or half
-            # rewritten) never carries the dead worker's pid.
-            if (
-                handle in free
-                or slab.get_word(handle, _UID) >> _UID_PID_SHIFT != pid
-                or slab.get_word(handle, _PARENT) != k
-            ):
+            # A child's uid holds its spawner's pid from its allocation on, and free_children
+            # clears it: a block that a live worker is reusing (its parent and state words
+            # still stale, or half rewritten) never carries the dead worker's pid.
+            if handle in free or slab.get_word(handle, _UID) >> _UID_PID_SHIFT != pid:
                 continue
             state = slab.get_word(handle, _STATE)
-            if state == _CHILD_DONE:
+            if state == 0:
+                unwritten.append(handle)
+            elif state == _CHILD_ABANDONED and handle not in reachable:
+                # Past its run: the dead worker was freeing it, as the parent that saw DONE
+                # when it dropped the future (release_abandoned) or as the executor that saw
+                # ABANDONED (finish_child stamps its own uid then, in the exchange's hold, so a
+                # live executor's block never carries a dead parent's uid; it may be any
+                # slot's child, hence no parent check).
+                done.append(handle)
+            elif slab.get_word(handle, _PARENT) != k:
+                continue
+            elif state == _CHILD_DONE:
                 done.append(handle)
             elif state == _CHILD_QUEUED and handle not in reachable:
                 unpublished.append(handle)
@@ -1501,6 +1512,8 @@ class Coordinator:
         to_free = done + unpublished
         if to_free:
             slab.free_children(to_free)
+        if unwritten:
+            slab.free_many(unwritten, unwritten)
 
     def drop_stashed_results(self, handles: list[int]) -> None:
         """Before freeing DONE child blocks that nobody will read (``orphan_children``): drop

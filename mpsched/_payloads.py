@@ -33,8 +33,9 @@ Block (B bytes, header words are int64; ``BlockField`` names them):
 
     # offset size  field          writer                     meaning
     #   0     8    state          engine-defined             lifecycle word (values: the engine)
-    #   8     8    uid            writer of the task         0: a top-level task; a child's: its
-    #                                                        spawner's pid << 31 | a counter
+    #   8     8    uid            alloc_child, writer of     0: a top-level task; a child's: its
+    #                              the task; a child's        spawner's pid << 31 | a counter,
+    #                              freer (see below)          from its allocation until its free
     #  16     8    nbytes         writer of the task         length of the argument bytes
     #  24     8    parent         writer of the task         slot of the parent task, -1 = none
     #  32     8    result_status  worker that ran it         engine-defined; written after the
@@ -69,8 +70,14 @@ Invariants and ordering:
       whoever reads a result must have learnt of it through a lock or a syscall (pipe, eventfd)
       after the worker wrote it, never by polling the word.
     * A process that dies holding the allocator lock leaves the old or the new free_top (one
-      final store); ``break_dead_holder`` releases the lock. Blocks it had allocated and not
-      yet published leak; the engine may reclaim them by scanning ``state``.
+      final store); ``break_dead_holder`` releases the lock.
+    * A free block's uid is 0: ``free_children`` clears a child's under the lock, before the
+      commit, and other blocks never carry another (continuation blocks keep the uid they had
+      free). ``alloc_child`` stamps a child's uid (and a zero state) under the lock before its
+      commit, so a child's first block names its spawner at every instant it is taken, even
+      before ``write``; the engine's crash recovery finds a dead worker's blocks by that name
+      (a block handed over to be freed is renamed by the engine: ``uid`` then names its freer).
+      A stamp without its commit (a death in between) is undone by ``break_dead_holder``.
 
 Chains: bytes longer than one block's data area continue in further blocks, linked through
 ``next_arg`` (arguments) or ``next_result`` (results); the first block keeps the header and the
@@ -78,8 +85,11 @@ total length. Continuation blocks are allocated in one lock round by whoever wri
 freed with the task (``free_tasks``), or, for arguments, as soon as they are read
 (``release_args``). A chain is at most ``MAX_CHAIN_BLOCKS`` long; beyond that, or when the slab
 is short of blocks, ``write``/``write_result`` return False and the engine routes the bytes
-elsewhere. A writer that dies between allocating continuation blocks and linking them leaks them
-(a bounded, documented loss: only on a crash mid-write).
+elsewhere. Continuation blocks carry no name of their own: a writer that dies between
+allocating them and the store that makes its block's chain reachable by its owner (the state
+store of a child's ``write``, a result's ``result_status``), and a reader that dies between
+``release_args``' unlink and its free, leak them (a bounded, documented loss: only on a crash
+mid-write of more than one block's bytes; see docs/design.md, "Failure model").
 
 Not handled here: what ``state`` and ``result_status`` values mean.
 """
@@ -278,6 +288,36 @@ class Slab:
             self._release()
         return index
 
+    def alloc_child(self, uid: int) -> int:
+        """``alloc`` for a child task's first block: its ``uid`` and a zero ``state`` are stored
+        under the lock, before the commit. From the commit on, the block names its spawner
+        (whose crash recovery, ``orphan_children``, finds it by uid) even before ``write``:
+        stamped after the commit, a spawner that died in between left the previous task's
+        words, which name nobody, and the block leaked. A zero ``state`` says "not written
+        yet" (a child's states are nonzero): its other words, chain links included, are still
+        the previous task's. A death between the stamp and the commit leaves the stamped block
+        free, on top of the free stack: ``break_dead_holder`` clears its uid.
+
+        Returns:
+            Its index, or -1 when every block is in use.
+        """
+        w = self._w
+        self._acquire()
+        try:
+            w[_HOLDER_PID] = _pid
+            top = w[_FREE_TOP] - 1
+            if top < 0:
+                return -1
+            index = self._stack[top]
+            base = self._blocks_word + index * self._block_words
+            w[base + _STATE] = 0
+            w[base + _UID] = uid
+            w[_FREE_TOP] = top  # commit
+        finally:
+            w[_HOLDER_PID] = 0
+            self._release()
+        return index
+
     def alloc_many(self, n: int) -> list[int]:
         """Take up to ``n`` free blocks in one lock round; fewer (maybe none) when short."""
         w = self._w
@@ -351,6 +391,13 @@ class Slab:
         w = self._w
         if dead_pid <= 0 or w[_HOLDER_PID] != dead_pid:
             return False
+        # A free block's uid is 0 (a child's free clears it; other blocks carry 0), but for one
+        # that ``alloc_child`` stamped and did not commit: it is on top of the free stack.
+        # Cleared, so that no later block reads as a child of this pid (were it reused).
+        top = w[_FREE_TOP]
+        if 0 < top <= self.capacity:
+            base = self._blocks_word + self._stack[top - 1] * self._block_words
+            w[base + _UID] = 0
         w[_HOLDER_PID] = 0
         self._release()
         return True
@@ -364,6 +411,10 @@ class Slab:
     def set_word(self, index: int, field: int, value: int) -> None:
         """Set a header word of block ``index`` (``field`` is a ``BlockField``)."""
         self._w[self._blocks_word + index * self._block_words + field] = value
+
+    def set_uid(self, index: int, value: int) -> None:
+        """Set block ``index``'s uid word (a child's: whose crash recovery frees the block)."""
+        self._w[self._blocks_word + index * self._block_words + _UID] = value
 
     def get_state(self, index: int) -> int:
         """Block ``index``'s state word (``_shm_deque.BlockStates``)."""

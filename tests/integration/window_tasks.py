@@ -16,6 +16,7 @@ from typing import Any
 
 import mpsched
 from mpsched import _worker
+from mpsched._protocol import ChildState
 from mpsched._shm_deque import HOLDER_PID
 
 HELPER_MAX_S = 120.0  # s; the helper of die_holding_own_slot_lock exits by then in any case
@@ -59,6 +60,15 @@ def die_inside_submit() -> None:
     """Die in ``mpsched.submit`` after the child was counted as live, before it was pushed."""
     worker = _current()
     worker.me.push = lambda handle: os._exit(1)
+    mpsched.submit(abs, -1)
+
+
+def die_between_a_childs_alloc_and_its_write() -> None:
+    """Die in ``mpsched.submit`` right after the child's block was allocated, before its
+    write: nothing of the child is in the block yet (before ``Slab.alloc_child`` stamped
+    the uid, its words were the previous task's, which name nobody)."""
+    worker = _current()
+    worker.slab.write = lambda *args, **kwargs: os._exit(1)
     mpsched.submit(abs, -1)
 
 
@@ -133,6 +143,45 @@ def abandon_a_stolen_child(
     signal.pause()
 
 
+def child_dies_freeing_itself(started: str, gate_path: str, nbytes: int) -> bytes:
+    """A child whose executor, finding it ABANDONED (its parent dropped the future), dies in
+    the free of its block, before the commit (``free_unread_child``; its result
+    ``bytes(nbytes)`` is stashed if too big for the slab). Writes its executor's pid into the
+    FIFO ``started`` and waits at ``gate_path`` before it returns."""
+    worker = _current()
+    worker.free_child = lambda handle: os._exit(3)
+    with open(started, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    with open(gate_path, "rb") as fifo:
+        fifo.read(1)
+    return bytes(nbytes)
+
+
+def drop_a_stolen_child(started: str, gate_path: str, nbytes: int) -> None:
+    """Spawn ``child_dies_freeing_itself``, wait until a peer stole it, drop its future (the
+    child is ABANDONED: its executor frees its block) and return."""
+    worker = _current()
+    child = mpsched.submit(child_dies_freeing_itself, started, gate_path, nbytes)
+    while not child.running():  # this worker takes nothing meanwhile: only a peer can steal it
+        pass
+    del child
+    worker.release_abandoned()
+
+
+def die_freeing_a_dropped_done_child(nbytes: int) -> None:
+    """Spawn a child (result ``bytes(nbytes)``, stashed if too big for the slab), wait until a
+    peer ran it (DONE), then drop its future and die in the free of its block, before the
+    commit (``release_abandoned``: this worker saw DONE, so the block is its to free)."""
+    worker = _current()
+    child = mpsched.submit(bytes, nbytes)
+    handle = child._handle
+    while worker.child_state(handle) != int(ChildState.DONE):  # only a peer can run it
+        pass
+    worker.free_child = lambda handle: os._exit(3)
+    del child
+    worker.release_abandoned()
+
+
 def die_freeing_a_joined_child(nbytes: int) -> None:
     """Join a child that a peer stole (its result ``bytes(nbytes)``, stashed if too big for
     the slab), then die in the free of its block, waiting for the allocator lock (as a SIGKILL
@@ -165,7 +214,7 @@ def child_dies_inside_its_done(started: str, release: str, value: int) -> None:
     result ``value`` is written). The coordinator sees the death only once the test writes
     to ``release``; the executor's pid goes to the FIFO ``started``."""
     from mpsched._payloads import BlockField
-    from mpsched._protocol import ChildState, ResultStatus
+    from mpsched._protocol import ResultStatus
     from mpsched._serialize import dumps
 
     worker = _current()

@@ -212,6 +212,34 @@ def test_slab_breaks_a_dead_holders_lock() -> None:
             Slab(seg.buf, lock, 2)
 
 
+def test_a_child_block_names_its_spawner_from_its_allocation_on(slab: Slab) -> None:
+    uid = (os.getpid() << 31) | 7
+    slab.set_word(0, BlockField.STATE, 2)  # words of a previous task
+    handle = slab.alloc_child(uid)
+    assert handle == 0
+    assert (slab.get_word(handle, BlockField.UID), slab.get_state(handle)) == (uid, 0)
+    slab.free_many([handle], [handle])  # unwritten: its chain links are stale, not followed
+    assert (slab.get_word(handle, BlockField.UID), slab.get_state(handle)) == (0, 0)
+
+
+def test_breaking_a_dead_allocators_lock_unstamps_the_block_it_did_not_commit() -> None:
+    """A spawner that dies inside ``alloc_child`` between the stamp and the commit leaves the
+    stamped block free: the repair clears its uid, so that no free block names a child."""
+    lock = create_lock()
+    lock.unlink()
+    with AnonSegment.create(Slab.region_bytes(4)) as seg:
+        slab = Slab(seg.buf, lock, 4, init=True)
+        seg.track(slab)
+        top = slab.free_indices()[-1]
+        lock.acquire()
+        slab._w[1] = 999_999  # the holder word of a process that died holding the lock
+        slab.set_word(top, BlockField.UID, 999_999 << 31 | 1)  # alloc_child's stamp
+        slab.set_word(top, BlockField.STATE, 0)
+        assert slab.break_dead_holder(999_999)
+        assert slab.free_count() == 4
+        assert [slab.get_word(i, BlockField.UID) for i in range(4)] == [0, 0, 0, 0]
+
+
 # ---- function table ------------------------------------------------------------------------
 
 
