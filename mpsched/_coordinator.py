@@ -1463,8 +1463,9 @@ class Coordinator:
         DONE, or one never published (the worker died inside ``mpsched.submit``, between the
         alloc and the push: in no ring and on no run stack), is freed now. A block allocated
         and not yet written (``state`` 0: ``Slab.alloc_child`` stamps the uid and a zero state
-        before its commit; ``write`` stores the state last) is freed alone: its other words,
-        chain links included, are still the previous task's.
+        before its commit, with both chain links -1; ``write_child`` stores the state last) is
+        freed too, with the chain it may have (``Slab._attach`` hangs a chain on its block
+        whole).
 
         Snapshots: queued handles first, then run stacks, so that a child moving from a ring to
         a run stack between the two is seen in one of them; a child only moves forward (ring ->
@@ -1509,11 +1510,9 @@ class Coordinator:
         # stored their key; its socket was read to EOF before this runs, so its STASH is in.
         self.drop_stashed(unpublished)
         self.drop_stashed_results(done)
-        to_free = done + unpublished
+        to_free = done + unpublished + unwritten
         if to_free:
             slab.free_children(to_free)
-        if unwritten:
-            slab.free_many(unwritten, unwritten)
 
     def drop_stashed_results(self, handles: list[int]) -> None:
         """Before freeing DONE child blocks that nobody will read (``orphan_children``): drop
@@ -1602,6 +1601,7 @@ class Coordinator:
             return
         self.drop_unfetched_args(handle)
         self.drop_stashed([handle], _RESULT_NBYTES)  # overwritten below
+        slab.release_result_chain(handle)  # a result the dead worker wrote: overwritten too
         error = WorkerCrashedError(crash_message(worker, code), code)
         if not slab.write_result(handle, int(ResultStatus.ERROR), dump_exception(error)):
             raise ProtocolError("a crash report does not fit in a block")

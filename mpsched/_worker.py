@@ -487,8 +487,8 @@ class Worker:
         if handle < 0:  # slab full: run the child here and now (rayon runs inline too)
             return self.run_inline(payload)
         stashed = 0
-        if not slab.write(handle, payload, uid=uid, parent=self.slot, state=CHILD_QUEUED):
-            slab.write(handle, b"", uid=uid, parent=self.slot, state=CHILD_QUEUED)
+        if not slab.write_child(handle, payload, self.slot, CHILD_QUEUED):
+            slab.write_child(handle, b"", self.slot, CHILD_QUEUED)
             stashed = self.stash(payload, handle, _NBYTES)
         self.header.add_live_children(1)
         if not self.me.push(handle):  # deque full

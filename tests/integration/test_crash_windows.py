@@ -322,6 +322,56 @@ def test_a_parent_killed_freeing_a_dropped_done_childs_block_leaks_it_not(nbytes
         shut_down(pool)
 
 
+LONG = 3000  # bytes: a chain of four blocks
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_writing_a_childs_long_arguments_leaks_no_block() -> None:
+    """Killed in ``mpsched.submit`` while it copies a child's arguments into a chain of blocks,
+    the chain taken but not yet (wholly) linked, nor the child's state written: the recovery
+    must free the child's block and every block of its chain."""
+    pool = Pool(1)
+    try:
+        with pytest.raises(WorkerCrashedError, match=r"exit code 1\b"):
+            pool.submit(wt.die_writing_a_childs_long_arguments, LONG).result(TIMEOUT)
+        assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
+        wait_all_blocks_free(pool)
+    finally:
+        shut_down(pool)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_writing_a_long_result_frees_exactly_its_chain() -> None:
+    """Killed while it copies a top-level task's result into a chain of blocks: the recovery
+    frees the task's block with its result chain, which must hold exactly the blocks taken
+    (linked one by one, a chain ended in a block whose link was still its previous use's, and
+    the recovery followed it into blocks it had no business freeing)."""
+    pool = Pool(1)
+    try:
+        with pytest.raises(WorkerCrashedError, match=r"exit code 1\b"):
+            pool.submit(wt.return_a_long_result_and_die_writing_it, LONG).result(TIMEOUT)
+        assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
+        wait_all_blocks_free(pool)
+    finally:
+        shut_down(pool)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_releasing_a_tasks_long_arguments_leaks_no_block() -> None:
+    """Killed in ``release_args`` (waiting for the slab's lock) after it read a task's long
+    arguments: the chain must still hang on the task's block, which the recovery frees with
+    it (unlinked first, the chain leaked)."""
+    pool = Pool(1)
+    try:
+        assert pool.submit(wt.die_at_the_next_slab_lock).result(TIMEOUT) is None
+        with pytest.raises(WorkerCrashedError, match=r"exit code 3\b"):
+            pool.submit(len, bytes(LONG)).result(TIMEOUT)
+        assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
+        wait_all_blocks_free(pool)
+    finally:
+        shut_down(pool)
+
+
 @pytest.mark.timeout(60)
 def test_a_childs_block_reused_after_its_executor_died_inside_done_is_left_alone(
     tmp_path: object,

@@ -67,9 +67,50 @@ def die_between_a_childs_alloc_and_its_write() -> None:
     """Die in ``mpsched.submit`` right after the child's block was allocated, before its
     write: nothing of the child is in the block yet (before ``Slab.alloc_child`` stamped
     the uid, its words were the previous task's, which name nobody)."""
-    worker = _current()
-    worker.slab.write = lambda *args, **kwargs: os._exit(1)
+    slab = _current().slab
+    slab.write = slab.write_child = lambda *args, **kwargs: os._exit(1)  # write: before 0f12551
     mpsched.submit(abs, -1)
+
+
+class _DieAtCopy:
+    """Stands for a slab's data view (``Slab._bytes``) and ends the process at its
+    ``die_at``-th store: a death in the middle of writing a chain of blocks."""
+
+    def __init__(self, view: memoryview, die_at: int, code: int) -> None:
+        self.view = view
+        self.left = die_at
+        self.code = code
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.view[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.left -= 1
+        if not self.left:
+            os._exit(self.code)
+        self.view[key] = value
+
+
+def die_writing_a_childs_long_arguments(nbytes: int) -> None:
+    """Spawn a child with ``nbytes`` of arguments (a chain of blocks) and die in the middle of
+    copying them in, after the first block's data (its continuation blocks are taken)."""
+    slab = _current().slab
+    slab._bytes = _DieAtCopy(slab._bytes, 2, 1)
+    mpsched.submit(len, bytes(nbytes))
+
+
+def return_a_long_result_and_die_writing_it(nbytes: int) -> bytes:
+    """Return ``nbytes`` (a result that takes a chain of blocks); the worker dies in the middle
+    of copying it into the task's block, after the first block's data."""
+    slab = _current().slab
+    slab._bytes = _DieAtCopy(slab._bytes, 2, 1)
+    return bytes(nbytes)
+
+
+def die_at_the_next_slab_lock() -> None:
+    """From now on this worker dies (exit code 3) when it next takes the slab's lock: the next
+    task's ``release_args``, if its arguments took a chain of blocks."""
+    _current().slab._acquire = lambda *args: os._exit(3)
 
 
 def spawn_then_die(children: int) -> None:
