@@ -6,12 +6,13 @@ index here; the block holds the task's pickled arguments, and later its result.
 
 Who calls what, from which process:
     * ``Slab``: the coordinator allocates and frees blocks for top-level tasks and writes their
-      arguments; a worker allocates blocks for the children its tasks spawn (``alloc``,
-      ``write``), reads the arguments of a claimed task (``read`` / ``data_view``) and writes
+      arguments; a worker allocates blocks for the children its tasks spawn (``alloc_child``,
+      ``write_child``), reads the arguments of a claimed task (``read`` / ``data_view``) and writes
       the result back into the same block (``write_result``); whoever consumes a result frees
-      the block. ``alloc*`` / ``free*`` take the ONE allocator lock (passed in, used for
-      nothing else); the block words and data are written without it, by the block's current
-      holder, and published to other processes only through a locked ring (``_shm_deque``).
+      the block. ``alloc*`` / ``free*`` and the chain ops take the ONE allocator lock (passed
+      in, used for nothing else); the block words and data are written without it (but for
+      ``alloc_child``'s stamp and a chain's links), by the block's current holder, and
+      published to other processes only through a locked ring (``_shm_deque``).
     * ``FunctionTable``: the coordinator appends pickled functions (``add``, single writer,
       no lock); workers read them (``get``) and cache the loaded function by fid.
 
