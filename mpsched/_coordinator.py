@@ -1498,7 +1498,11 @@ class Coordinator:
         a child still queued or running elsewhere is marked ABANDONED under slot ``k``'s lock
         (its executor frees it when it finishes, as for a dropped ChildFuture); one already
         DONE, or one never published (the worker died inside ``mpsched.submit``, between the
-        alloc and the push: in no ring and on no run stack), is freed now.
+        alloc and the push: in no ring and on no run stack), is freed now. A block allocated
+        and not yet written (``state`` 0: ``Slab.alloc_child`` stamps the uid and a zero state
+        before its commit, with both chain links -1; ``write_child`` stores the state last) is
+        freed too, with the chain it may have (``Slab._attach`` hangs a chain on its block
+        whole).
 
         Snapshots: queued handles first, then run stacks, so that a child moving from a ring to
         a run stack between the two is seen in one of them; a child only moves forward (ring ->
@@ -1511,18 +1515,26 @@ class Coordinator:
         to_free = []
         done = []  # their results, if stashed, are in the stash: only a FETCH empties it
         unpublished = []  # their arguments, if stashed, too
+        unwritten = []
         for handle in range(slab.capacity):
-            # A child's uid holds its spawner's pid, and free_children clears it: a block that
-            # a live worker is reusing (its parent and state words still stale, or half
-            # rewritten) never carries the dead worker's pid.
-            if (
-                handle in free
-                or slab.get_word(handle, _UID) >> _UID_PID_SHIFT != pid
-                or slab.get_word(handle, _PARENT) != k
-            ):
+            # A child's uid holds its spawner's pid from its allocation on, and free_children
+            # clears it: a block that a live worker is reusing (its parent and state words
+            # still stale, or half rewritten) never carries the dead worker's pid.
+            if handle in free or slab.get_word(handle, _UID) >> _UID_PID_SHIFT != pid:
                 continue
             state = slab.get_word(handle, _STATE)
-            if state == _CHILD_DONE:
+            if state == 0:
+                unwritten.append(handle)
+            elif state == _CHILD_ABANDONED and handle not in reachable:
+                # Past its run: the dead worker was freeing it, as the parent that saw DONE
+                # when it dropped the future (release_abandoned) or as the executor that saw
+                # ABANDONED (finish_child stamps its own uid then, in the exchange's hold, so a
+                # live executor's block never carries a dead parent's uid; it may be any
+                # slot's child, hence no parent check).
+                done.append(handle)
+            elif slab.get_word(handle, _PARENT) != k:
+                continue
+            elif state == _CHILD_DONE:
                 done.append(handle)
             elif state == _CHILD_QUEUED and handle not in reachable:
                 unpublished.append(handle)
@@ -1535,7 +1547,7 @@ class Coordinator:
         # stored their key; its socket was read to EOF before this runs, so its STASH is in.
         self.drop_stashed(unpublished)
         self.drop_stashed_results(done)
-        to_free = done + unpublished
+        to_free = done + unpublished + unwritten
         if to_free:
             slab.free_children(to_free)
 
@@ -1626,6 +1638,7 @@ class Coordinator:
             return
         self.drop_unfetched_args(handle)
         self.drop_stashed([handle], _RESULT_NBYTES)  # overwritten below
+        slab.release_result_chain(handle)  # a result the dead worker wrote: overwritten too
         error = WorkerCrashedError(crash_message(worker, code), code)
         if not slab.write_result(handle, int(ResultStatus.ERROR), dump_exception(error)):
             raise ProtocolError("a crash report does not fit in a block")

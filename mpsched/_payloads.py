@@ -6,12 +6,13 @@ index here; the block holds the task's pickled arguments, and later its result.
 
 Who calls what, from which process:
     * ``Slab``: the coordinator allocates and frees blocks for top-level tasks and writes their
-      arguments; a worker allocates blocks for the children its tasks spawn (``alloc``,
-      ``write``), reads the arguments of a claimed task (``read`` / ``data_view``) and writes
+      arguments; a worker allocates blocks for the children its tasks spawn (``alloc_child``,
+      ``write_child``), reads the arguments of a claimed task (``read`` / ``data_view``) and writes
       the result back into the same block (``write_result``); whoever consumes a result frees
-      the block. ``alloc*`` / ``free*`` take the ONE allocator lock (passed in, used for
-      nothing else); the block words and data are written without it, by the block's current
-      holder, and published to other processes only through a locked ring (``_shm_deque``).
+      the block. ``alloc*`` / ``free*`` and the chain ops take the ONE allocator lock (passed
+      in, used for nothing else); the block words and data are written without it (but for
+      ``alloc_child``'s stamp and a chain's links), by the block's current holder, and
+      published to other processes only through a locked ring (``_shm_deque``).
     * ``FunctionTable``: the coordinator appends pickled functions (``add``, single writer,
       no lock); workers read them (``get``) and cache the loaded function by fid.
 
@@ -24,7 +25,10 @@ Slab region:
     #   16          8    magic        creator, const         SLAB_MAGIC
     #   24          8    block_count  creator, const         N blocks
     #   32          8    block_bytes  creator, const         B bytes per block, multiple of 64
-    #   40         24    (spare)
+    #   40          8    pending_word allocator-lock holder  a chain op in progress (0 = none): the
+    #                                                        link word it stores after its commit
+    #   48          8    pending_value allocator-lock holder that word's value (see "Chains")
+    #   56          8    pending_top  allocator-lock holder  free_top once that op has committed
     #   64         8*N   free_stack   allocator-lock holder  free block indices; [0, free_top)
     #  64+8N'      N*B   blocks       see below              N' = N rounded up to 8 (64 B)
     # Invariant (under the lock): 0 <= free_top <= N; each index is in free_stack at most once.
@@ -33,8 +37,9 @@ Block (B bytes, header words are int64; ``BlockField`` names them):
 
     # offset size  field          writer                     meaning
     #   0     8    state          engine-defined             lifecycle word (values: the engine)
-    #   8     8    uid            writer of the task         0: a top-level task; a child's: its
-    #                                                        spawner's pid << 31 | a counter
+    #   8     8    uid            alloc_child, writer of     0: a top-level task; a child's: its
+    #                              the task; a child's        spawner's pid << 31 | a counter,
+    #                              freer (see below)          from its allocation until its free
     #  16     8    nbytes         writer of the task         length of the argument bytes
     #  24     8    parent         writer of the task         slot of the parent task, -1 = none
     #  32     8    result_status  worker that ran it         engine-defined; written after the
@@ -69,17 +74,32 @@ Invariants and ordering:
       whoever reads a result must have learnt of it through a lock or a syscall (pipe, eventfd)
       after the worker wrote it, never by polling the word.
     * A process that dies holding the allocator lock leaves the old or the new free_top (one
-      final store); ``break_dead_holder`` releases the lock. Blocks it had allocated and not
-      yet published leak; the engine may reclaim them by scanning ``state``.
+      final store); ``break_dead_holder`` releases the lock.
+    * A free block's uid is 0: ``free_children`` clears a child's under the lock, before the
+      commit, and other blocks never carry another (continuation blocks keep the uid they had
+      free). ``alloc_child`` stamps a child's uid (and a zero state) under the lock before its
+      commit, so a child's first block names its spawner at every instant it is taken, even
+      before ``write``; the engine's crash recovery finds a dead worker's blocks by that name
+      (a block handed over to be freed is renamed by the engine: ``uid`` then names its freer).
+      A stamp without its commit (a death in between) is undone by ``break_dead_holder``.
 
 Chains: bytes longer than one block's data area continue in further blocks, linked through
 ``next_arg`` (arguments) or ``next_result`` (results); the first block keeps the header and the
-total length. Continuation blocks are allocated in one lock round by whoever writes the bytes and
-freed with the task (``free_tasks``), or, for arguments, as soon as they are read
-(``release_args``). A chain is at most ``MAX_CHAIN_BLOCKS`` long; beyond that, or when the slab
-is short of blocks, ``write``/``write_result`` return False and the engine routes the bytes
-elsewhere. A writer that dies between allocating continuation blocks and linking them leaks them
-(a bounded, documented loss: only on a crash mid-write).
+total length. Continuation blocks are taken by whoever writes the bytes and freed with the task
+(``free_tasks``), or, for arguments, as soon as they are read (``release_args``); a chain is at
+most ``MAX_CHAIN_BLOCKS`` long; beyond that, or when the slab is short of blocks,
+``write``/``write_result`` return False and the engine routes the bytes elsewhere.
+Continuation blocks carry no name of their own: they are found only through their first block,
+so a chain is reachable from it at every instant it is taken, whatever the moment its writer
+dies. ``_attach`` links the blocks among themselves (free blocks: nobody reads their links),
+then, under the lock, records the op (``pending_*``: the first block's link word, the first
+continuation block, the free_top after the commit), commits, stores the first block's link and
+clears the record; ``_detach`` (``release_args``) likewise commits the free, then unlinks. A
+holder that dies between the commit and the link store leaves the record, and
+``break_dead_holder`` completes the store (the commit happened iff free_top reads the recorded
+value: nobody else moves it while the dead holder's lock is held). The data is copied in after
+the chain is linked, so the owner's crash recovery, which frees a task's block with its chains,
+frees every block of it.
 
 Not handled here: what ``state`` and ``result_status`` values mean.
 """
@@ -122,6 +142,9 @@ _HOLDER_PID = 1
 _S_MAGIC = 2
 _S_BLOCK_COUNT = 3
 _S_BLOCK_BYTES = 4
+_PENDING_WORD = 5
+_PENDING_VALUE = 6
+_PENDING_TOP = 7
 _FREE_STACK = 8  # word index of free_stack
 
 # Function table header words.
@@ -239,6 +262,7 @@ class Slab:
             w[_S_BLOCK_COUNT] = block_count
             w[_S_BLOCK_BYTES] = block_bytes
             w[_HOLDER_PID] = 0
+            w[_PENDING_WORD] = 0
             w[_FREE_TOP] = 0
             w[_S_MAGIC] = SLAB_MAGIC
             if fill:
@@ -272,6 +296,39 @@ class Slab:
             if top < 0:
                 return -1
             index = self._stack[top]
+            w[_FREE_TOP] = top  # commit
+        finally:
+            w[_HOLDER_PID] = 0
+            self._release()
+        return index
+
+    def alloc_child(self, uid: int) -> int:
+        """``alloc`` for a child task's first block: its ``uid``, a zero ``state`` and -1 in
+        both chain links are stored under the lock, before the commit. From the commit on, the
+        block names its spawner (whose crash recovery, ``orphan_children``, finds it by uid)
+        even before ``write_child``: stamped after the commit, a spawner that died in between
+        left the previous task's words, which name nobody, and the block leaked. A zero
+        ``state`` says "not written yet" (a child's states are nonzero), and the links can be
+        followed at every instant (to free the block with its chains). A death between the
+        stamp and the commit leaves the stamped block free, on top of the free stack:
+        ``break_dead_holder`` clears its uid.
+
+        Returns:
+            Its index, or -1 when every block is in use.
+        """
+        w = self._w
+        self._acquire()
+        try:
+            w[_HOLDER_PID] = _pid
+            top = w[_FREE_TOP] - 1
+            if top < 0:
+                return -1
+            index = self._stack[top]
+            base = self._blocks_word + index * self._block_words
+            w[base + _STATE] = 0
+            w[base + _UID] = uid
+            w[base + _NEXT_ARG] = -1
+            w[base + _NEXT_RESULT] = -1
             w[_FREE_TOP] = top  # commit
         finally:
             w[_HOLDER_PID] = 0
@@ -351,6 +408,17 @@ class Slab:
         w = self._w
         if dead_pid <= 0 or w[_HOLDER_PID] != dead_pid:
             return False
+        # A free block's uid is 0 (a child's free clears it; other blocks carry 0), but for one
+        # that ``alloc_child`` stamped and did not commit: it is on top of the free stack.
+        # Cleared, so that no later block reads as a child of this pid (were it reused).
+        top = w[_FREE_TOP]
+        if 0 < top <= self.capacity:
+            base = self._blocks_word + self._stack[top - 1] * self._block_words
+            w[base + _UID] = 0
+        # A chain op that committed and died before its link store: complete the store.
+        if w[_PENDING_WORD] and w[_PENDING_TOP] == top:
+            w[w[_PENDING_WORD]] = w[_PENDING_VALUE]
+        w[_PENDING_WORD] = 0
         w[_HOLDER_PID] = 0
         self._release()
         return True
@@ -364,6 +432,10 @@ class Slab:
     def set_word(self, index: int, field: int, value: int) -> None:
         """Set a header word of block ``index`` (``field`` is a ``BlockField``)."""
         self._w[self._blocks_word + index * self._block_words + field] = value
+
+    def set_uid(self, index: int, value: int) -> None:
+        """Set block ``index``'s uid word (a child's: whose crash recovery frees the block)."""
+        self._w[self._blocks_word + index * self._block_words + _UID] = value
 
     def get_state(self, index: int) -> int:
         """Block ``index``'s state word (``_shm_deque.BlockStates``)."""
@@ -396,6 +468,23 @@ class Slab:
             w[base + _STATE] = state
         return True
 
+    def write_child(self, index: int, data: bytes, parent: int, state: int) -> bool:
+        """``write`` for a block from ``alloc_child`` (its uid and chain links are stored): a
+        child's argument bytes, its parent's slot and, last, its ``state``.
+
+        Returns:
+            False, as ``write`` (nothing is written then).
+        """
+        if not self._scatter(index, data, _NEXT_ARG):
+            return False
+        w = self._w
+        base = self._blocks_word + index * self._block_words
+        w[base + _PARENT] = parent
+        w[base + _RESULT_NBYTES] = 0
+        w[base + _NBYTES] = len(data)
+        w[base + _STATE] = state
+        return True
+
     def read(self, index: int) -> bytes:
         """A copy of block ``index``'s argument bytes (gathered along its chain)."""
         n = self._w[self._blocks_word + index * self._block_words + _NBYTES]
@@ -405,8 +494,13 @@ class Slab:
         """Free the argument chain's continuation blocks (the first block stays)."""
         rest = self._chain(index, _NEXT_ARG)
         if rest:
-            self._w[self._blocks_word + index * self._block_words + _NEXT_ARG] = -1
-            self.free_many(rest)
+            self._detach(index, _NEXT_ARG, rest)
+
+    def release_result_chain(self, index: int) -> None:
+        """Free the result chain's continuation blocks (before the result is written again)."""
+        rest = self._chain(index, _NEXT_RESULT)
+        if rest:
+            self._detach(index, _NEXT_RESULT, rest)
 
     def data_view(self, index: int, nbytes: int | None = None) -> memoryview:
         """A zero-copy view of block ``index``'s first data area (``nbytes`` defaults to the
@@ -480,25 +574,75 @@ class Slab:
             w[first + index * words + link] = -1
             return True
         extra = -(-(n - cap) // cap)
-        blocks = self.alloc_many(extra) if extra < MAX_CHAIN_BLOCKS else []
-        if len(blocks) < extra:
-            self.free_many(blocks)
+        blocks = self._attach(index, link, extra) if extra < MAX_CHAIN_BLOCKS else []
+        if not blocks:
             w[first + index * words + link] = -1  # a refused write leaves no chain to follow
             return False
         view = memoryview(data)
         self._bytes[at : at + cap] = view[:cap]
-        prev = index
         pos = cap
         for block in blocks:
-            w[first + prev * words + link] = block
             at = block * self.block_bytes + BLOCK_HEADER_BYTES
             piece = view[pos : pos + cap]
             self._bytes[at : at + len(piece)] = piece
             pos += cap
-            prev = block
-        w[first + prev * words + link] = -1
         view.release()
         return True
+
+    def _attach(self, index: int, link: int, n: int) -> list[int]:
+        """Take ``n`` blocks and make them block ``index``'s chain along ``link`` (replacing
+        what it held): linked among themselves first, then, in one lock round, taken and
+        hung on ``index`` (see "Chains": a death in that round is completed by
+        ``break_dead_holder``). All or nothing: [] when the slab is short of blocks."""
+        w = self._w
+        first = self._blocks_word
+        words = self._block_words
+        word = first + index * words + link
+        self._acquire()
+        try:
+            w[_HOLDER_PID] = _pid
+            top = w[_FREE_TOP]
+            if n > top:
+                return []
+            blocks = self._stack[top - n : top].tolist()
+            nxt = -1
+            for block in reversed(blocks):  # free blocks until the commit: nobody reads them
+                w[first + block * words + link] = nxt
+                nxt = block
+            w[_PENDING_TOP] = top - n
+            w[_PENDING_VALUE] = nxt
+            w[_PENDING_WORD] = word
+            w[_FREE_TOP] = top - n  # commit
+            w[word] = nxt
+        finally:
+            w[_PENDING_WORD] = 0  # (also after an exception: no stale record is ever left)
+            w[_HOLDER_PID] = 0
+            self._release()
+        return blocks
+
+    def _detach(self, index: int, link: int, rest: list[int]) -> None:
+        """Free block ``index``'s chain ``rest`` along ``link`` and unlink it, in one lock
+        round (see "Chains")."""
+        values = array("q", rest)
+        k = len(values)
+        w = self._w
+        word = self._blocks_word + index * self._block_words + link
+        self._acquire()
+        try:
+            w[_HOLDER_PID] = _pid
+            top = w[_FREE_TOP]
+            if top + k > self.capacity:
+                raise InternalError(f"free of a chain of {k} with free_top={top}: double free")
+            self._stack[top : top + k] = values
+            w[_PENDING_TOP] = top + k
+            w[_PENDING_VALUE] = -1
+            w[_PENDING_WORD] = word
+            w[_FREE_TOP] = top + k  # commit
+            w[word] = -1
+        finally:
+            w[_PENDING_WORD] = 0
+            w[_HOLDER_PID] = 0
+            self._release()
 
     def _gather(self, index: int, n: int, link: int) -> bytes:
         cap = self.data_capacity

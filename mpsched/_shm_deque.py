@@ -194,6 +194,8 @@ if TYPE_CHECKING:  # structural types, for annotations only
 
         def set_state(self, index: int, value: int, /) -> None: ...
 
+        def set_uid(self, index: int, value: int, /) -> None: ...
+
 
 class StealResult(enum.IntEnum):
     """Outcome of ``SlotQueues.steal`` (crossbeam ``Steal``)."""
@@ -652,6 +654,7 @@ class SlotQueues:
         value: int,
         finished_by: SlotQueues | None = None,
         unless: int = -1,
+        taker: int = 0,
     ) -> int:
         """Under this slot's lock, set block ``handle``'s state to ``value``; return the old one.
 
@@ -660,6 +663,9 @@ class SlotQueues:
             finished_by: the caller's OWN slot, when the caller just ran ``handle``: its run_stack
                 record is popped in the same lock hold, after the state store.
             unless: a state that stays as it is (returned, not overwritten).
+            taker: with ``unless``, if the state reads ``unless``: stored as the block's uid in
+                the same hold, before the pop (the caller takes the block over to free it, and
+                a crash recovery must find it as the caller's from then on).
         """
         w = self._w
         if finished_by is not None:  # counted before the commit, as in complete()
@@ -676,6 +682,8 @@ class SlotQueues:
             previous = states.get_state(handle)
             if previous != unless:
                 states.set_state(handle, value)  # commit
+            elif taker:
+                states.set_uid(handle, taker)
             if finished_by is not None:
                 fw[RUN_DEPTH] = depth  # the record went stale at the commit
         finally:

@@ -352,6 +352,8 @@ class Worker:
         self.top_level_done = 0  # for max_tasks (children do not count)
         self.draining = False
         self.pid = os.getpid()
+        # The uid this worker stamps on an ABANDONED child it takes over to free (finish_child).
+        self.taker_uid = self.pid << 31
         self.stash_counter = 0
         self.rng = random.Random(self.pid)
         self.poller = select.poll()
@@ -480,13 +482,13 @@ class Worker:
             # peer to steal it (Pool(1)) forever. Run it inline, as when the deque is full.
             return self.run_inline(payload)
         slab = self.slab
-        handle = slab.alloc()
+        uid = self.next_uid()
+        handle = slab.alloc_child(uid)  # the block names us from its allocation on
         if handle < 0:  # slab full: run the child here and now (rayon runs inline too)
             return self.run_inline(payload)
-        uid = self.next_uid()
         stashed = 0
-        if not slab.write(handle, payload, uid=uid, parent=self.slot, state=CHILD_QUEUED):
-            slab.write(handle, b"", uid=uid, parent=self.slot, state=CHILD_QUEUED)
+        if not slab.write_child(handle, payload, self.slot, CHILD_QUEUED):
+            slab.write_child(handle, b"", self.slot, CHILD_QUEUED)
             stashed = self.stash(payload, handle, _NBYTES)
         self.header.add_live_children(1)
         if not self.me.push(handle):  # deque full
@@ -531,10 +533,18 @@ class Worker:
         An ABANDONED child stays ABANDONED (``unless``): this worker frees it, and DONE would
         tell the crash recovery of a dead parent (``orphan_children``) that the block is the
         parent's to free, so that it freed it too (a double free) while this worker was
-        between the exchange and its free.
+        between the exchange and its free. In the same hold the block's uid becomes this
+        worker's (``taker``): the recovery of the parent no longer takes it for the parent's,
+        and that of this worker, dying before its free commits, finds it (an ABANDONED block
+        in no ring and on no run stack is its uid's to free).
         """
         previous = self.slots[parent].exchange_block_state(
-            self.slab, handle, CHILD_DONE, finished_by=self.me, unless=CHILD_ABANDONED
+            self.slab,
+            handle,
+            CHILD_DONE,
+            finished_by=self.me,
+            unless=CHILD_ABANDONED,
+            taker=self.taker_uid,
         )
         self.header.add_live_children(-1)
         if previous == CHILD_ABANDONED:
@@ -584,6 +594,9 @@ class Worker:
         nbytes = self.slab.get_word(handle, _RESULT_NBYTES)
         if nbytes < 0:
             self.fetch(-nbytes)
+            # Fetched: a death in the free below leaves a block that the crash recovery frees,
+            # and it must not wait for the bytes (unwanted_stash) as if still stashed.
+            self.slab.set_word(handle, _RESULT_NBYTES, 0)
         self.free_child(handle)
 
     def release_abandoned(self) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import mpsched
 from mpsched import _worker
+from mpsched._protocol import ChildState
 from mpsched._shm_deque import HOLDER_PID
 
 HELPER_MAX_S = 120.0  # s; the helper of die_holding_own_slot_lock exits by then in any case
@@ -60,6 +61,56 @@ def die_inside_submit() -> None:
     worker = _current()
     worker.me.push = lambda handle: os._exit(1)
     mpsched.submit(abs, -1)
+
+
+def die_between_a_childs_alloc_and_its_write() -> None:
+    """Die in ``mpsched.submit`` right after the child's block was allocated, before its
+    write: nothing of the child is in the block yet (before ``Slab.alloc_child`` stamped
+    the uid, its words were the previous task's, which name nobody)."""
+    slab = _current().slab
+    slab.write = slab.write_child = lambda *args, **kwargs: os._exit(1)  # write: before 0f12551
+    mpsched.submit(abs, -1)
+
+
+class _DieAtCopy:
+    """Stands for a slab's data view (``Slab._bytes``) and ends the process at its
+    ``die_at``-th store: a death in the middle of writing a chain of blocks."""
+
+    def __init__(self, view: memoryview, die_at: int, code: int) -> None:
+        self.view = view
+        self.left = die_at
+        self.code = code
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.view[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.left -= 1
+        if not self.left:
+            os._exit(self.code)
+        self.view[key] = value
+
+
+def die_writing_a_childs_long_arguments(nbytes: int) -> None:
+    """Spawn a child with ``nbytes`` of arguments (a chain of blocks) and die in the middle of
+    copying them in, after the first block's data (its continuation blocks are taken)."""
+    slab = _current().slab
+    slab._bytes = _DieAtCopy(slab._bytes, 2, 1)
+    mpsched.submit(len, bytes(nbytes))
+
+
+def return_a_long_result_and_die_writing_it(nbytes: int) -> bytes:
+    """Return ``nbytes`` (a result that takes a chain of blocks); the worker dies in the middle
+    of copying it into the task's block, after the first block's data."""
+    slab = _current().slab
+    slab._bytes = _DieAtCopy(slab._bytes, 2, 1)
+    return bytes(nbytes)
+
+
+def die_at_the_next_slab_lock() -> None:
+    """From now on this worker dies (exit code 3) when it next takes the slab's lock: the next
+    task's ``release_args``, if its arguments took a chain of blocks."""
+    _current().slab._acquire = lambda *args: os._exit(3)
 
 
 def spawn_then_die(children: int) -> None:
@@ -133,6 +184,45 @@ def abandon_a_stolen_child(
     signal.pause()
 
 
+def child_dies_freeing_itself(started: str, gate_path: str, nbytes: int) -> bytes:
+    """A child whose executor, finding it ABANDONED (its parent dropped the future), dies in
+    the free of its block, before the commit (``free_unread_child``; its result
+    ``bytes(nbytes)`` is stashed if too big for the slab). Writes its executor's pid into the
+    FIFO ``started`` and waits at ``gate_path`` before it returns."""
+    worker = _current()
+    worker.free_child = lambda handle: os._exit(3)
+    with open(started, "wb") as fifo:
+        fifo.write(str(os.getpid()).encode())
+    with open(gate_path, "rb") as fifo:
+        fifo.read(1)
+    return bytes(nbytes)
+
+
+def drop_a_stolen_child(started: str, gate_path: str, nbytes: int) -> None:
+    """Spawn ``child_dies_freeing_itself``, wait until a peer stole it, drop its future (the
+    child is ABANDONED: its executor frees its block) and return."""
+    worker = _current()
+    child = mpsched.submit(child_dies_freeing_itself, started, gate_path, nbytes)
+    while not child.running():  # this worker takes nothing meanwhile: only a peer can steal it
+        pass
+    del child
+    worker.release_abandoned()
+
+
+def die_freeing_a_dropped_done_child(nbytes: int) -> None:
+    """Spawn a child (result ``bytes(nbytes)``, stashed if too big for the slab), wait until a
+    peer ran it (DONE), then drop its future and die in the free of its block, before the
+    commit (``release_abandoned``: this worker saw DONE, so the block is its to free)."""
+    worker = _current()
+    child = mpsched.submit(bytes, nbytes)
+    handle = child._handle
+    while worker.child_state(handle) != int(ChildState.DONE):  # only a peer can run it
+        pass
+    worker.free_child = lambda handle: os._exit(3)
+    del child
+    worker.release_abandoned()
+
+
 def die_freeing_a_joined_child(nbytes: int) -> None:
     """Join a child that a peer stole (its result ``bytes(nbytes)``, stashed if too big for
     the slab), then die in the free of its block, waiting for the allocator lock (as a SIGKILL
@@ -165,7 +255,7 @@ def child_dies_inside_its_done(started: str, release: str, value: int) -> None:
     result ``value`` is written). The coordinator sees the death only once the test writes
     to ``release``; the executor's pid goes to the FIFO ``started``."""
     from mpsched._payloads import BlockField
-    from mpsched._protocol import ChildState, ResultStatus
+    from mpsched._protocol import ResultStatus
     from mpsched._serialize import dumps
 
     worker = _current()

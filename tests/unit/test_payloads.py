@@ -212,6 +212,70 @@ def test_slab_breaks_a_dead_holders_lock() -> None:
             Slab(seg.buf, lock, 2)
 
 
+def test_a_child_block_names_its_spawner_from_its_allocation_on(slab: Slab) -> None:
+    uid = (os.getpid() << 31) | 7
+    slab.set_word(0, BlockField.STATE, 2)  # words of a previous task
+    slab.set_word(0, BlockField.NEXT_ARG, 5)
+    slab.set_word(0, BlockField.NEXT_RESULT, 6)
+    handle = slab.alloc_child(uid)
+    assert handle == 0
+    assert (slab.get_word(handle, BlockField.UID), slab.get_state(handle)) == (uid, 0)
+    links = (
+        slab.get_word(handle, BlockField.NEXT_ARG),
+        slab.get_word(handle, BlockField.NEXT_RESULT),
+    )
+    assert links == (-1, -1)
+    slab.free_children([handle])  # unwritten, yet its chains can be followed
+    assert (slab.get_word(handle, BlockField.UID), slab.get_state(handle)) == (0, 0)
+
+
+def test_breaking_a_dead_allocators_lock_unstamps_the_block_it_did_not_commit() -> None:
+    """A spawner that dies inside ``alloc_child`` between the stamp and the commit leaves the
+    stamped block free: the repair clears its uid, so that no free block names a child."""
+    lock = create_lock()
+    lock.unlink()
+    with AnonSegment.create(Slab.region_bytes(4)) as seg:
+        slab = Slab(seg.buf, lock, 4, init=True)
+        seg.track(slab)
+        top = slab.free_indices()[-1]
+        lock.acquire()
+        slab._w[1] = 999_999  # the holder word of a process that died holding the lock
+        slab.set_word(top, BlockField.UID, 999_999 << 31 | 1)  # alloc_child's stamp
+        slab.set_word(top, BlockField.STATE, 0)
+        assert slab.break_dead_holder(999_999)
+        assert slab.free_count() == 4
+        assert [slab.get_word(i, BlockField.UID) for i in range(4)] == [0, 0, 0, 0]
+
+
+def test_breaking_a_dead_writers_lock_hangs_the_chain_it_took_on_its_block() -> None:
+    """A writer that dies inside ``_attach`` after the commit, before the store that hangs the
+    chain on its block, leaves a record of that store: the repair completes it, so the chain
+    is freed with the block (and a death before the commit took nothing)."""
+    lock = create_lock()
+    lock.unlink()
+    with AnonSegment.create(Slab.region_bytes(8)) as seg:
+        slab = Slab(seg.buf, lock, 8, init=True)
+        seg.track(slab)
+        first = slab.alloc()
+        slab.set_word(first, BlockField.NEXT_ARG, -1)  # as written: no argument chain
+        lock.acquire()  # as _attach does, up to its commit; the process dies right after it
+        slab._w[1] = 999_999  # holder_pid
+        top = slab._w[0]
+        chain = slab._stack[top - 3 : top].tolist()
+        for a, b in zip(chain, [*chain[1:], -1], strict=True):
+            slab.set_word(a, BlockField.NEXT_RESULT, b)
+        slab._w[7] = top - 3  # pending_top
+        slab._w[6] = chain[0]  # pending_value
+        slab._w[5] = slab._blocks_word + first * slab._block_words + BlockField.NEXT_RESULT
+        slab._w[0] = top - 3  # the commit; the link store never happens
+        assert slab.break_dead_holder(999_999)
+        assert slab._chain(first, BlockField.NEXT_RESULT) == chain
+        assert slab._w[5] == 0  # no record left
+        slab.free_tasks([first])
+        assert slab.free_count() == 8
+        assert len(slab.alloc_many(3)) == 3  # the lock is free again
+
+
 # ---- function table ------------------------------------------------------------------------
 
 
