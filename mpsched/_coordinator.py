@@ -1512,7 +1512,6 @@ class Coordinator:
         reachable = {h for slot in self.slots for h in slot.drain(remove=False)}
         reachable.update(h for slot in self.slots for h in slot.running())
         parent_slot = self.slots[k]
-        to_free = []
         done = []  # their results, if stashed, are in the stash: only a FETCH empties it
         unpublished = []  # their arguments, if stashed, too
         unwritten = []
