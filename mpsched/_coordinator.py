@@ -610,6 +610,12 @@ class Coordinator:
         timeout = RESULT_SWEEP_INTERVAL if self.by_handle else math.inf
         if self.draining and not self.by_handle:  # the drain's condition is polled too
             timeout = DRAIN_POLL_INTERVAL
+        if self.ready and not self.by_handle:
+            # Queued, with nothing in flight, after dispatch: no inbox had room (or no worker
+            # is registered yet; its SPAWNED wakes us). Cancelled entries (TOMBSTONEs) fill
+            # them, and their workers drop those without a word to this thread: nothing else
+            # would wake it to dispatch again (the tasks never ran).
+            timeout = RESULT_SWEEP_INTERVAL
         if self.aging is not None and self.ready:
             timeout = min(timeout, self.aging / 4)
         with self.lock:  # sleep_until under the lock: see schedule()

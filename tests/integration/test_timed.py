@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import signal
 import threading
 import time
 from concurrent.futures import CancelledError, wait
@@ -188,6 +189,40 @@ def test_cancel_after_dispatch_into_an_inbox_never_runs(fifos: Fifos) -> None:
         assert pool.submit(tasks.ident, 1).result(timeout=20) == 1  # the worker went past it
         assert pool.state("queued") is TaskState.CANCELLED
     assert tt.read_tags(fifos.log) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_version_held_back_by_an_inbox_full_of_cancelled_entries_runs() -> None:
+    """A reschedule cancels the handed-out version in its inbox (a TOMBSTONE, which still takes
+    the inbox's room until the worker drops it) and the new version comes due at once: with a
+    window of 1 it cannot be injected, nothing else is in flight, and the worker drops the
+    tombstone without telling the coordinator. The loop slept with no timeout then, and the
+    new version never ran (the same as ``test_reschedules_racing_a_running_version_never_overlap``
+    gets if both inboxes fill with cancelled entries while their workers are off the CPU).
+    The worker is held off its inbox with SIGSTOP until the loop is asleep with the version
+    queued."""
+    with Pool(1, dispatch_window=1) as pool:
+        coordinator = pool._coordinator
+        assert pool.submit(tasks.ident, 0).result(timeout=CONDITION_TIMEOUT) == 0
+        slot = coordinator.slots[0]
+        wait_until(slot.is_sleeping, "the worker sleeps")
+        pid = pool.statistics().per_worker[0].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            first = pool.schedule("t", 0.0, 0, tasks.ident, 1)
+            wait_until(lambda: slot.inbox_depth() == 1, "the first version is injected")
+            second = pool.schedule("t", 0.0, 0, tasks.ident, 2)
+            assert first.cancelled()  # its entry is a tombstone now
+            # sleep_until goes to infinity only in the loop's wait, after a pass that handed
+            # the second version out (its schedule set it to the version's run_at).
+            wait_until(
+                lambda: bool(coordinator.ready) and coordinator.sleep_until == math.inf,
+                "the loop waits with the second version queued",
+            )
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert second.result(timeout=5) == 2
+        assert pool.state("t") is TaskState.COMPLETED
 
 
 @pytest.mark.slow
