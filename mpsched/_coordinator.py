@@ -1505,7 +1505,7 @@ class Coordinator:
         (its executor frees it when it finishes, as for a dropped ChildFuture); one already
         DONE, or one never published (the worker died inside ``mpsched.submit``, between the
         alloc and the push: in no ring and on no run stack), is freed now. A block allocated
-        and not yet written (``state`` 0: ``Slab.alloc_child`` stamps the uid and a zero state
+        and not yet written (``state`` 0: ``Slab.alloc`` stamps the uid and a zero state
         before its commit, with both chain links -1; ``write_child`` stores the state last) is
         freed too, with the chain it may have (``Slab._attach`` hangs a chain on its block
         whole).

@@ -6,12 +6,12 @@ index here; the block holds the task's pickled arguments, and later its result.
 
 Who calls what, from which process:
     * ``Slab``: the coordinator allocates and frees blocks for top-level tasks and writes their
-      arguments; a worker allocates blocks for the children its tasks spawn (``alloc_child``,
+      arguments; a worker allocates blocks for the children its tasks spawn (``alloc``,
       ``write_child``), reads the arguments of a claimed task (``read`` / ``data_view``) and writes
       the result back into the same block (``write_result``); whoever consumes a result frees
       the block. ``alloc*`` / ``free*`` and the chain ops take the ONE allocator lock (passed
       in, used for nothing else); the block words and data are written without it (but for
-      ``alloc_child``'s stamp and a chain's links), by the block's current holder, and
+      ``alloc``'s stamp and a chain's links), by the block's current holder, and
       published to other processes only through a locked ring (``_shm_deque``).
     * ``FunctionTable``: the coordinator appends pickled functions (``add``, single writer,
       no lock); workers read them (``get``) and cache the loaded function by fid.
@@ -37,7 +37,7 @@ Block (B bytes, header words are int64; ``BlockField`` names them):
 
     # offset size  field          writer                     meaning
     #   0     8    state          engine-defined             lifecycle word (values: the engine)
-    #   8     8    uid            alloc_child, writer of     0: a top-level task; a child's: its
+    #   8     8    uid            alloc, writer of     0: a top-level task; a child's: its
     #                              the task; a child's        spawner's pid << 31 | a counter,
     #                              freer (see below)          from its allocation until its free
     #  16     8    nbytes         writer of the task         length of the argument bytes
@@ -77,7 +77,7 @@ Invariants and ordering:
       final store); ``break_dead_holder`` releases the lock.
     * A free block's uid is 0: ``free_children`` clears a child's under the lock, before the
       commit, and other blocks never carry another (continuation blocks keep the uid they had
-      free). ``alloc_child`` stamps a child's uid (and a zero state) under the lock before its
+      free). ``alloc`` stamps a child's uid (and a zero state) under the lock before its
       commit, so a child's first block names its spawner at every instant it is taken, even
       before ``write``; the engine's crash recovery finds a dead worker's blocks by that name
       (a block handed over to be freed is renamed by the engine: ``uid`` then names its freer).
@@ -282,36 +282,16 @@ class Slab:
 
     # ---- allocation (allocator lock) ----
 
-    def alloc(self) -> int:
-        """Take one free block.
-
-        Returns:
-            Its index, or -1 when every block is in use.
-        """
-        w = self._w
-        self._acquire()
-        try:
-            w[_HOLDER_PID] = _pid
-            top = w[_FREE_TOP] - 1
-            if top < 0:
-                return -1
-            index = self._stack[top]
-            w[_FREE_TOP] = top  # commit
-        finally:
-            w[_HOLDER_PID] = 0
-            self._release()
-        return index
-
-    def alloc_child(self, uid: int) -> int:
-        """``alloc`` for a child task's first block: its ``uid``, a zero ``state`` and -1 in
-        both chain links are stored under the lock, before the commit. From the commit on, the
-        block names its spawner (whose crash recovery, ``orphan_children``, finds it by uid)
-        even before ``write_child``: stamped after the commit, a spawner that died in between
-        left the previous task's words, which name nobody, and the block leaked. A zero
-        ``state`` says "not written yet" (a child's states are nonzero), and the links can be
-        followed at every instant (to free the block with its chains). A death between the
-        stamp and the commit leaves the stamped block free, on top of the free stack:
-        ``break_dead_holder`` clears its uid.
+    def alloc(self, uid: int = 0) -> int:
+        """Take one free block. Its ``uid`` (0 for a top-level task; a child's names its
+        spawner), a zero ``state`` and -1 in both chain links are stored under the lock, before
+        the commit. From the commit on, a child's block names its spawner (whose crash
+        recovery, ``orphan_children``, finds it by uid) even before ``write_child``: stamped
+        after the commit, a spawner that died in between left the previous task's words, which
+        name nobody, and the block leaked. A zero ``state`` says "not written yet" (a child's
+        states are nonzero), and the links can be followed at every instant (to free the block
+        with its chains). A death between the stamp and the commit leaves the stamped block
+        free, on top of the free stack: ``break_dead_holder`` clears its uid.
 
         Returns:
             Its index, or -1 when every block is in use.
@@ -409,7 +389,7 @@ class Slab:
         if dead_pid <= 0 or w[_HOLDER_PID] != dead_pid:
             return False
         # A free block's uid is 0 (a child's free clears it; other blocks carry 0), but for one
-        # that ``alloc_child`` stamped and did not commit: it is on top of the free stack.
+        # that ``alloc`` stamped and did not commit: it is on top of the free stack.
         # Cleared, so that no later block reads as a child of this pid (were it reused).
         top = w[_FREE_TOP]
         if 0 < top <= self.capacity:
@@ -469,7 +449,7 @@ class Slab:
         return True
 
     def write_child(self, index: int, data: bytes, parent: int, state: int) -> bool:
-        """``write`` for a block from ``alloc_child`` (its uid and chain links are stored): a
+        """``write`` for a block from ``alloc`` (its uid and chain links are stored): a
         child's argument bytes, its parent's slot and, last, its ``state``.
 
         Returns:

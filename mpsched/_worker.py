@@ -483,7 +483,7 @@ class Worker:
             return self.run_inline(payload)
         slab = self.slab
         uid = self.next_uid()
-        handle = slab.alloc_child(uid)  # the block names us from its allocation on
+        handle = slab.alloc(uid)  # the block names us from its allocation on
         if handle < 0:  # slab full: run the child here and now (rayon runs inline too)
             return self.run_inline(payload)
         stashed = 0

@@ -36,17 +36,7 @@ def die_holding_own_slot_lock(started: str, release: str, record_pid: bool) -> N
     get past the lock the dead worker holds. Writes the worker's pid into the FIFO ``started``
     once the lock is held."""
     worker = _current()
-    gate = os.open(release, os.O_RDONLY | os.O_NONBLOCK)  # open before the test writes to it
-    # A forked process lets go of the worker's socket (``_worker._forked_by_a_task``): the
-    # helper keeps it through a copy of the fd that the worker does not know of.
-    socket_copy = os.dup(worker.conn.fileno())
-    if os.fork() == 0:  # the helper: holds the worker's socket until released
-        try:
-            select.select([gate], [], [], HELPER_MAX_S)
-        finally:
-            os._exit(0)
-    os.close(gate)
-    os.close(socket_copy)
+    _keep_socket_open(worker, release)
     queues = worker.me
     queues._acquire()
     if record_pid:
@@ -65,7 +55,7 @@ def die_inside_submit() -> None:
 
 def die_between_a_childs_alloc_and_its_write() -> None:
     """Die in ``mpsched.submit`` right after the child's block was allocated, before its
-    write: nothing of the child is in the block yet (before ``Slab.alloc_child`` stamped
+    write: nothing of the child is in the block yet (before ``Slab.alloc`` stamped
     the uid, its words were the previous task's, which name nobody)."""
     slab = _current().slab
     slab.write = slab.write_child = lambda *args, **kwargs: os._exit(1)  # write: before 0f12551
@@ -237,9 +227,11 @@ def die_freeing_a_joined_child(nbytes: int) -> None:
 
 def _keep_socket_open(worker: Any, release: str) -> None:
     """Fork a helper that keeps ``worker``'s socket open (so the coordinator does not see the
-    worker's death) until the test writes to the FIFO ``release``."""
+    worker's death) until the test writes to the FIFO ``release``. A forked process lets go of
+    the worker's socket (``_worker._forked_by_a_task``): the helper keeps it through a copy of
+    the fd that the worker does not know of."""
     gate = os.open(release, os.O_RDONLY | os.O_NONBLOCK)  # open before the test writes to it
-    socket_copy = os.dup(worker.conn.fileno())  # the worker's own copy closes in the helper
+    socket_copy = os.dup(worker.conn.fileno())
     if os.fork() == 0:
         try:
             select.select([gate], [], [], HELPER_MAX_S)

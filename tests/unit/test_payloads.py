@@ -217,7 +217,7 @@ def test_a_child_block_names_its_spawner_from_its_allocation_on(slab: Slab) -> N
     slab.set_word(0, BlockField.STATE, 2)  # words of a previous task
     slab.set_word(0, BlockField.NEXT_ARG, 5)
     slab.set_word(0, BlockField.NEXT_RESULT, 6)
-    handle = slab.alloc_child(uid)
+    handle = slab.alloc(uid)
     assert handle == 0
     assert (slab.get_word(handle, BlockField.UID), slab.get_state(handle)) == (uid, 0)
     links = (
@@ -230,7 +230,7 @@ def test_a_child_block_names_its_spawner_from_its_allocation_on(slab: Slab) -> N
 
 
 def test_breaking_a_dead_allocators_lock_unstamps_the_block_it_did_not_commit() -> None:
-    """A spawner that dies inside ``alloc_child`` between the stamp and the commit leaves the
+    """A spawner that dies inside ``alloc`` between the stamp and the commit leaves the
     stamped block free: the repair clears its uid, so that no free block names a child."""
     lock = create_lock()
     lock.unlink()
@@ -240,7 +240,7 @@ def test_breaking_a_dead_allocators_lock_unstamps_the_block_it_did_not_commit() 
         top = slab.free_indices()[-1]
         lock.acquire()
         slab._w[1] = 999_999  # the holder word of a process that died holding the lock
-        slab.set_word(top, BlockField.UID, 999_999 << 31 | 1)  # alloc_child's stamp
+        slab.set_word(top, BlockField.UID, 999_999 << 31 | 1)  # alloc's stamp
         slab.set_word(top, BlockField.STATE, 0)
         assert slab.break_dead_holder(999_999)
         assert slab.free_count() == 4
