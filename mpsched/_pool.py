@@ -556,6 +556,8 @@ class Pool:
             PoolClosedError: the pool is shutting down or shut down.
             TimeoutError: from the iterator, if a result is not ready ``timeout`` seconds
                 after this call (infinite: no limit; zero or negative: at once).
+            Exception: from the iterator, what an input iterable raised (an Exception), once
+                the results of the items read before it were yielded, as the builtin ``map``.
         """
         if not iterables:  # as the builtin map: at the call, not at the first next()
             raise TypeError("Pool.map() needs at least one iterable")
@@ -591,13 +593,21 @@ class Pool:
         cap = 0  # largest default chunk, from the first chunk's bytes per item; 0: not yet
         limit = MAP_PREFETCH_PER_WORKER * self._workers
         exhausted = False
+        # An error of the input, raised after the results of the items read before it (the
+        # builtin map's order): the read-ahead meets it while earlier chunks are in flight.
+        input_error: Exception | None = None
         # fn travels in each chunk's arguments, not through the function table: a __main__
         # function needs its copy by value there too (see _serialize.portable).
         fn = portable(fn)
         try:
             while True:
                 while not exhausted and len(in_flight) < limit:
-                    chunk = list(itertools.islice(items, size))
+                    chunk: list[Any] = []
+                    try:
+                        chunk.extend(itertools.islice(items, size))  # keeps what came before
+                    except Exception as exc:  # a BaseException (Ctrl-C) goes on at once
+                        input_error = exc
+                        exhausted = True
                     if not chunk:
                         exhausted = True
                         break
@@ -605,6 +615,8 @@ class Pool:
                         cap = _max_chunk(chunk)
                     in_flight.append((self.submit(run_chunk, fn, chunk, star, budget), chunk))
                 if not in_flight:
+                    if input_error is not None:
+                        raise input_error
                     return
                 future, chunk = in_flight.popleft()
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())

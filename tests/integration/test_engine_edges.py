@@ -255,8 +255,32 @@ def test_map_reads_each_item_once_and_passes_input_errors(
     with pytest.raises(OSError, match="input broke"):
         got.extend(results)  # keeps what came before the raise
     assert pulled == list(range(40))  # each item read once, in order
-    assert got == list(range(len(got)))
+    # As the builtin map: every item read before the error has its result first (the
+    # read-ahead met the error while those items' chunks were still in flight, and raised it
+    # at once, dropping their results and cancelling what was not claimed yet).
+    assert got == list(range(40))
+    with pytest.raises(StopIteration):
+        next(results)
     assert pool2.submit(tasks.ident, 2).result(timeout=20) == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunksize", [1, None])
+def test_map_input_errors_come_in_input_order(pool2: Pool, chunksize: int | None) -> None:
+    def items():
+        yield from range(30)
+        raise OSError("input broke")
+
+    results = pool2.map(functools.partial(et.fail_at, bad=7), items(), chunksize=chunksize)
+    got: list[int] = []
+    with pytest.raises(ValueError, match="bad item 7"):  # the task's error comes first
+        got.extend(results)
+    assert got == list(range(7))
+    results = pool2.map(tasks.add, range(100), items(), chunksize=chunksize)  # zip's error
+    got = []
+    with pytest.raises(OSError, match="input broke"):
+        got.extend(results)
+    assert got == [2 * i for i in range(30)]
 
 
 @pytest.mark.timeout(60)
