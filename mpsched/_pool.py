@@ -587,7 +587,8 @@ class Pool:
         # In input order: each chunk's future and its items (a chunk that stopped at its budget
         # leaves the rest of its items to go again, before every later chunk's results).
         in_flight: collections.deque[tuple[Future, list[Any]]] = collections.deque()
-        size = chunksize or MAP_FIRST_CHUNK
+        # islice takes at most sys.maxsize: a bigger chunksize means the same (one chunk).
+        size = min(chunksize, sys.maxsize) if chunksize else MAP_FIRST_CHUNK
         budget = _INF if chunksize else MAP_CHUNK_BUDGET
         per_item = None
         cap = 0  # largest default chunk, from the first chunk's bytes per item; 0: not yet
