@@ -553,9 +553,14 @@ class Pool:
                 ``timeout`` is not a number (a bool is not) or None.
             ValueError: ``chunksize`` is not a positive int (a bool is not) or None;
                 ``timeout`` is NaN.
-            PoolClosedError: the pool is shutting down or shut down.
+            PoolClosedError: the pool is shutting down or shut down (from the iterator too,
+                where a chunk could not be sent, after the results of those sent before).
             TimeoutError: from the iterator, if a result is not ready ``timeout`` seconds
                 after this call (infinite: no limit; zero or negative: at once).
+            Exception: from the iterator, in input order (after the results before it, as the
+                builtin ``map``): an item's error, an input iterable's (an Exception), or
+                the error of submitting a chunk (TaskPicklingError: an item does not pickle;
+                the results of its chunk's other items are lost with it).
         """
         if not iterables:  # as the builtin map: at the call, not at the first next()
             raise TypeError("Pool.map() needs at least one iterable")
@@ -585,7 +590,8 @@ class Pool:
         # In input order: each chunk's future and its items (a chunk that stopped at its budget
         # leaves the rest of its items to go again, before every later chunk's results).
         in_flight: collections.deque[tuple[Future, list[Any]]] = collections.deque()
-        size = chunksize or MAP_FIRST_CHUNK
+        # islice takes at most sys.maxsize: a bigger chunksize means the same (one chunk).
+        size = min(chunksize, sys.maxsize) if chunksize else MAP_FIRST_CHUNK
         budget = _INF if chunksize else MAP_CHUNK_BUDGET
         per_item = None
         cap = 0  # largest default chunk, from the first chunk's bytes per item; 0: not yet
@@ -594,16 +600,36 @@ class Pool:
         # fn travels in each chunk's arguments, not through the function table: a __main__
         # function needs its copy by value there too (see _serialize.portable).
         fn = portable(fn)
+
+        def send(piece: list[Any]) -> tuple[Future, bool]:
+            # An error met ahead of the results (the input's, a submit's: an item that does
+            # not pickle, the pool shut down) takes the place of its items: the results before
+            # it come first, as with the builtin map (and ProcessPoolExecutor.map).
+            try:
+                return self.submit(run_chunk, fn, piece, star, budget), True
+            except Exception as exc:  # a BaseException (Ctrl-C) goes on at once
+                return _failed(exc), False
+
         try:
             while True:
                 while not exhausted and len(in_flight) < limit:
-                    chunk = list(itertools.islice(items, size))
+                    chunk: list[Any] = []
+                    try:
+                        chunk.extend(itertools.islice(items, size))  # keeps what came before
+                    except Exception as exc:
+                        if chunk:
+                            in_flight.append((send(chunk)[0], chunk))
+                        in_flight.append((_failed(exc), []))
+                        exhausted = True
+                        break
                     if not chunk:
                         exhausted = True
                         break
                     if not cap and chunksize is None:
                         cap = _max_chunk(chunk)
-                    in_flight.append((self.submit(run_chunk, fn, chunk, star, budget), chunk))
+                    future, sent = send(chunk)
+                    in_flight.append((future, chunk))
+                    exhausted = not sent  # failed to go: nothing after it is read
                 if not in_flight:
                     return
                 future, chunk = in_flight.popleft()
@@ -629,8 +655,7 @@ class Pool:
                     rest = chunk[done:]
                     pieces = [rest[i : i + size] for i in range(0, len(rest), size)]
                     for piece in reversed(pieces):
-                        args = (fn, piece, star, budget)
-                        in_flight.appendleft((self.submit(run_chunk, *args), piece))
+                        in_flight.appendleft((send(piece)[0], piece))
                 del chunk
                 yield from results
         except GeneratorExit:
@@ -849,6 +874,13 @@ def _next_chunksize(per_item: float, measured: int, cap: int) -> int:
     # Bounded growth, so one mis-measured fast chunk cannot make a huge slow one; 64x reaches
     # the largest chunk from the first one in one result, so a map of tiny tasks ramps up fast.
     return max(1, min(target, MAP_GROWTH * measured, cap))
+
+
+def _failed(error: Exception) -> Future:
+    """A future that failed with ``error``: an error in ``Pool.map``'s input order."""
+    future = Future()
+    future.set_exception(error)
+    return future
 
 
 def _max_chunk(chunk: list[Any]) -> int:

@@ -19,6 +19,7 @@ from mpsched import (
     BrokenPoolError,
     Pool,
     PoolClosedError,
+    TaskPicklingError,
     WorkerCrashedError,
     _pool,
 )
@@ -255,8 +256,64 @@ def test_map_reads_each_item_once_and_passes_input_errors(
     with pytest.raises(OSError, match="input broke"):
         got.extend(results)  # keeps what came before the raise
     assert pulled == list(range(40))  # each item read once, in order
-    assert got == list(range(len(got)))
+    # As the builtin map: every item read before the error has its result first (the
+    # read-ahead met the error while those items' chunks were still in flight, and raised it
+    # at once, dropping their results and cancelling what was not claimed yet).
+    assert got == list(range(40))
+    with pytest.raises(StopIteration):
+        next(results)
     assert pool2.submit(tasks.ident, 2).result(timeout=20) == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunksize", [1, None])
+def test_map_input_errors_come_in_input_order(pool2: Pool, chunksize: int | None) -> None:
+    def items():
+        yield from range(30)
+        raise OSError("input broke")
+
+    results = pool2.map(functools.partial(et.fail_at, bad=7), items(), chunksize=chunksize)
+    got: list[int] = []
+    with pytest.raises(ValueError, match="bad item 7"):  # the task's error comes first
+        got.extend(results)
+    assert got == list(range(7))
+    results = pool2.map(tasks.add, range(100), items(), chunksize=chunksize)  # zip's error
+    got = []
+    with pytest.raises(OSError, match="input broke"):
+        got.extend(results)
+    assert got == [2 * i for i in range(30)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunksize", [10, None])
+def test_map_item_that_does_not_pickle_fails_at_its_chunks_position(
+    pool2: Pool, chunksize: int | None
+) -> None:
+    """As ProcessPoolExecutor.map: the results of the chunks before it come first. (The
+    read-ahead's submit raised at once: how many results came first depended on how far ahead
+    it read, 30 of 100 here.)"""
+    items: list[Any] = [*range(100), threading.Lock(), *range(50)]
+    got: list[int] = []
+    with pytest.raises(TaskPicklingError):
+        got.extend(pool2.map(tasks.ident, items, chunksize=chunksize))
+    size = chunksize or _pool.MAP_FIRST_CHUNK  # its chunk is in the first read-ahead
+    assert got == list(range(100 // size * size))
+    assert pool2.submit(tasks.ident, 3).result(timeout=20) == 3
+
+
+@pytest.mark.timeout(60)
+def test_map_across_shutdown_yields_the_results_of_the_chunks_sent_before() -> None:
+    """The chunks sent before ``shutdown()`` ran (it lets them finish): their results come,
+    then PoolClosedError, where the next chunk could not go. (The read-ahead's submit raised
+    at once, dropping them.)"""
+    pool = Pool(1)
+    results = pool.map(tasks.ident, range(1000), chunksize=10)
+    assert next(results) == 0
+    pool.shutdown()
+    got: list[int] = []
+    with pytest.raises(PoolClosedError):
+        got.extend(results)
+    assert got == list(range(1, 10 * _pool.MAP_PREFETCH_PER_WORKER))
 
 
 @pytest.mark.timeout(60)

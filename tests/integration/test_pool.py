@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from concurrent.futures import CancelledError, wait
 from pathlib import Path
@@ -178,6 +179,14 @@ def test_map_raises_the_task_error_in_order(pool2: Pool) -> None:
     results = pool2.map(tasks.boom, ["first", "second"], chunksize=1)
     with pytest.raises(ValueError, match="first"):
         next(results)
+
+
+@pytest.mark.timeout(60)
+def test_map_chunksize_beyond_sys_maxsize_is_one_chunk(pool2: Pool) -> None:
+    """A positive int is valid at the call, so it must not fail later (islice's limit)."""
+    results = pool2.map(tasks.add, range(10), range(10), chunksize=sys.maxsize + 1)
+    assert list(results) == [2 * x for x in range(10)]
+    assert list(pool2.map(tasks.ident, range(10), chunksize=2**64)) == list(range(10))
 
 
 @pytest.mark.timeout(60)
