@@ -1443,50 +1443,56 @@ class Coordinator:
         self.header.break_dead_holder(worker.pid)
         self.release_orphans()
         self.collect()
-        outcomes = []
-        for handle in slot.take_running():
-            future = self.by_handle.pop(handle, None)
-            if future is None:  # a child: its parent waits on the block
-                self.fail_child(handle, worker, code)
-                continue
-            self.drop_stashed([handle])  # it may have died before it fetched them
-            self.drop_stashed([handle], _RESULT_NBYTES)
-            self.slab.free_tasks([handle])
-            run = future._run
-            # Retried only if nothing asked it to stop: a run asked to cancel (pool.cancel) or
-            # whose timeout expired must not start again after its worker died (it ends as a
-            # crash, or with its TimeoutError), as one killed on purpose (forced) is not.
-            # Decided under the lock, where cancel_id sets cancel_requested.
-            with self.lock:
-                retry = (
-                    run is not None
-                    and not run.forced
-                    and not run.timed_out
-                    and not run.cancel_requested
-                    and run.retries_left
-                    and future._payload
-                )
+        outcomes: list[tuple[Future, int, bytes]] = []
+        taken = []  # freed after the loop: a free that raises must not lose their futures
+        try:
+            for handle in slot.take_running():
+                future = self.by_handle.pop(handle, None)
+                if future is None:  # a child: its parent waits on the block
+                    self.fail_child(handle, worker, code)
+                    continue
+                self.drop_stashed([handle])  # it may have died before it fetched them
+                self.drop_stashed([handle], _RESULT_NBYTES)
+                taken.append(handle)
+                run = future._run
+                # Retried only if nothing asked it to stop: a run asked to cancel (pool.cancel) or
+                # whose timeout expired must not start again after its worker died (it ends as a
+                # crash, or with its TimeoutError), as one killed on purpose (forced) is not.
+                # Decided under the lock, where cancel_id sets cancel_requested.
+                with self.lock:
+                    retry = (
+                        run is not None
+                        and not run.forced
+                        and not run.timed_out
+                        and not run.cancel_requested
+                        and run.retries_left
+                        and future._payload
+                    )
+                    if retry:
+                        run.retries_left -= 1
+                        self.retried += 1
+                        self.watched.pop(handle, None)
+                        future._handle = -1
+                        future._slot = -1
+                        run.started_at = None
+                        self.ready.putback([future])
                 if retry:
-                    run.retries_left -= 1
-                    self.retried += 1
-                    self.watched.pop(handle, None)
-                    future._handle = -1
-                    future._slot = -1
-                    run.started_at = None
-                    self.ready.putback([future])
-            if retry:
-                continue
-            if run is not None and run.forced and not run.timed_out:
-                status, data = _CANCELLED, b""
-            elif run is not None and run.timed_out:
-                status, data = _ERROR, dump_exception(TimeoutError(timeout_message(run)))
-            else:
-                error = WorkerCrashedError(crash_message(worker, code), code)
-                status, data = _ERROR, dump_exception(error)
-            outcomes.append((future, status, data))
-        self.orphan_children(worker.slot, worker.pid)
-        self.wake_sleepers(worker.slot)
-        self.settle(outcomes)
+                    continue
+                if run is not None and run.forced and not run.timed_out:
+                    status, data = _CANCELLED, b""
+                elif run is not None and run.timed_out:
+                    status, data = _ERROR, dump_exception(TimeoutError(timeout_message(run)))
+                else:
+                    error = WorkerCrashedError(crash_message(worker, code), code)
+                    status, data = _ERROR, dump_exception(error)
+                outcomes.append((future, status, data))
+            if taken:
+                self.slab.free_tasks(taken)
+            self.orphan_children(worker.slot, worker.pid)
+            self.wake_sleepers(worker.slot)
+        finally:  # a free that raised (a corrupt free stack) breaks the pool: these futures
+            # left by_handle above, so its sweep would not end them (as in read_results)
+            self.settle(outcomes)
 
     def wake_sleepers(self, dead: int) -> None:
         """After a death: wake every sleeping peer of slot ``dead``. The dead worker may have
