@@ -676,6 +676,11 @@ class Coordinator:
                 return
             lost = list(self.by_handle.items())
             self.by_handle.clear()
+            # A task taken back from an inbox (take_back_lower) that found no room again waits
+            # in the ready queue, which counts its withdrawn entries (as withdraw does), or
+            # statistics().pending is off once take() pops it. (Not every lost task with slot
+            # -1 is queued: an interrupt inside inject leaves new ones with none.)
+            self.ready.withdrawn += self.ready.count_held(f for _, f in lost)
             for handle, future in lost:
                 self.watched.pop(handle, None)
                 future._handle = -1
@@ -687,6 +692,9 @@ class Coordinator:
             if future._due is not None:
                 with self.lock:
                     self.timetable.end(future, None, cancelled=True)
+                    # A version deferred behind it enters the heap: the loop must learn its
+                    # due time, or it never ran and the drain waited for it for ever.
+                    self.note_due(self.timetable.heap.next_deadline())
             future._mark_cancelled()
 
     def children_phantom(self) -> bool:
