@@ -218,7 +218,11 @@ class Coordinator:
         # Keys of stashed child results dropped before their STASH was read (orphan_children:
         # a live executor's socket may still hold it): dropped when they come.
         self.unwanted_stash: set[int] = set()
-        self.parked_fetches: dict[int, list[Connection]] = {}
+        self.parked_fetches: dict[int, list[WorkerHandle]] = {}
+        # pid -> the stash key last answered to that worker's FETCH, until its death is
+        # recovered: a fetcher dies between the answer and the store that zeroes the key in
+        # its block, and its recovery must not wait for bytes already taken (unwanted_stash).
+        self.fetched: dict[int, int] = {}
         self.workers: list[WorkerHandle | None] = [None] * n_workers
         # Slots whose worker was asked for (SPAWN) and not registered yet (SPAWNED not read).
         self.starting: set[int] = set()
@@ -676,6 +680,11 @@ class Coordinator:
                 return
             lost = list(self.by_handle.items())
             self.by_handle.clear()
+            # A task taken back from an inbox (take_back_lower) that found no room again waits
+            # in the ready queue, which counts its withdrawn entries (as withdraw does), or
+            # statistics().pending is off once take() pops it. (Not every lost task with slot
+            # -1 is queued: an interrupt inside inject leaves new ones with none.)
+            self.ready.withdrawn += self.ready.count_held(f for _, f in lost)
             for handle, future in lost:
                 self.watched.pop(handle, None)
                 future._handle = -1
@@ -687,6 +696,9 @@ class Coordinator:
             if future._due is not None:
                 with self.lock:
                     self.timetable.end(future, None, cancelled=True)
+                    # A version deferred behind it enters the heap: the loop must learn its
+                    # due time, or it never ran and the drain waited for it for ever.
+                    self.note_due(self.timetable.heap.next_deadline())
             future._mark_cancelled()
 
     def children_phantom(self) -> bool:
@@ -1292,18 +1304,18 @@ class Coordinator:
                 self.unwanted_stash.discard(key)
                 return
             self.stash[key] = data
-            for conn in self.parked_fetches.pop(key, []):
+            for fetcher in self.parked_fetches.pop(key, []):
                 # A fetcher that died (its EOF not read yet): the error is its own, not this
                 # sender's (on_worker_readable would take this live worker for dead). The
                 # bytes stay: its recovery drops them (fail_child).
                 with contextlib.suppress(OSError):
-                    self.answer_fetch(conn, key)
+                    self.answer_fetch(fetcher, key)
         elif tag is Tag.FETCH:
             key = fields[0]
             if key in self.stash:
-                self.answer_fetch(worker.conn, key)
+                self.answer_fetch(worker, key)
             else:
-                self.parked_fetches.setdefault(key, []).append(worker.conn)
+                self.parked_fetches.setdefault(key, []).append(worker)
         elif tag is Tag.DRAINED:
             worker.drained = True
             self.final_stats[worker.slot] = fields[1]
@@ -1322,9 +1334,10 @@ class Coordinator:
         else:
             raise ProtocolError(f"unexpected {tag.name} from worker {worker.slot}")
 
-    def answer_fetch(self, conn: Connection, key: int) -> None:
-        conn.send_bytes(encode(Tag.PAYLOAD, key, self.stash[key]))
+    def answer_fetch(self, fetcher: WorkerHandle, key: int) -> None:
+        fetcher.conn.send_bytes(encode(Tag.PAYLOAD, key, self.stash[key]))
         del self.stash[key]  # once sent: a dead fetcher's recovery drops what it never got
+        self.fetched[fetcher.pid] = key
 
     def on_zygote_message(self, block: bool) -> None:
         if not block and not self.zygote.poll():
@@ -1361,6 +1374,12 @@ class Coordinator:
     # ------------------------------------------------------------------ worker death
     def on_worker_gone(self, worker: WorkerHandle) -> None:
         """The worker's socket hit EOF: it exited (after DRAINED) or died."""
+        try:
+            self.recover_worker(worker)
+        finally:
+            self.fetched.pop(worker.pid, None)  # read by its recovery only
+
+    def recover_worker(self, worker: WorkerHandle) -> None:
         self.forget_worker(worker)
         if worker.drained:
             return
@@ -1402,22 +1421,22 @@ class Coordinator:
         if self.workers[worker.slot] is worker:
             self.workers[worker.slot] = None
         if self.parked_fetches:
-            self.drop_parked_fetches(worker.conn)
+            self.drop_parked_fetches(worker)
         worker.conn.close()
         if worker.pidfd >= 0:
             os.close(worker.pidfd)
             worker.pidfd = -1
 
-    def drop_parked_fetches(self, conn: Connection) -> None:
+    def drop_parked_fetches(self, gone: WorkerHandle) -> None:
         """A worker is gone: its FETCHes that wait for a STASH will never be answered (an
         answer would go to a closed socket, and its error was taken for the sender's death).
         Nobody else fetches those keys (one reader per key: the child's claimer, or its
         parent), so their bytes are dropped when they come."""
-        for key, conns in list(self.parked_fetches.items()):
-            if conn in conns:
-                conns.remove(conn)
+        for key, fetchers in list(self.parked_fetches.items()):
+            if any(f is gone for f in fetchers):
+                fetchers[:] = [f for f in fetchers if f is not gone]
                 self.unwanted_stash.add(key)
-                if not conns:
+                if not fetchers:
                     del self.parked_fetches[key]
 
     def wait_exit_code(self, pid: int, timeout: float = 2.0) -> int | None:
@@ -1443,50 +1462,56 @@ class Coordinator:
         self.header.break_dead_holder(worker.pid)
         self.release_orphans()
         self.collect()
-        outcomes = []
-        for handle in slot.take_running():
-            future = self.by_handle.pop(handle, None)
-            if future is None:  # a child: its parent waits on the block
-                self.fail_child(handle, worker, code)
-                continue
-            self.drop_stashed([handle])  # it may have died before it fetched them
-            self.drop_stashed([handle], _RESULT_NBYTES)
-            self.slab.free_tasks([handle])
-            run = future._run
-            # Retried only if nothing asked it to stop: a run asked to cancel (pool.cancel) or
-            # whose timeout expired must not start again after its worker died (it ends as a
-            # crash, or with its TimeoutError), as one killed on purpose (forced) is not.
-            # Decided under the lock, where cancel_id sets cancel_requested.
-            with self.lock:
-                retry = (
-                    run is not None
-                    and not run.forced
-                    and not run.timed_out
-                    and not run.cancel_requested
-                    and run.retries_left
-                    and future._payload
-                )
+        outcomes: list[tuple[Future, int, bytes]] = []
+        taken = []  # freed after the loop: a free that raises must not lose their futures
+        try:
+            for handle in slot.take_running():
+                future = self.by_handle.pop(handle, None)
+                if future is None:  # a child: its parent waits on the block
+                    self.fail_child(handle, worker, code)
+                    continue
+                self.drop_stashed([handle])  # it may have died before it fetched them
+                self.drop_stashed([handle], _RESULT_NBYTES)
+                taken.append(handle)
+                run = future._run
+                # Retried only if nothing asked it to stop: a run asked to cancel (pool.cancel) or
+                # whose timeout expired must not start again after its worker died (it ends as a
+                # crash, or with its TimeoutError), as one killed on purpose (forced) is not.
+                # Decided under the lock, where cancel_id sets cancel_requested.
+                with self.lock:
+                    retry = (
+                        run is not None
+                        and not run.forced
+                        and not run.timed_out
+                        and not run.cancel_requested
+                        and run.retries_left
+                        and future._payload
+                    )
+                    if retry:
+                        run.retries_left -= 1
+                        self.retried += 1
+                        self.watched.pop(handle, None)
+                        future._handle = -1
+                        future._slot = -1
+                        run.started_at = None
+                        self.ready.putback([future])
                 if retry:
-                    run.retries_left -= 1
-                    self.retried += 1
-                    self.watched.pop(handle, None)
-                    future._handle = -1
-                    future._slot = -1
-                    run.started_at = None
-                    self.ready.putback([future])
-            if retry:
-                continue
-            if run is not None and run.forced and not run.timed_out:
-                status, data = _CANCELLED, b""
-            elif run is not None and run.timed_out:
-                status, data = _ERROR, dump_exception(TimeoutError(timeout_message(run)))
-            else:
-                error = WorkerCrashedError(crash_message(worker, code), code)
-                status, data = _ERROR, dump_exception(error)
-            outcomes.append((future, status, data))
-        self.orphan_children(worker.slot, worker.pid)
-        self.wake_sleepers(worker.slot)
-        self.settle(outcomes)
+                    continue
+                if run is not None and run.forced and not run.timed_out:
+                    status, data = _CANCELLED, b""
+                elif run is not None and run.timed_out:
+                    status, data = _ERROR, dump_exception(TimeoutError(timeout_message(run)))
+                else:
+                    error = WorkerCrashedError(crash_message(worker, code), code)
+                    status, data = _ERROR, dump_exception(error)
+                outcomes.append((future, status, data))
+            if taken:
+                self.slab.free_tasks(taken)
+            self.orphan_children(worker.slot, worker.pid)
+            self.wake_sleepers(worker.slot)
+        finally:  # a free that raised (a corrupt free stack) breaks the pool: these futures
+            # left by_handle above, so its sweep would not end them (as in read_results)
+            self.settle(outcomes)
 
     def wake_sleepers(self, dead: int) -> None:
         """After a death: wake every sleeping peer of slot ``dead``. The dead worker may have
@@ -1551,18 +1576,19 @@ class Coordinator:
         # The spawner wrote the block (uid, NBYTES 0) before it stashed the arguments and
         # stored their key; its socket was read to EOF before this runs, so its STASH is in.
         self.drop_stashed(unpublished)
-        self.drop_stashed_results(done)
+        self.drop_stashed_results(done, pid)
         to_free = done + unpublished + unwritten
         if to_free:
             slab.free_children(to_free)
 
-    def drop_stashed_results(self, handles: list[int]) -> None:
+    def drop_stashed_results(self, handles: list[int], pid: int) -> None:
         """Before freeing DONE child blocks that nobody will read (``orphan_children``): drop
         their stashed results, as a worker's ``free_unread_child`` does. The executor sent the
         STASH before it marked the child DONE; a live executor's may still be unread in its
         socket: its key is noted and the bytes are dropped when they come. So may that of an
         executor not registered yet (its SPAWNED unread: its pid is unknown here, and a
-        worker steals before that): while any slot is starting, a missing key is noted too."""
+        worker steals before that): while any slot is starting, a missing key is noted too.
+        ``pid``: the dead (or retired) worker that would have read them."""
         slab = self.slab
         live = {w.pid for w in self.workers if w is not None}
         starting = bool(self.starting)
@@ -1572,16 +1598,23 @@ class Coordinator:
                 continue
             key = -nbytes
             if self.stash.pop(key, None) is None and (starting or key >> _UID_PID_SHIFT in live):
-                self.unwanted_stash.add(key)
+                self.note_unwanted(key, pid)
 
-    def drop_unfetched_args(self, handle: int) -> None:
-        """A child on a dead worker's run stack (``fail_child``): arguments stashed by its
-        spawner that the dead executor did not get (a worker zeroes the count once its FETCH is
-        answered) are dropped; if their STASH has not been read yet (the spawner's socket; the
-        executor's FETCH was parked), they are dropped when they come."""
+    def drop_unfetched_args(self, handle: int, pid: int) -> None:
+        """A child on the run stack of dead worker ``pid`` (``fail_child``): arguments stashed
+        by its spawner that the dead executor did not get (a worker zeroes the count once its
+        FETCH is answered) are dropped; if their STASH has not been read yet (the spawner's
+        socket; the executor's FETCH was parked), they are dropped when they come."""
         nbytes = self.slab.get_word(handle, _NBYTES)
         if nbytes < 0 and self.stash.pop(-nbytes, None) is None:
-            self.unwanted_stash.add(-nbytes)
+            self.note_unwanted(-nbytes, pid)
+
+    def note_unwanted(self, key: int, pid: int) -> None:
+        """Drop the bytes of ``key`` when they come, unless dead worker ``pid`` got them: it
+        died between the answer to its FETCH and the store that zeroes the key in its block.
+        Those bytes will not come again, and the key stayed in ``unwanted_stash`` for good."""
+        if self.fetched.get(pid) != key:
+            self.unwanted_stash.add(key)
 
     def release_orphans(self) -> None:
         """After a death: free locks the dead worker took but died before recording."""
@@ -1641,7 +1674,7 @@ class Coordinator:
         slab = self.slab
         if slab.get_word(handle, _STATE) == _CHILD_DONE:
             return
-        self.drop_unfetched_args(handle)
+        self.drop_unfetched_args(handle, worker.pid)
         self.drop_stashed([handle], _RESULT_NBYTES)  # overwritten below
         slab.release_result_chain(handle)  # a result the dead worker wrote: overwritten too
         error = WorkerCrashedError(crash_message(worker, code), code)

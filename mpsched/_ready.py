@@ -113,6 +113,13 @@ class ReadyQueue:
         self.withdrawn = 0
         return out
 
+    def count_held(self, items: Iterable[Future]) -> int:
+        """How many of ``items`` are queued here (one pass over the queue: rare paths only)."""
+        wanted = {id(item) for item in items}
+        if not wanted:
+            return 0
+        return sum(id(item) in wanted for level in self._levels.values() for item in level)
+
     def live(self) -> int:
         """Items queued and not withdrawn."""
         return self.size - self.withdrawn

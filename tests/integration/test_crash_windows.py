@@ -259,6 +259,26 @@ def test_a_parent_killed_freeing_a_joined_childs_block_leaks_it_not(nbytes: int)
         shut_down(pool)
 
 
+@pytest.mark.timeout(60)
+def test_a_parent_killed_between_a_fetch_and_its_zeroing_leaves_no_unwanted_key() -> None:
+    """The parent fetched its child's stashed result and died before it zeroed the block's
+    ``result_nbytes``: the recovery frees the DONE block and finds a key whose bytes it does
+    not have. They were taken (the answer to the dead worker's FETCH), so they will not come:
+    noted in ``unwanted_stash`` (for a STASH still in the executor's socket), the key stayed
+    there for good."""
+    pool = Pool(2)
+    try:
+        slab = pool._views.slab
+        with pytest.raises(WorkerCrashedError, match=r"exit code 3\b"):
+            pool.submit(wt.die_between_a_fetch_and_its_zeroing, 400_000).result(TIMEOUT)
+        assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
+        assert slab.free_count() == slab.capacity, "the joined child's block leaked"
+        coordinator = pool._coordinator
+        assert (coordinator.stash, coordinator.unwanted_stash) == ({}, set())
+    finally:
+        shut_down(pool)
+
+
 def wait_all_blocks_free(pool: Pool) -> None:
     """Until every slab block is free (a free may come after a task's end), once each."""
     slab = pool._views.slab

@@ -629,3 +629,29 @@ def test_a_free_that_raises_in_a_collection_still_settles_what_it_took() -> None
             pool.submit(tasks.add, 1, 1)
     finally:
         pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_free_that_raises_in_a_crash_recovery_still_settles_what_it_took() -> None:
+    """The slab's free stack is corrupt when a worker dies: the recovery's free raises and the
+    pool breaks; the dead worker's task, taken out of ``by_handle`` (where the break's sweep
+    looks) by the recovery, must still end, not wait for ever."""
+    pool = Pool(1)
+    try:
+        slab = pool._views.slab
+        free_tasks = slab.free_tasks
+
+        def corrupt(indices: Any, children: bool = False) -> None:
+            slab.free_tasks = free_tasks  # type: ignore[method-assign]
+            raise InternalError("free_many: double free (simulated)")
+
+        slab.free_tasks = corrupt  # type: ignore[method-assign]
+        future = pool.submit(et.exit_now, 3)  # the first free is the recovery's
+        done, _ = wait([future], timeout=20)  # not result(): the loop recovers, not this thread
+        assert done, "the future taken by the failed recovery never ended"
+        with pytest.raises(WorkerCrashedError):
+            future.result()
+        with pytest.raises(BrokenPoolError, match="double free"):
+            pool.submit(tasks.add, 1, 1)
+    finally:
+        pool.shutdown(wait=True)

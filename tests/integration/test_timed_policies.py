@@ -27,6 +27,7 @@ from mpsched import Pool, TaskState
 from mpsched._coordinator import Coordinator
 from mpsched._payloads import BlockField
 from mpsched._protocol import TopState
+from mpsched._shm_deque import SlotQueues
 
 from . import bad_tasks as bt
 from . import tasks
@@ -645,3 +646,87 @@ def test_pending_does_not_count_cancelled_tasks(fifos: Fifos) -> None:
         assert high.result(timeout=CONDITION_TIMEOUT) == "high"
         assert pool.statistics().pending == 0
     assert all(f.cancelled() for f in [injected, *queued, *due])
+
+
+# ---------------------------------------------------------------- tasks lost by an interrupt
+def interrupt_next_cancel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next tombstone of an inbox entry is followed by a KeyboardInterrupt (a Ctrl-C in the
+    cancelling thread), before the coordinator's bookkeeping: the task is left in ``by_handle``
+    but in no ring, for the drain to find lost (``cancel_lost``)."""
+    real = SlotQueues.cancel_injected
+    pending = [True]
+
+    def cancel_then_interrupt(self: SlotQueues, handle: int) -> bool:
+        done = real(self, handle)
+        if pending:
+            pending.clear()
+            raise KeyboardInterrupt
+        return done
+
+    monkeypatch.setattr(SlotQueues, "cancel_injected", cancel_then_interrupt)
+
+
+@pytest.mark.timeout(60)
+def test_a_version_deferred_behind_one_lost_by_an_interrupt_runs_at_shutdown(
+    fifos: Fifos, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel interrupted after its tombstone leaves the id's version handed out: the next
+    schedule of the id, taking it for a running one, defers its version behind it. The drain's
+    ``cancel_lost`` ends the lost one: the deferred one enters the heap, and the loop must learn
+    its due time (else it never ran and the drain waited for it for ever)."""
+    pool = Pool(1)
+    try:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
+        tasks.wait_started(fifos.started)
+        lost = pool.schedule("x", 0.0, 0, tasks.ident, 1)
+        wait_until(lambda: pool.statistics().per_worker[0].inbox_depth == 1, "it is injected")
+        interrupt_next_cancel(monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            pool.cancel("x")
+        deferred = pool.schedule("x", 0.0, 0, tasks.ident, 2)
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=CONDITION_TIMEOUT) == "blocker"
+        pool.shutdown(wait=False)
+        assert pool.await_termination(timeout=5.0), "the drain waited for the deferred version"
+        assert lost.cancelled()
+        assert deferred.result(timeout=0) == 2
+        assert pool.state("x") is TaskState.COMPLETED
+    finally:
+        pool.cancel("x")  # lets a drain stuck on the deferred version end (before the fix)
+        pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_taken_back_task_cancelled_as_lost_is_counted_withdrawn(
+    fifos: Fifos, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task taken back from an inbox (a higher priority came) waits in the ready queue with
+    its block, in ``by_handle``; if it cannot be injected again (the tasks in flight, here one
+    lost by an interrupt, fill ``max_inflight``), the drain's ``cancel_lost`` cancels it there.
+    The ready queue must count it withdrawn, as ``withdraw`` does, or ``pending`` is off by one
+    once the loop pops it (the count went negative)."""
+    pool = Pool(1)
+    try:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
+        tasks.wait_started(fifos.started)
+        lost = pool.submit(tasks.ident, "lost")
+        wait_until(lambda: pool.statistics().per_worker[0].inbox_depth == 1, "lost is injected")
+        interrupt_next_cancel(monkeypatch)
+        with pytest.raises(KeyboardInterrupt):
+            lost.cancel()
+        taken_back = pool.submit(tasks.ident, "taken back")
+        wait_until(lambda: pool.statistics().per_worker[0].inbox_depth == 2, "it is injected")
+        # Stands for a pool whose max_inflight lost tasks fill: blocker, lost and taken_back
+        # are in flight, and none can be injected until two of them end.
+        pool._coordinator.max_inflight = 2
+        high = pool.schedule("high", 0.0, 1, tasks.ident, "high")
+        wait_until(lambda: pool.statistics().pending == 2, "taken_back is taken back")
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=CONDITION_TIMEOUT) == "blocker"
+        pool.shutdown(wait=True)
+        assert lost.cancelled()
+        assert taken_back.cancelled()
+        assert high.result(timeout=0) == "high"
+        assert pool.statistics().pending == 0
+    finally:
+        pool.shutdown(wait=True)

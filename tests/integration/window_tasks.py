@@ -284,3 +284,21 @@ def join_a_child_whose_executor_dies_inside_done(
     with open(gate_path, "rb") as fifo:
         fifo.read(1)
     return reused, again.result()
+
+
+def die_between_a_fetch_and_its_zeroing(nbytes: int) -> None:
+    """Join a child that a peer stole (its result ``bytes(nbytes)``, stashed), then die right
+    after the coordinator answered the FETCH of that result, before ``collect_child`` zeroes
+    the block's ``result_nbytes``: the bytes are taken, yet the block still names their key."""
+    worker = _current()
+    child = mpsched.submit(bytes, nbytes)
+    while worker.me.in_deque(child._handle):  # only a peer can take it meanwhile
+        pass
+    real_fetch = worker.fetch
+
+    def fetch_then_die(key: int) -> bytes:
+        real_fetch(key)
+        os._exit(3)
+
+    worker.fetch = fetch_then_die
+    child.result()
