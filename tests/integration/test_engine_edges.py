@@ -606,6 +606,18 @@ def test_a_map_finalized_by_a_gc_pass_inside_a_critical_section_does_not_deadloc
     assert result.stdout.split() == ["ok", "2"]
 
 
+def _fail_the_next_free(pool: Pool) -> None:
+    """The slab's next ``free_tasks`` raises, as on a corrupt free stack (then it works)."""
+    slab = pool._views.slab
+    free_tasks = slab.free_tasks
+
+    def corrupt(indices: Any, children: bool = False) -> None:
+        slab.free_tasks = free_tasks  # type: ignore[method-assign]
+        raise InternalError("free_many: double free (simulated)")
+
+    slab.free_tasks = corrupt  # type: ignore[method-assign]
+
+
 @pytest.mark.timeout(60)
 def test_a_free_that_raises_in_a_collection_still_settles_what_it_took() -> None:
     """The slab's free stack is corrupt (a double free elsewhere): the loop's collection raises
@@ -613,14 +625,7 @@ def test_a_free_that_raises_in_a_collection_still_settles_what_it_took() -> None
     the break's sweep looks) must still end, not wait for ever."""
     pool = Pool(1)
     try:
-        slab = pool._views.slab
-        free_tasks = slab.free_tasks
-
-        def corrupt(indices: Any, children: bool = False) -> None:
-            slab.free_tasks = free_tasks  # type: ignore[method-assign]
-            raise InternalError("free_many: double free (simulated)")
-
-        slab.free_tasks = corrupt  # type: ignore[method-assign]
+        _fail_the_next_free(pool)
         future = pool.submit(tasks.add, 1, 2)
         done, _ = wait([future], timeout=20)  # not result(): the loop collects, not this thread
         assert done, "the future taken by the failed collection never ended"
@@ -638,14 +643,7 @@ def test_a_free_that_raises_in_a_crash_recovery_still_settles_what_it_took() -> 
     looks) by the recovery, must still end, not wait for ever."""
     pool = Pool(1)
     try:
-        slab = pool._views.slab
-        free_tasks = slab.free_tasks
-
-        def corrupt(indices: Any, children: bool = False) -> None:
-            slab.free_tasks = free_tasks  # type: ignore[method-assign]
-            raise InternalError("free_many: double free (simulated)")
-
-        slab.free_tasks = corrupt  # type: ignore[method-assign]
+        _fail_the_next_free(pool)
         future = pool.submit(et.exit_now, 3)  # the first free is the recovery's
         done, _ = wait([future], timeout=20)  # not result(): the loop recovers, not this thread
         assert done, "the future taken by the failed recovery never ended"
