@@ -424,7 +424,7 @@ class Coordinator:
             # It ended a retry with a newer version of its id waiting behind it: that one
             # entered the heap, and the loop must learn its due time (else it stayed there,
             # its future never settled and the drain waited for it for ever).
-            self.note_due(self.timetable.heap.next_deadline())
+            self.note_heap_due()
             due = self.next_due
             wake = False
             if due is not None and due < self.sleep_until:  # as schedule() does
@@ -466,8 +466,6 @@ class Coordinator:
                 return future._withdrawn or future.cancelled()
             future._withdrawn = True
             future._payload = b""
-            if type(future._due) is not tuple:  # not a heap record: it waits in the queue
-                self.ready.withdrawn += 1
             return True
         if self.by_handle.get(future._handle) is not future:
             # Collected (collect pops it, then frees its block, without this lock): it ran. Its
@@ -478,10 +476,6 @@ class Coordinator:
         if future._slot >= 0 and not self.slots[future._slot].cancel_injected(future._handle):
             return False  # a worker claimed it first
         # Withdrawn from its inbox, or taken back (queued here with its block): free the block.
-        if future._slot < 0:
-            # Taken back: it waits in the ready queue (misfired and cancel_everything_unclaimed
-            # took it out first: they correct the count).
-            self.ready.withdrawn += 1
         self.by_handle.pop(future._handle, None)
         self.watched.pop(future._handle, None)
         self.drop_stashed([future._handle])
@@ -680,11 +674,6 @@ class Coordinator:
                 return
             lost = list(self.by_handle.items())
             self.by_handle.clear()
-            # A task taken back from an inbox (take_back_lower) that found no room again waits
-            # in the ready queue, which counts its withdrawn entries (as withdraw does), or
-            # statistics().pending is off once take() pops it. (Not every lost task with slot
-            # -1 is queued: an interrupt inside inject leaves new ones with none.)
-            self.ready.withdrawn += self.ready.count_held(f for _, f in lost)
             for handle, future in lost:
                 self.watched.pop(handle, None)
                 future._handle = -1
@@ -698,7 +687,7 @@ class Coordinator:
                     self.timetable.end(future, None, cancelled=True)
                     # A version deferred behind it enters the heap: the loop must learn its
                     # due time, or it never ran and the drain waited for it for ever.
-                    self.note_due(self.timetable.heap.next_deadline())
+                    self.note_heap_due()
             future._mark_cancelled()
 
     def children_phantom(self) -> bool:
@@ -792,9 +781,8 @@ class Coordinator:
         # Taken back from an inbox (take_back_lower): it still holds its slab block and its
         # entry in by_handle. Withdraw it (frees both), or the pool would count it in flight
         # for ever (found by test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block).
-        # withdraw counts it as queued, but take() had popped it already.
-        if future._handle >= 0 and self.withdraw(future):
-            self.ready.withdrawn -= 1
+        if future._handle >= 0:
+            self.withdraw(future)
         future._withdrawn = True
         self.timetable.end(future, None, cancelled=True)
         if run.recurrence.active:  # else a schedule of the id replaced it: never continue it
@@ -856,14 +844,21 @@ class Coordinator:
             # The worker is busy or gets more than it takes at once: a sleeper may steal some.
             # (One task handed to an idle, awake worker needs no help: a woken peer would find
             # nothing, and its wake-up costs a CPU that the round trip needs.)
-            self.wake_one_sleeper()
+            self.wake_sleepers()
         return len(handles)
 
-    def wake_one_sleeper(self) -> None:
+    def wake_sleepers(self, every: bool = False) -> None:
+        """Wake one sleeping worker, or with ``every`` all of them (after a death: the dead
+        worker may have died between a publication and its wake-up: a child's DONE published
+        and its parent, asleep in ``join``, not woken, which nothing else wakes in an idle
+        pool, or a push with the sleeper it owed a wake-up not woken). A woken worker rechecks
+        and sleeps again if it has nothing to do; the dead slot's own flag is cleared with the
+        rest (its replacement rechecks once)."""
         for k, slot in enumerate(self.slots):
             if slot.is_sleeping() and slot.clear_sleeping():
                 os.eventfd_write(self.wake_fds[k], 1)
-                return
+                if not every:
+                    return
 
     def drop_stashed(self, handles: list[int], field: int = _NBYTES) -> None:
         """Before freeing blocks whose stashed bytes nobody will take: drop them. ``_NBYTES``:
@@ -1234,12 +1229,17 @@ class Coordinator:
                     self.timetable.end(
                         future, None if status == _OK else _FAILED, cancelled=status == _CANCELLED
                     )
-            self.note_due(self.timetable.heap.next_deadline())  # a deferred version may be due
+            self.note_heap_due()
 
     def note_due(self, run_at: float | None) -> None:
         """Under ``self.lock``: the loop must wake at ``run_at`` (None: nothing new)."""
         if run_at is not None and (self.next_due is None or run_at < self.next_due):
             self.next_due = run_at
+
+    def note_heap_due(self) -> None:
+        """Under ``self.lock``, after a version ended: a newer version deferred behind it may
+        have entered the heap, so the loop must learn the heap's next due time."""
+        self.note_due(self.timetable.heap.next_deadline())
 
     def end_recurring_run(self, future: Future, status: int, data: bytes) -> None:
         """One run of a recurring id ended: schedule the next, or end the recurrence."""
@@ -1508,20 +1508,10 @@ class Coordinator:
             if taken:
                 self.slab.free_tasks(taken)
             self.orphan_children(worker.slot, worker.pid)
-            self.wake_sleepers(worker.slot)
+            self.wake_sleepers(every=True)
         finally:  # a free that raised (a corrupt free stack) breaks the pool: these futures
             # left by_handle above, so its sweep would not end them (as in read_results)
             self.settle(outcomes)
-
-    def wake_sleepers(self, dead: int) -> None:
-        """After a death: wake every sleeping peer of slot ``dead``. The dead worker may have
-        died between a publication and its wake-up: a child's DONE published and its parent,
-        asleep in ``join``, not woken (nothing else wakes a joiner in an idle pool: its task,
-        and the drain, waited for ever), or a push with the sleeper it owed a wake-up not woken.
-        A woken worker rechecks and sleeps again if it has nothing to do."""
-        for k, slot in enumerate(self.slots):
-            if k != dead and slot.is_sleeping() and slot.clear_sleeping():
-                os.eventfd_write(self.wake_fds[k], 1)
 
     def orphan_children(self, k: int, pid: int) -> None:
         """The worker of slot ``k`` died: nobody will collect the children its tasks spawned.
@@ -1740,7 +1730,6 @@ class Coordinator:
                 future._withdrawn = True
                 if future._due is not None:
                     self.timetable.end(future, None, cancelled=True)
-            self.ready.withdrawn = 0  # drained: withdraw counted the taken-back ones as queued
         for future in queued:
             future._mark_cancelled()
         for future in injected:

@@ -757,6 +757,8 @@ class Pool:
     def _statistics(self) -> PoolStatistics:
         coord = self._coordinator
         live = self._started
+        with coord.lock:
+            pending = coord.ready.live()
         per_worker = []
         for k, slot in enumerate(self._views.slots):
             counters = coord.final_stats.get(k) or (slot.counters() if live else _NO_COUNTERS)
@@ -776,7 +778,7 @@ class Pool:
             workers=self._workers,
             submitted=coord.submitted,
             completed=coord.completed,
-            pending=coord.ready.live(),
+            pending=pending,
             scheduled=len(coord.timetable.heap),
             steals=sum(w.stolen for w in per_worker),
             crashes=coord.crashes,

@@ -33,16 +33,12 @@ NO_LEVEL = -(2**63)  # "no level": below every priority
 
 
 class ReadyQueue:
-    __slots__ = ("_levels", "_order", "size", "withdrawn")
+    __slots__ = ("_levels", "_order", "size")
 
     def __init__(self) -> None:
         self._levels: dict[int, collections.deque[Future]] = {}
         self._order: list[int] = []  # priorities with a deque, ascending (the last is the top)
         self.size = 0  # items queued, withdrawn ones included until they are popped
-        # Of those, the withdrawn ones (the coordinator counts each as it withdraws it): what
-        # ``statistics().pending`` leaves out. Kept apart from ``size``, which decides whether
-        # the loop dispatches (it must pop them).
-        self.withdrawn = 0
 
     def __len__(self) -> int:
         return self.size
@@ -98,8 +94,6 @@ class ReadyQueue:
                 if not item._withdrawn:
                     out.append(item)
                     lowest = top
-                else:
-                    self.withdrawn -= 1
         return out, lowest
 
     def drain(self) -> list[Future]:
@@ -110,19 +104,13 @@ class ReadyQueue:
         self._levels.clear()
         self._order.clear()
         self.size = 0
-        self.withdrawn = 0
         return out
 
-    def count_held(self, items: Iterable[Future]) -> int:
-        """How many of ``items`` are queued here (one pass over the queue: rare paths only)."""
-        wanted = {id(item) for item in items}
-        if not wanted:
-            return 0
-        return sum(id(item) in wanted for level in self._levels.values() for item in level)
-
     def live(self) -> int:
-        """Items queued and not withdrawn."""
-        return self.size - self.withdrawn
+        """Items queued and not withdrawn (``statistics().pending``): counted, one pass over
+        the queue, rather than kept as a count that every withdraw, take-back and drop would
+        have to correct. Under the coordinator's lock (it mutates the deques)."""
+        return sum(not item._withdrawn for level in self._levels.values() for item in level)
 
     def age(self, now: float, aging: float) -> int:
         """Move up the items that waited long enough (module doc); returns how many moved.

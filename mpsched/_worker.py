@@ -352,8 +352,9 @@ class Worker:
         self.top_level_done = 0  # for max_tasks (children do not count)
         self.draining = False
         self.pid = os.getpid()
-        # The uid this worker stamps on an ABANDONED child it takes over to free (finish_child).
-        self.taker_uid = self.pid << 31
+        # This worker's part of every uid and stash key it makes (next_uid), and the uid it
+        # stamps on an ABANDONED child it takes over to free (finish_child).
+        self.uid_base = self.pid << 31
         self.stash_counter = 0
         self.rng = random.Random(self.pid)
         self.poller = select.poll()
@@ -544,7 +545,7 @@ class Worker:
             CHILD_DONE,
             finished_by=self.me,
             unless=CHILD_ABANDONED,
-            taker=self.taker_uid,
+            taker=self.uid_base,
         )
         self.header.add_live_children(-1)
         if previous == CHILD_ABANDONED:
@@ -627,7 +628,7 @@ class Worker:
         # the crash recovery, which finds a dead worker's children and stashed bytes by
         # ``uid >> 31 == pid``, missed them (after 2**31 spawns in one worker's life).
         self.stash_counter = counter = (self.stash_counter + 1) & UID_COUNTER_MASK
-        return (self.pid << 31) | counter
+        return self.uid_base | counter
 
     # ------------------------------------------------------------------ big payloads
     def stash(self, data: bytes, handle: int, field: int) -> int:
