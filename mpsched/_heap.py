@@ -114,6 +114,21 @@ _NO_ITEM: Final = object()  # withdraw's "no pending version" (an item may be an
 _NEGATED = {p: -p for p in range(-1024, 1025)}
 _negated_get = _NEGATED.get
 
+
+class _Records(dict[Hashable, Record]):
+    """``_records``: a dict that the garbage collector never untracks.
+
+    A full collection untracks an exact dict whose keys and values are all untracked, which the
+    records dict is once the collector has seen its tuples. The next ``schedule`` inserts a new
+    (still tracked) tuple, which tracks the dict again, as a young object: every young
+    collection after a full one then walked the whole dict (measured with a million pending
+    tasks: half the time of the 2,600 young and 240 middle collections, ~0.3 s of 5.5 s). A
+    subclass is never untracked (3.11 ``untrack_dicts`` takes exact dicts only), so it stays in
+    the oldest generation, which only the full collections walk."""
+
+    __slots__ = ()
+
+
 # Due's constructor runs Python code (NamedTuple.__new__); tuple.__new__ builds the same object
 # without it, saving ~0.2 us per next().
 _new_due = tuple.__new__
@@ -135,7 +150,7 @@ class VersionedHeap:
         # Invariant: every live version's record is once in _heap (stale entries may be too).
         self._heap: list[Record] = []
         # Invariant: the one record of every id seen and not discarded; see the module doc.
-        self._records: dict[Hashable, Record] = {}
+        self._records = _Records()
         self._items: dict[int, Any] = {}  # by seq: the item of each pending version
         # ``task_id in heap`` without a Python frame (asked on every Pool.schedule).
         self.knows: Callable[[Hashable], bool] = self._records.__contains__

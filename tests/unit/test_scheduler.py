@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fractions
+import gc
 import math
 import threading
 
@@ -317,6 +318,16 @@ def test_prune_keeps_order(sched: Scheduler) -> None:
         sched.cancel(i)  # triggers several rebuilds
     expected = sorted(range(1, 500, 2), key=lambda i: ((500 - i) / 10, -(i % 7), i))
     assert drain(sched) == expected
+
+
+def test_the_records_stay_with_the_oldest_objects_after_a_full_collection() -> None:
+    # Untracked by a full collection (its tuples are atomic), an exact dict was tracked again
+    # as a young object by the next schedule, so every young collection walked all the records.
+    heap = VersionedHeap()
+    for i in range(100):
+        heap.schedule(i, float(i), 0, object())
+    gc.collect()
+    assert gc.is_tracked(heap._records)
 
 
 def test_discard_forgets_finished_ids_only(sched: Scheduler) -> None:
