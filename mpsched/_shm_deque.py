@@ -16,9 +16,11 @@ Who calls what, from which process:
         mark_running, finish_running, complete, announce_sleep, bind_owner
     coordinator (thread in the user's process): inject, inject_wake, cancel_injected,
         take_done, and after a worker died: break_dead_holder, take_running, drain
+        (``_slot_repair``)
     thieves (any other worker): steal, probe
-    anyone: clear_sleeping (wakers), exchange_block_state / block_state (a block word under
-        this slot's lock: the child-task handshake), depths / __len__ / ... (hints only)
+    anyone: clear_sleeping (wakers), exchange_block_state / block_state (``_block_state``: a
+        block word under this slot's lock, the child-task handshake), depths / __len__ / ...
+        (``_slot_region``: hints only)
 
 Indices are never wrapped: they are masked on access (``index & (cap - 1)``; 2**63 operations
 never happen). Every operation publishes its new index with ONE final store, its commit point:
@@ -92,8 +94,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from mpsched._slot_region import LockLike
-
 __all__ = (
     "SlotQueues",
     "StealResult",
@@ -134,29 +134,6 @@ class SlotQueues(SlotRepair, BlockHandshake):
 
     Every method but ``steal`` may block briefly on the slot lock (spin, then sleep).
     """
-
-    def __init__(
-        self,
-        buf: memoryview,
-        lock: LockLike,
-        deque_capacity: int,
-        inbox_capacity: int,
-        *,
-        done_capacity: int = 0,
-        init: bool = False,
-        debug: bool = False,
-    ) -> None:
-        """Attach to (with ``init=True``: format) a slot region: ``SlotRegion.__init__``.
-
-        Args:
-            debug: owner methods check that the caller ran ``bind_owner()`` (about 40 ns a
-                call), and ``push``/``inject`` refuse negative handles.
-        """
-        super().__init__(
-            buf, lock, deque_capacity, inbox_capacity, done_capacity=done_capacity, init=init
-        )
-        if debug:
-            self._install_debug_checks()
 
     # Owner (the worker that owns the slot).
 
