@@ -35,7 +35,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from mpsched._shm import AnonSegment, SemLockHandle, create_lock
-from mpsched._shm_deque import SlotQueues, StealResult, slot_bytes
+from mpsched._shm_deque import SlotQueues, StealResult
+from mpsched._slot_region import slot_bytes
 
 DCAP = 1 << 16  # deque capacity: holds a whole steal batch
 ICAP = 256

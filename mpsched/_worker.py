@@ -68,7 +68,8 @@ from mpsched._protocol import (
 )
 from mpsched._serialize import INLINE, decode_call, dumps, encode_call
 from mpsched._shm import SharedFd
-from mpsched._shm_deque import MAX_NESTING, StealResult
+from mpsched._shm_deque import StealResult
+from mpsched._slot_region import MAX_NESTING
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False

@@ -29,7 +29,7 @@ import pytest
 
 from mpsched import Pool, PoolClosedError, TaskPicklingError, WorkerCrashedError
 from mpsched._protocol import RemoteTraceback
-from mpsched._shm_deque import MAX_NESTING
+from mpsched._slot_region import MAX_NESTING
 
 from . import bad_tasks as bt
 from . import tasks

@@ -17,7 +17,7 @@ from typing import Any
 import mpsched
 from mpsched import _worker
 from mpsched._protocol import ChildState
-from mpsched._shm_deque import HOLDER_PID
+from mpsched._slot_region import HOLDER_PID
 
 HELPER_MAX_S = 120.0  # s; the helper of die_holding_own_slot_lock exits by then in any case
 

@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from mpsched._shm import AnonSegment, SemLockHandle, create_lock
-from mpsched._shm_deque import SlotQueues, StealResult, slot_bytes
+from mpsched._shm_deque import SlotQueues, StealResult
+from mpsched._slot_region import slot_bytes
 
 SCALE = float(os.environ.get("MPSCHED_STRESS_SCALE", "1"))
 STAMPEDE_HANDLES = max(int(20_000 * SCALE), 100)

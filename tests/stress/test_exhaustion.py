@@ -30,7 +30,7 @@ from mpsched._payloads import (
     MAX_CHAIN_BLOCKS,
 )
 from mpsched._serialize import dumps
-from mpsched._shm_deque import MAX_NESTING
+from mpsched._slot_region import MAX_NESTING
 from mpsched._timed import FINISHED_IDS_KEPT
 from tests.integration.conditions import CONDITION_TIMEOUT, wait_until
 from tests.stress import exhaustion_tasks as tasks

@@ -1,4 +1,5 @@
-"""Spec tests of mpsched._shm_deque, modelled on crossbeam-deque's tests.
+"""Spec tests of mpsched._shm_deque (with its parts _slot_region, _slot_repair, _block_state),
+modelled on crossbeam-deque's tests.
 
 Single-process tests use one SlotQueues object in every role (the lock is a semaphore, so the
 same process may play owner, coordinator and thief in turn). Multi-process tests run under
@@ -15,10 +16,11 @@ from typing import Any
 
 import pytest
 
-from mpsched import _shm_deque as dq
+from mpsched import _slot_region as sr
 from mpsched._errors import InternalError
 from mpsched._shm import AnonSegment, create_lock
-from mpsched._shm_deque import MAX_NESTING, TOMBSTONE, SlotQueues, StealResult, slot_bytes
+from mpsched._shm_deque import SlotQueues, StealResult
+from mpsched._slot_region import MAX_NESTING, TOMBSTONE, slot_bytes
 
 PIPE_TIMEOUT = 30.0  # seconds a child may take to answer
 DCAP, ICAP, CCAP = 16, 8, 4
@@ -81,12 +83,12 @@ def sq(region: Region) -> SlotQueues:
 
 
 def test_layout_constants() -> None:
-    assert dq.RING_WORD * 8 == 704
+    assert sr.RING_WORD * 8 == 704
     assert slot_bytes(16, 8) % 64 == 0
     assert slot_bytes(1, 1) == 768
     assert slot_bytes(1, 1, 8) == 832
-    assert dq.RUN_STACK * 8 % 64 == 0
-    assert dq.EXECUTED * 8 % 64 == 0
+    assert sr.RUN_STACK * 8 % 64 == 0
+    assert sr.EXECUTED * 8 % 64 == 0
 
 
 def test_smoke(sq: SlotQueues) -> None:
@@ -232,17 +234,17 @@ def test_steal_retries_on_a_busy_lock_and_peeks_without_it(region: Region, sq: S
     try:
         assert sq.steal() == (EMPTY, -1)  # the peek needs no lock
         # fake a queued entry without the lock, to reach the try-lock
-        sq._w[dq.DEQUE_BACK] += 1
+        sq._w[sr.DEQUE_BACK] += 1
         assert sq.steal() == (RETRY, -1)
-        sq._w[dq.DEQUE_BACK] -= 1
+        sq._w[sr.DEQUE_BACK] -= 1
     finally:
         lock.release()
 
 
 def test_racy_lengths_are_clamped(sq: SlotQueues) -> None:
     # what a torn racy read can look like: front past back
-    sq._w[dq.DEQUE_FRONT] = 5
-    sq._w[dq.INBOX_FRONT] = 3
+    sq._w[sr.DEQUE_FRONT] = 5
+    sq._w[sr.INBOX_FRONT] = 3
     assert len(sq) == 0
     assert sq.depths() == (0, 0)
     assert sq.is_empty()
@@ -388,10 +390,10 @@ def _die_mid_complete(region: Region) -> None:
     me = region.attach(0)
     handle = me.pop_or_take(mark_running=True)
     me._acquire()
-    me._w[dq.HOLDER_PID] = os.getpid()
-    back = me._w[dq.DONE_BACK]
+    me._w[sr.HOLDER_PID] = os.getpid()
+    back = me._w[sr.DONE_BACK]
     me._done[back & me._cmask] = handle
-    me._w[dq.DONE_BACK] = back + 1
+    me._w[sr.DONE_BACK] = back + 1
     os._exit(0)
 
 
@@ -415,11 +417,11 @@ def _die_mid_claim(region: Region, victim: int, thief: int, committed: bool) -> 
     v = region.attach(victim)
     t = region.attach(thief)
     v._acquire()
-    v._w[dq.HOLDER_PID] = os.getpid()
-    front = v._w[dq.DEQUE_FRONT]
-    dq._record_running(t._w, v._deque[front & v._dmask])
+    v._w[sr.HOLDER_PID] = os.getpid()
+    front = v._w[sr.DEQUE_FRONT]
+    sr._record_running(t._w, v._deque[front & v._dmask])
     if committed:
-        v._w[dq.DEQUE_FRONT] = front + 1
+        v._w[sr.DEQUE_FRONT] = front + 1
     os._exit(0)
 
 
@@ -523,7 +525,7 @@ def test_break_dead_holder_drops_the_record_of_a_finish_committed_but_not_popped
     assert parent.steal(into=executor) == (SUCCESS, 5)
     dead = 999_999  # the breaker only compares the recorded holder with it
     parent._acquire()
-    parent._w[dq.HOLDER_PID] = dead
+    parent._w[sr.HOLDER_PID] = dead
     blocks.set_state(5, state)
     assert parent.break_dead_holder(dead, executor, blocks, 2)
     assert parent.holder_pid() == 0
