@@ -2,8 +2,9 @@
 
 Layering rule (enforced by tests/test_public_api.py): the leaf modules (``_task``, ``_clock``,
 ``_heap``, ``_shm``, ``_shm_deque``, ``_payloads``, ``_protocol``, ``_wakeup``) import nothing from
-mpsched except ``_errors`` and ``_task``; ``_scheduler``, ``_worker`` and ``_coordinator`` compose
-leaves; only ``_pool`` knows about both sides. Public names come only from this module.
+mpsched except ``_errors`` and ``_task``; ``_scheduler``, ``_worker`` and ``_coordinator`` (with its
+parts, ``_coord_*``) compose leaves; only ``_pool`` knows about both sides. Public names come only
+from this module.
 """
 
 from __future__ import annotations
