@@ -1,11 +1,11 @@
 """mpsched: a work-stealing process pool with timed, prioritized, cancellable tasks.
 
-Layering rule (enforced by tests/test_public_api.py): the leaf modules (``_task``, ``_clock``,
+Layering rule (enforced by tests/test_quality.py): the leaf modules (``_task``, ``_clock``,
 ``_heap``, ``_shm``, ``_shm_deque``, ``_payloads``, ``_protocol``, ``_wakeup``) import nothing from
 mpsched except ``_errors`` and ``_task`` (``_shm_deque`` is one leaf in four modules, with
 ``_slot_region``, ``_slot_repair`` and ``_block_state``, which import one another);
-``_scheduler``, ``_worker`` and ``_coordinator`` compose leaves; only ``_pool`` knows about both
-sides. Public names come only from this module.
+``_scheduler``, ``_worker`` and ``_coordinator`` (with its parts, ``_coord_*``) compose leaves;
+only ``_pool`` knows about both sides. Public names come only from this module.
 """
 
 from __future__ import annotations

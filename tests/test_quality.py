@@ -58,6 +58,12 @@ ZYGOTE_AVOIDS = {
     "concurrent.futures",
     "mpsched._pool",
     "mpsched._coordinator",
+    "mpsched._coord_state",
+    "mpsched._coord_timed",
+    "mpsched._coord_cancel",
+    "mpsched._coord_collect",
+    "mpsched._coord_recovery",
+    "mpsched._coord_drain",
     "mpsched._task",
 }
 

@@ -124,7 +124,7 @@ class Scene:
             and self.park.is_set()
             and not self.unpark.is_set()
             and frame.f_code.co_name == "collect"
-            and frame.f_globals.get("__name__") == "mpsched._coordinator"
+            and frame.f_globals.get("__name__") == "mpsched._coord_collect"
         ):
             self.parked.set()
             self.unpark.wait(WAIT)

@@ -13,8 +13,8 @@ from typing import Any, cast
 
 import pytest
 
-from mpsched import Pool, TaskState, _coordinator
-from mpsched._coordinator import WorkerHandle
+from mpsched import Pool, TaskState, _coord_cancel
+from mpsched._coord_state import WorkerHandle
 
 from . import tasks
 from .conditions import wait_until
@@ -35,7 +35,7 @@ def test_a_forced_cancel_spares_the_worker_that_moved_on_to_another_task(
     paths = {name: str(tmp_path / name) for name in ("s1", "g1", "s2", "g2")}
     for path in paths.values():
         os.mkfifo(path)
-    real_send = _coordinator.send_signal
+    real_send = _coord_cancel.send_signal
     sent: list[int] = []
 
     def move_on_first(worker: Any, sig: int) -> None:
@@ -45,9 +45,9 @@ def test_a_forced_cancel_spares_the_worker_that_moved_on_to_another_task(
         sent.append(sig)
         real_send(worker, sig)
 
-    monkeypatch.setattr(_coordinator, "send_signal", move_on_first)
+    monkeypatch.setattr(_coord_cancel, "send_signal", move_on_first)
     if not shown_stopped:
-        monkeypatch.setattr(_coordinator, "wait_stopped", lambda pid: True)
+        monkeypatch.setattr(_coord_cancel, "wait_stopped", lambda pid: True)
     with Pool(1) as pool:
         target = pool.schedule("t", 0.0, 0, tasks.started_then_gated, paths["s1"], paths["g1"], 1)
         tasks.wait_started(paths["s1"])
@@ -73,5 +73,5 @@ def test_a_worker_registered_without_a_pidfd_is_never_signalled_by_its_pid() -> 
     with subprocess.Popen(command, stdin=subprocess.PIPE) as bystander:  # ends at stdin's EOF
         worker = WorkerHandle(0, bystander.pid, cast(Connection, None), -1)
         with pytest.raises(ProcessLookupError):
-            _coordinator.send_signal(worker, signal.SIGKILL)
+            _coord_cancel.send_signal(worker, signal.SIGKILL)
         assert bystander.poll() is None

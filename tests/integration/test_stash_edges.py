@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from mpsched import Pool, WorkerCrashedError, _coordinator, _payloads
+from mpsched import Pool, WorkerCrashedError, _coord_drain, _payloads
 from mpsched._coordinator import Coordinator
 from mpsched._protocol import Tag, decode
 from mpsched._worker import Worker
@@ -72,7 +72,7 @@ def test_a_user_thread_collector_leaves_an_unarrived_stash_to_the_loop(
     failed (timed out, or interrupted), the task failed with BrokenPoolError although the pool
     was not broken, result() raised the internal error, and the STASH that came later stayed
     in the stash for ever. Here the loop holds the STASH until the caller's help has ended."""
-    monkeypatch.setattr(_coordinator, "DRAIN_TIMEOUT", 0.2)  # the caller's wait, if it waits
+    monkeypatch.setattr(_coord_drain, "DRAIN_TIMEOUT", 0.2)  # the caller's wait, if it waits
     stash_read = threading.Event()
     release = threading.Event()
     helped = threading.Event()

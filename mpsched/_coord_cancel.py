@@ -1,0 +1,304 @@
+"""The coordinator's cancels: withdrawing queued tasks, stopping running ones (``Cancelling``).
+
+Owns: ``withdraw`` (the one place that makes a task no worker claimed never run: from the
+timetable, the ready queue, or an inbox, where ``cancel_injected`` under the slot lock races the
+claim and exactly one wins), ``cancel`` (``Future.cancel``), ``cancel_id`` (``Pool.cancel``),
+deferred cancels (``cancel_later``, ``cancel_deferred``), and stopping claimed tasks: the
+cooperative flag in the block (``apply_requests``), timeouts (``check_timeouts``) and forced
+cancels, which stop, check and kill the worker (``kill_running``, ``send_signal``,
+``wait_stopped``). docs/design.md section 3 has the argument.
+
+Called from: any thread (``cancel``, ``cancel_id``, ``cancel_later``; each takes ``self.lock``
+briefly and wakes the loop if needed), and the coordinator thread (``cancel_deferred``,
+``apply_requests``, ``check_timeouts``; ``kill_running`` and every write to a claimed task's
+block run there only).
+
+Deferred cancels (``cancel_later``): a cleanup that may run inside any critical section of its
+own thread (a ``Pool.map`` generator finalized by the cyclic garbage collector, which runs
+inside any allocation) must take no lock: it appends the futures to ``deferred_cancels`` (a
+``collections.deque``: append and popleft are atomic under the GIL) and wakes the loop without
+a lock (``wakeup_nowait``); the loop cancels them on its next pass, before it dispatches.
+
+Invariants: a claimed task's block is written (cancel flag) or its worker killed only under
+``collect_lock`` and while its future is still in ``by_handle`` (a collector frees the block
+before anything else may reuse it); a worker is killed only if the task is still on its run
+stack after the SIGSTOP; a worker is signalled through its pidfd, never by pid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Hashable, Iterable
+
+from mpsched._coord_state import (
+    _STATE,
+    CoordinatorState,
+    WorkerHandle,
+)
+from mpsched._future import FINISHING, Future
+from mpsched._options import TaskOptions
+from mpsched._protocol import TopState
+from mpsched._timed import Recurrence, TaskRun
+
+_CANCEL_REQUESTED = int(TopState.CANCEL_REQUESTED)
+STOP_WAIT = 0.2  # seconds a SIGSTOPped worker gets to show as stopped before a forced cancel
+
+
+class Cancelling(CoordinatorState):
+    def withdraw_handed(self, task_id: Hashable) -> Future | None:
+        """Under ``self.lock``: withdraw and end the version of ``task_id`` that the timetable
+        handed out (ready queue or inbox) if no worker claimed it; returns its future, to be
+        marked cancelled once the lock is released, or None."""
+        handed = self.timetable.handed.get(task_id)
+        if handed is None or not self.withdraw(handed):
+            return None
+        self.timetable.end(handed, None, cancelled=True)
+        return handed
+
+    def cancel(self, future: Future) -> bool:
+        """Any thread (``Future.cancel``): withdraw a task no worker has claimed. True if it
+        will never run."""
+        if self.disowned:  # a fork child's copy: the task is the parent's (see __init__)
+            return False
+        with self.lock:
+            if not self.withdraw(future):
+                return False
+            if future._due is None or not self.timetable.withdrawn(future):
+                return True
+            # It ended a retry with a newer version of its id waiting behind it: that one
+            # entered the heap, and the loop must learn its due time (else it stayed there,
+            # its future never settled and the drain waited for it for ever).
+            self.note_heap_due()
+            due = self.next_due
+            wake = False
+            if due is not None and due < self.sleep_until:  # as schedule() does
+                self.sleep_until = due
+                wake = True
+        if wake:
+            self.wakeup()
+        return True
+
+    def cancel_later(self, futures: Iterable[Future]) -> None:
+        """Any thread, in any context: have the loop cancel ``futures`` (``Future.cancel``) on
+        its next pass. Takes no lock, so it may run inside a critical section of the calling
+        thread: a generator finalized by the garbage collector while this thread holds
+        ``self.lock``, the futures' module lock, a slot lock or the wakeup's lock would wait for
+        itself in ``Future.cancel``. For futures without user callbacks (``Pool.map``'s): the
+        loop's cancel would hand them to the pool's callback thread."""
+        if self.finished.is_set():  # every future is settled: nothing is left to cancel
+            return
+        if self.disowned:  # a fork child's copy: the parent's futures (see __init__)
+            return
+        self.deferred_cancels.extend(futures)
+        self.wakeup_nowait()
+
+    def cancel_deferred(self) -> None:
+        """Coordinator thread, no lock held: cancel what ``cancel_later`` handed over."""
+        deferred = self.deferred_cancels
+        while deferred:
+            deferred.popleft().cancel()
+
+    def withdraw(self, future: Future) -> bool:
+        """Under ``self.lock``: make sure a task no worker has claimed never runs. True if it
+        will not run (withdrawn now or before); False if it was claimed or has finished."""
+        if future._owner is FINISHING:  # it ran; its outcome is being set (end_runs)
+            return False
+        if future._handle < 0:  # in the ready queue or the timetable: dispatch skips it
+            if future._withdrawn or future.done():
+                # Cancelled by a racing cancel by id or reschedule (which mark the future
+                # after taking its version out of the heap): it will not run either.
+                return future._withdrawn or future.cancelled()
+            future._withdrawn = True
+            future._payload = b""
+            return True
+        if self.by_handle.get(future._handle) is not future:
+            # Collected (collect pops it, then frees its block, without this lock): it ran. Its
+            # block may already carry another task, injected into the same inbox: the
+            # cancel_injected below would tombstone that one. (While this lock is held, no
+            # block is injected, so the check stays true until the cancel is decided.)
+            return False
+        if future._slot >= 0 and not self.slots[future._slot].cancel_injected(future._handle):
+            return False  # a worker claimed it first
+        # Withdrawn from its inbox, or taken back (queued here with its block): free the block.
+        self.by_handle.pop(future._handle, None)
+        self.watched.pop(future._handle, None)
+        self.drop_stashed([future._handle])
+        self.slab.free_tasks([future._handle])
+        future._handle = -1
+        future._withdrawn = True
+        future._payload = b""
+        return True
+
+    def cancel_id(
+        self, task_id: Hashable, force: bool, recurrence: Recurrence | None = None
+    ) -> bool:
+        """Any thread (``Pool.cancel``): cancel every version of ``task_id`` that has not
+        started, stop its recurrence, and ask a running version to stop (cooperatively, or by
+        killing its worker with ``force``). True if anything was cancelled or asked to stop.
+
+        With ``recurrence`` (its future's ``cancel()``): only while it is still the id's
+        recurrence."""
+        if self.disowned:  # a fork child's copy: the versions are the parent's (see __init__)
+            return False
+        timetable = self.timetable
+        rec = handed = None
+        wake = False
+        lock = self.lock
+        lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+        try:
+            if recurrence is not None and timetable.recurring.get(task_id) is not recurrence:
+                # Stopped already: by a racing cancel by id, reschedule or shutdown, which mark
+                # its future cancelled after releasing the lock (so True, as they will), or by a
+                # run's error (its future's owner is FINISHING then: False). Going on would
+                # cancel the id's versions, which may belong to the schedule that replaced it.
+                return recurrence.future._owner is not FINISHING
+            pending = timetable.cancel_pending(task_id)
+            if timetable.recurring:
+                rec = timetable.recurring.pop(task_id, None)
+                if rec is not None:
+                    rec.active = False
+            if timetable.handed:
+                handed = timetable.handed.get(task_id)
+                if handed is not None and self.withdraw(handed):
+                    timetable.end(handed, None, cancelled=True)
+                elif handed is not None:  # claimed: running (or finished, not collected yet)
+                    if handed._run is not None:  # if its worker dies, it is not retried
+                        handed._run.cancel_requested = True
+                    self.requests.append((handed, force))
+                    wake = True
+                    handed = None
+        finally:
+            lock.release()
+        if pending is not None:
+            pending._mark_cancelled()
+        if rec is not None:
+            rec.future._mark_cancelled()
+        if handed is not None:
+            handed._mark_cancelled()
+        if wake:  # only this thread may touch a running task's block: see apply_requests
+            self.wakeup()
+        return pending is not None or rec is not None or handed is not None or wake
+
+    def apply_requests(self) -> None:
+        """Cancel requests for running tasks: set the flag the task polls, or kill its worker
+        (``force``). Here, not in the user's thread, and under ``collect_lock``: only a
+        collector frees top-level blocks, so a block whose future is still in ``by_handle`` is
+        still that task's while no collector runs."""
+        with self.lock:
+            requests, self.requests = self.requests, []
+        later = []
+        # Under collect_lock, as the timeout check: a user thread's collection (help_wait)
+        # pops a task from by_handle and frees its block, and a submit may put a new task
+        # into that block at once; between the check below and the write, the flag (or the
+        # kill) would reach that task (test_a_cancel_request_never_flags_the_next_task_...).
+        with self.collect_lock:
+            for future, force in requests:
+                handle = future._handle
+                if handle < 0 or self.by_handle.get(handle) is not future:
+                    continue  # finished meanwhile
+                self.slab.set_word(handle, _STATE, _CANCEL_REQUESTED)
+                if force and not self.kill_running(future):
+                    later.append((future, force))
+        if later:  # retried at the next pass (the 5 ms sweep: these tasks are in flight)
+            with self.lock:
+                self.requests[:0] = later
+
+    def check_timeouts(self) -> None:
+        """Tasks with a timeout: note when each is first seen running (claims are not reported;
+        the sweep timer bounds the error at RESULT_SWEEP_INTERVAL), ask it to cancel once its
+        time is up, and kill its worker after the grace period."""
+        now = time.monotonic()
+        running = {h for slot in self.slots for h in slot.running()}
+        for handle, future in list(self.watched.items()):
+            run = future._run
+            if handle not in running:
+                continue
+            if run.started_at is None:
+                run.started_at = now
+                continue
+            overdue = now - run.started_at - run.options.timeout
+            if overdue < 0:
+                continue
+            if not run.timed_out:
+                run.timed_out = True
+                self.slab.set_word(handle, _STATE, _CANCEL_REQUESTED)
+            elif overdue >= run.options.timeout_grace and not run.forced:
+                self.kill_running(future)
+
+    def kill_running(self, future: Future) -> bool:
+        """Kill the worker running ``future``'s task, and no other: the worker is stopped
+        first, and killed only if the task is still on its run stack (else it continues).
+
+        Why the check after the stop is exact, even when the kernel does not show the stop
+        within ``STOP_WAIT``: once SIGSTOP is queued, every thread of the worker stops on its
+        next return to user mode, so the worker runs no more user code (a thread running on
+        another CPU at that instant runs on until the kernel's interrupt reaches it: the few
+        microseconds ``wait_stopped`` waits out). Only the worker's own code moves a task off
+        its run stack (this thread's recovery aside), so the stack read after the wait is the
+        one the SIGKILL hits. A worker that has not shown as stopped after ``STOP_WAIT`` sits in
+        the kernel (an uninterruptible wait, or runnable but not scheduled): it has not moved.
+        SIGCONT and a later retry instead would keep such a worker's task running and block
+        this loop for ``STOP_WAIT`` per pass.
+
+        Returns False if the task runs on a worker not registered yet (its SPAWNED not read:
+        a worker takes tasks before that, see ``dispatch_one``): its pid is unknown, so the
+        caller must try again later; dropping the request would let the task run on."""
+        handle = future._handle
+        for k, slot in enumerate(self.slots):
+            if handle not in slot.running():
+                continue
+            worker = self.workers[k]
+            if worker is None:
+                return False
+            try:
+                send_signal(worker, signal.SIGSTOP)
+                # A worker that died on its own meanwhile (a zombie, or already reaped by the
+                # zygote: its run stack still holds the task until the crash path runs) is not
+                # stopped: reading its /proc entry raised FileNotFoundError here, out of the
+                # loop, and broke the pool (found by
+                # test_forced_cancel_of_a_task_whose_worker_dies_meanwhile_keeps_the_pool).
+                if not wait_stopped(worker.pid):
+                    return True  # dead: the crash path reports it
+                if handle in slot.running():
+                    if future._run is None:
+                        future._run = TaskRun(TaskOptions())
+                    future._run.forced = True
+                    send_signal(worker, signal.SIGKILL)
+                else:
+                    send_signal(worker, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # it died on its own: the crash path reports it
+            return True
+        return True
+
+
+def send_signal(worker: WorkerHandle, sig: int) -> None:
+    """Signal the worker through its pidfd (never another process that reused its pid once the
+    zygote reaped it). ProcessLookupError if it was reaped. A worker without a pidfd was reaped
+    before its registration (``pidfd_open`` found no such process): it is never signalled by
+    pid, which may name another process by now; its socket's EOF reports the death."""
+    if worker.pidfd < 0:
+        raise ProcessLookupError(worker.pid)
+    signal.pidfd_send_signal(worker.pidfd, sig)
+
+
+def wait_stopped(pid: int) -> bool:
+    """Wait (bounded) until ``pid`` shows as stopped: SIGSTOP is delivered asynchronously.
+    False if it is dead (a zombie, or reaped: it runs no more code)."""
+    deadline = time.monotonic() + STOP_WAIT
+    path = f"/proc/{pid}/stat"
+    while time.monotonic() < deadline:
+        try:
+            with open(path, "rb") as f:
+                stat = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        state = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3]
+        if state in (b"T", b"t"):
+            return True
+        if state in (b"Z", b"X"):
+            return False
+        os.sched_yield()
+    return True  # not shown as stopped in time: still frozen (see kill_running)

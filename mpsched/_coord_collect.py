@@ -1,0 +1,357 @@
+"""The coordinator's results: done rings, stashed results, settling futures (``Collecting``).
+
+Owns: reading the done rings (``collect``, ``collect_locked``, ``read_results``), results too big
+for a block (``stash_take``; the bytes come in a STASH message before the done-ring push),
+failing what cannot be read (``fail_unread``), and settling futures: the timetable first, then the
+future (``settle``, ``end_runs``, ``resolve``, ``settle_loaded``, ``unpickle_result``).
+``help_wait``/``help_spin``: a user thread about to block in ``result()`` collects for a short
+while itself, one cross-process hop instead of two (docs/design.md, "Round-trip latency").
+
+Called from: the coordinator thread (every loop pass, a recovery), and a user thread in
+``Future.result()`` (``help_wait``). One collector at a time: ``collect_lock``.
+
+Invariants: only the coordinator thread reads sockets; a user-thread collector leaves a result
+whose STASH has not arrived (and the rest of its batch, if an exception hits it) to the loop in
+``unread``, blocks kept, futures still in ``by_handle``. Every handle taken from a done ring
+ends its future, even when reading one raised. A task leaves ``by_handle`` before its block is
+freed, and the drain's decision (``drained``) and the timeout and cancel-request checks hold
+``collect_lock`` so that they never see a block between the two. A user thread runs the
+done-callbacks of what it settled only after it released ``collect_lock``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import threading
+import time
+from concurrent.futures import InvalidStateError
+from typing import Any
+
+from mpsched._coord_state import (
+    _CANCELLED,
+    _ERROR,
+    _OK,
+    _RESULT_NBYTES,
+    CoordinatorState,
+)
+from mpsched._errors import (
+    BrokenPoolError,
+    InternalError,
+    ProtocolError,
+)
+from mpsched._future import FINISHING, Future, defer_callbacks, invoke_all
+from mpsched._payloads import BlockField
+from mpsched._protocol import (
+    dump_exception,
+    load_exception,
+    unpickling_failed,
+)
+from mpsched._timed import TaskRun
+
+_RESULT_STATUS = int(BlockField.RESULT_STATUS)
+_FAILED = RuntimeError("the task failed")  # stands for any error in Timetable.end
+# help_wait: how long a caller of result() collects done rings itself before it blocks; a
+# round trip of a tiny task takes well under this. After HELP_MISSES_MAX misses in a row (long
+# tasks), only one call in HELP_RETRY_EVERY spins, so waiting on slow tasks burns no CPU.
+HELP_SPIN = 300e-6  # seconds
+HELP_MISSES_MAX = 3
+HELP_RETRY_EVERY = 32
+
+
+class Collecting(CoordinatorState):
+    def help_wait(self, future: Future) -> None:
+        """A user thread about to block in ``future.result()``: while the pool is lightly
+        loaded, spin for a short while collecting done rings itself. The result then reaches the
+        caller with one cross-process hop (worker -> this thread) instead of two (worker ->
+        coordinator thread -> this thread, ~40 us each here). Adaptive: after repeated misses
+        (long tasks) it spins only now and then."""
+        if (
+            future._slot < 0
+            or future._slot in self.starting  # a fork away at least: spinning takes its CPU
+            or self.ready  # queued work: the coordinator must go on dispatching anyway
+            or len(self.by_handle) > self.n_workers
+            or threading.get_ident() == self.thread_id
+            or self.disowned  # a fork child's copy: the done rings are the parent's
+            or (self.help_misses >= HELP_MISSES_MAX and self.help_calls % HELP_RETRY_EVERY)
+        ):
+            self.help_calls += 1
+            return
+        self.help_calls += 1
+        try:
+            self.help_spin(future)
+        except ValueError:
+            # The caller saw the future pending, then lost the CPU while the pool settled it,
+            # drained and released its memory (only after ``finished``): nothing to help with.
+            if not self.finished.is_set():
+                raise
+            return
+        if not future.done():  # a worker may have skipped its poke: the loop must sweep
+            self.wakeup()
+
+    def help_spin(self, future: Future) -> None:
+        """``help_wait``'s spin: collect done rings until ``future`` is done or time is up."""
+        slots = self.slots
+        header = self.header
+        # Idle workers skip their poke meanwhile: a poke would wake the coordinator thread,
+        # which would then take the GIL from this thread for a loop pass (measured: +150 us).
+        header.set_collector(True)
+        try:
+            deadline = time.perf_counter() + HELP_SPIN
+            while not future.done():
+                if any(slot.done_depth() for slot in slots):
+                    self.collect()
+                elif time.perf_counter() > deadline:
+                    self.help_misses += 1
+                    break
+            else:
+                self.help_misses = 0
+        finally:
+            header.set_collector(False)
+
+    def collect(self) -> None:
+        """Any thread (the coordinator's, or a user thread in ``help_wait``), one at a time.
+
+        A user thread calls the done-callbacks of what it settled once it released
+        ``collect_lock``: a callback that waits for another future's result (whose collection
+        needs that lock) or shuts the pool down (whose drain decides under it) would otherwise
+        wait for this thread. (The coordinator thread's sink is its ``CallbackRunner``.)"""
+        if threading.get_ident() == self.thread_id:
+            with self.collect_lock:
+                self.collect_locked(True)
+            return
+        settled: list[Future] = []
+        previous = defer_callbacks(settled.append)
+        try:
+            with self.collect_lock:
+                self.collect_locked(False)
+        finally:
+            defer_callbacks(previous)
+            if settled:
+                invoke_all(settled)
+
+    def collect_locked(self, in_loop: bool) -> None:
+        """Under ``collect_lock``: read every done ring (``in_loop``: in the coordinator
+        thread, the only one that reads sockets; see ``read_results``)."""
+        # First the handles a user-thread collector left (their STASH was not read yet), each
+        # entry once: a user thread leaves one whose STASH is still unread to a new list, not
+        # to this pass (it would spin, holding collect_lock, for a STASH that only the loop
+        # reads, while the loop waits for that lock). One entry at a time, so that an entry is
+        # never dropped when reading another one raised.
+        unread = self.unread
+        if unread:
+            self.unread = []
+            try:
+                while unread:
+                    k, handles = unread.pop()
+                    self.read_results(k, handles, in_loop)
+            finally:
+                self.unread += unread  # the entries an exception kept this pass from reading
+        for k, slot in enumerate(self.slots):
+            if slot.done_depth():
+                self.read_results(k, slot.take_done(), in_loop)
+
+    def read_results(self, k: int, handles: list[int], in_loop: bool) -> None:
+        """Under ``collect_lock``: settle the tasks of ``handles``, taken from slot ``k``'s done
+        ring, and free their blocks. Only the coordinator thread reads sockets: a user thread
+        (``help_wait``) leaves a handle whose stashed result has not arrived to the loop
+        (``unread``), and so the rest of its batch when an exception (a Ctrl-C's
+        KeyboardInterrupt) hits it: those results are fine, and the pool is not broken."""
+        slab = self.slab
+        outcomes: list[tuple[Future, int, bytes]] = []
+        unknown: list[int] = []
+        later: list[int] = []  # a user thread's: left to the loop, their blocks kept
+        by_handle = self.by_handle
+        get_word = slab.get_word
+        try:
+            for handle in handles:
+                future = by_handle.get(handle)
+                if future is None:
+                    unknown.append(handle)
+                    continue
+                status = get_word(handle, _RESULT_STATUS)
+                nbytes = get_word(handle, _RESULT_NBYTES)
+                if nbytes >= 0:
+                    data = slab.read_result(handle)[1]
+                elif in_loop:
+                    data = self.stash_take(-nbytes, k)
+                else:
+                    stashed = self.stash.pop(-nbytes, None)
+                    if stashed is None:  # still in the worker's socket: its arrival wakes the loop
+                        later.append(handle)
+                        continue
+                    data = stashed
+                del by_handle[handle]  # only once read: fail_unread ends it otherwise
+                outcomes.append((future, status, data))
+        except BaseException as exc:
+            # Every handle taken from the ring ends its future, even when reading one raised
+            # (in the loop: a stash lost with its worker; the pool then breaks): its block is
+            # freed below, so a future left out would never settle and its waiter would hang.
+            read = len(outcomes) + len(unknown) + len(later)
+            if in_loop:
+                self.fail_unread(handles[read:], k, exc, outcomes, unknown)
+            else:
+                later += handles[read:]
+            raise
+        finally:
+            if later:
+                self.unread.append((k, later))
+            try:
+                if unknown or later:
+                    kept = {*unknown, *later}
+                    slab.free_tasks([h for h in handles if h not in kept])
+                else:
+                    slab.free_tasks(handles)
+            finally:  # a free that raised (a corrupt free stack) breaks the pool: these
+                # futures left by_handle above, so its sweep would not end them
+                self.completed += len(outcomes)
+                self.settle(outcomes)
+        if unknown:
+            raise InternalError(f"worker {k} completed unknown task blocks {unknown}")
+
+    def fail_unread(
+        self,
+        handles: list[int],
+        slot: int,
+        exc: BaseException,
+        outcomes: list[tuple[Future, int, bytes]],
+        unknown: list[int],
+    ) -> None:
+        """``read_results`` in the coordinator thread, after reading ``handles[0]``'s result
+        raised ``exc`` (the pool then breaks): every one of ``handles`` gets an outcome.
+        Results in their blocks are still read (that cannot block); the others fail with the
+        error, without waiting for another stash, and their stashed bytes, if they came, are
+        dropped."""
+        # BrokenPoolError: the exception goes on to break the pool, and every other unfinished
+        # future fails with that error too.
+        error = BrokenPoolError(
+            f"the result of this task could not be read: reading the results of worker "
+            f"{slot} raised {exc!r}"
+        )
+        error.__cause__ = exc
+        failed = dump_exception(error)
+        slab = self.slab
+        for i, handle in enumerate(handles):
+            future = self.by_handle.pop(handle, None)
+            if future is None:
+                unknown.append(handle)
+                continue
+            nbytes = slab.get_word(handle, _RESULT_NBYTES)
+            if i and nbytes >= 0:
+                status = slab.get_word(handle, _RESULT_STATUS)
+                outcomes.append((future, status, slab.read_result(handle)[1]))
+                continue
+            if nbytes < 0:
+                self.stash.pop(-nbytes, None)
+            outcomes.append((future, _ERROR, failed))
+
+    def settle(self, outcomes: list[tuple[Future, int, bytes]]) -> None:
+        """Resolve futures; tasks with an id or options first update the timetable (so that a
+        caller woken by ``result()`` sees the final ``state()``)."""
+        special = []
+        loaded: list[tuple[bool, Any] | None] = []  # per special entry: its unpickled result
+        for outcome in outcomes:
+            future = outcome[0]
+            run = future._run
+            if future._due is None and run is None:
+                resolve(*outcome)
+            elif run is not None and run.timed_out and outcome[1] != _OK:
+                # It ran out of time: whatever it raised (TaskCancelled, acknowledging the
+                # timeout's cooperative cancel, included) it fails with TimeoutError. Converted
+                # here, before end_runs, so that state() says FAILED as the future does (not
+                # CANCELLED: no cancel was asked for), and a recurrence ends with that error.
+                error = dump_exception(TimeoutError(timeout_message(run)))
+                special.append((future, _ERROR, error))
+                loaded.append(None)
+            elif outcome[1] == _OK and (run is None or run.recurrence is None):
+                # Unpickled before end_runs: a result that cannot be unpickled fails the
+                # future, and state() must then say FAILED, not COMPLETED.
+                ok, value = unpickle_result(outcome[2])
+                loaded.append((ok, value))
+                special.append(outcome if ok else (future, _ERROR, b""))
+            else:
+                special.append(outcome)
+                loaded.append(None)
+        if not special:
+            return
+        self.end_runs(special)
+        if threading.get_ident() != self.thread_id:
+            self.wakeup()  # a user thread collected: the loop may have new due times
+        for (future, status, data), result in zip(special, loaded, strict=True):
+            run = future._run
+            if run is not None and run.recurrence is not None:
+                self.end_recurring_run(future, status, data)
+            elif result is not None:
+                settle_loaded(future, *result)
+            else:
+                resolve(future, status, data)
+
+    def stash_take(self, key: int, slot: int) -> bytes:
+        """Coordinator thread: stashed result bytes; the STASH message was sent before the
+        done-ring push, so it is complete in the worker's socket if it has not been read yet."""
+        while key not in self.stash:
+            worker = self.workers[slot]
+            if worker is None and slot in self.starting:  # its SPAWNED (and socket) is on the way
+                self.on_zygote_message(block=True)
+                continue
+            if worker is None:
+                raise ProtocolError(f"stashed result {key} lost with worker {slot}")
+            self.on_worker_message(worker, worker.conn.recv_bytes())
+        return self.stash.pop(key)
+
+    def end_runs(self, outcomes: list[tuple[Future, int, bytes]]) -> None:
+        with self.lock:
+            for future, status, _ in outcomes:
+                if future._handle >= 0:
+                    self.watched.pop(future._handle, None)
+                future._handle = -1
+                # Settled from here on: a racing Future.cancel() (which may have read the owner
+                # before this) must be refused, not withdraw a version that ran (withdraw reads
+                # _handle -1 as "queued here"); resolve() sets the same owner later, unlocked.
+                future._owner = FINISHING
+                if future._due is not None:
+                    self.timetable.end(
+                        future, None if status == _OK else _FAILED, cancelled=status == _CANCELLED
+                    )
+            self.note_heap_due()
+
+
+def timeout_message(run: TaskRun) -> str:
+    return f"the task ran longer than its timeout of {run.options.timeout} s" + (
+        f" and was killed {run.options.timeout_grace} s later" if run.forced else ""
+    )
+
+
+def unpickle_result(data: bytes) -> tuple[bool, Any]:
+    """``(True, value)``, or ``(False, RuntimeError)`` if the result cannot be unpickled."""
+    try:  # user code runs here (__setstate__, __reduce__): SystemExit included
+        return True, pickle.loads(data)
+    except BaseException as exc:
+        return False, unpickling_failed(exc)
+
+
+def settle_loaded(future: Future, ok: bool, value: Any) -> None:
+    """Settle a task's future with an unpickled result (``unpickle_result``'s pair)."""
+    future._owner = FINISHING
+    if future.done():  # cancelled meanwhile: a race the claim decided; nothing to report
+        return
+    if ok:
+        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+            future.set_result(value)
+    else:
+        with contextlib.suppress(Exception):
+            future.set_exception(value)
+
+
+def resolve(future: Future, status: int, data: bytes) -> None:
+    """Settle a task's future from its result bytes (coordinator thread, no lock held)."""
+    future._owner = FINISHING
+    if future.done():  # cancelled meanwhile: a race the claim decided; nothing to report
+        return
+    if status == _OK:
+        settle_loaded(future, *unpickle_result(data))
+    elif status == _CANCELLED:
+        future._mark_cancelled()
+    else:
+        with contextlib.suppress(InvalidStateError):
+            future.set_exception(load_exception(data))

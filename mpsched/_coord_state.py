@@ -1,0 +1,217 @@
+"""The coordinator's state: what every part of the ``Coordinator`` reads and writes.
+
+The coordinator (one thread in the pool's process, see ``_coordinator``) is one object whose
+methods are split by responsibility into parts, each a class in a module of its own:
+``_coordinator`` (start-up, the loop, dispatch, messages), ``_coord_timed`` (tasks with an id:
+schedule, supersede, due versions, recurrences), ``_coord_cancel`` (withdrawing queued tasks and
+stopping running ones: cancel, forced cancel, timeouts), ``_coord_collect`` (results: done rings,
+stashes, settling futures), ``_coord_recovery`` (a worker's death: settling what it ran, freeing
+what it held) and ``_coord_drain`` (shutdown: the drain condition and handshake, a broken pool).
+``Coordinator`` combines them; methods stay methods of that one object (no indirection on the
+per-task paths).
+
+Owns: ``CoordinatorState.__init__``, which declares every attribute (each with who writes and
+reads it, and under which lock), the constants and the ``WorkerHandle`` that more than one part
+uses. Under ``TYPE_CHECKING`` only, it also declares the methods a part calls on ``self`` but
+another part defines, so that mypy checks each part alone; at run time they are looked up on
+``Coordinator`` as any method. Invariant: the parts share no state but these attributes, and
+each attribute's lock discipline (below, and docs/design.md's lock inventory) holds in every part.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import select
+import signal
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from mpsched._future import CallbackRunner, Future
+from mpsched._layout import SegmentLocks, SegmentViews
+from mpsched._payloads import BlockField
+from mpsched._protocol import ResultStatus
+from mpsched._ready import ReadyQueue
+from mpsched._shm import SharedFd
+from mpsched._timed import Timetable
+
+_NBYTES = int(BlockField.NBYTES)
+_RESULT_NBYTES = int(BlockField.RESULT_NBYTES)
+_OK = int(ResultStatus.OK)
+_CANCELLED = int(ResultStatus.CANCELLED)
+_UID_PID_SHIFT = 31  # a child's uid is (spawning worker's pid << 31) | counter (_worker.next_uid)
+_ERROR = int(ResultStatus.ERROR)
+_STATE = int(BlockField.STATE)
+_NO_LOW = 2**63  # inbox_low of an inbox with nothing low in it
+logger = logging.getLogger("mpsched")
+
+
+@dataclass
+class WorkerHandle:
+    slot: int
+    pid: int
+    conn: Connection
+    pidfd: int
+    drained: bool = False
+    retiring: bool = False  # max_tasks_per_worker reached: its exit is not a crash
+    # It retired with children whose futures had not settled (kept past their task): nobody
+    # will collect those children, so their blocks are settled as a dead worker's are.
+    left_children: bool = False
+
+
+def signal_description(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "unknown exit"
+    if exitcode < 0:
+        try:
+            return f"{signal.Signals(-exitcode).name}({exitcode})"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+class CoordinatorState:
+    def __init__(
+        self,
+        views: SegmentViews,
+        wake_fds: list[SharedFd],
+        zygote_conn: Connection,
+        wakeup_fd: int,
+        wakeup: Any,
+        clear_wakeup: Any,
+        n_workers: int,
+        window: int,
+        max_inflight: int,
+        locks: SegmentLocks | None = None,
+        aging: float | None = None,
+        timed_after_shutdown: bool = True,
+        recurring_after_shutdown: bool = False,
+        wakeup_nowait: Any = None,
+        has_initializer: bool = False,
+    ) -> None:
+        self.slots = views.slots
+        self.slab = views.slab
+        self.header = views.header
+        self.wake_fds = [f.fd for f in wake_fds]
+        self.zygote = zygote_conn
+        self.wakeup = wakeup
+        self.clear_wakeup = clear_wakeup
+        self.wakeup_nowait = wakeup if wakeup_nowait is None else wakeup_nowait
+        # Futures to cancel on the loop's next pass (cancel_later). Written by: any thread,
+        # without a lock (append). Read by: the coordinator thread (popleft).
+        self.deferred_cancels: collections.deque[Future] = collections.deque()
+        self.n_workers = n_workers
+        self.window = window
+        self.max_inflight = max_inflight
+        self.aging = aging
+        self.has_initializer = has_initializer  # workers run the pool's initializer first
+        self.locks = locks  # the guarded locks of the segment (orphan release after a crash)
+        self.repair_lock = threading.Lock()  # one lock repair at a time, from any thread
+        self.collect_lock = threading.Lock()  # one collector at a time (help_wait: any thread)
+        # Calls the done-callbacks of the futures this thread settles (never this thread: a
+        # callback that blocks here would stop the loop that must collect what it waits for).
+        self.callbacks = CallbackRunner()
+        self.thread_id = 0  # the coordinator thread's ident, once it runs
+        self.help_calls = 0
+        self.help_misses = 0  # help_wait spins in a row that ended without the result
+        self.timed_after_shutdown = timed_after_shutdown
+        self.recurring_after_shutdown = recurring_after_shutdown
+        # Guards ready, timetable, requests, records' location fields and the draining flag
+        # against user threads.
+        self.lock = threading.Lock()
+        self.ready = ReadyQueue()
+        self.timetable = Timetable()
+        self.next_due: float | None = None  # earliest run_at waiting in the timetable
+        self.sleep_until = math.inf  # the loop sleeps until then unless woken (under lock)
+        self.requests: list[tuple[Future, bool]] = []  # running tasks to signal / kill (force)
+        self.watched: dict[int, Future] = {}  # handle -> in-flight task with a timeout
+        self.inbox_low = [_NO_LOW] * n_workers  # lowest priority injected since inbox emptied
+        self.by_handle: dict[int, Future] = {}  # dispatched, unfinished
+        # Bytes too big for a block chain, by key (STASH; taken by FETCH or a collector).
+        # Written by: the coordinator thread. A user-thread collector pops its results.
+        self.stash: dict[int, bytes] = {}
+        # (slot, handles) taken from a done ring by a user-thread collector whose stashed
+        # results had not arrived (or that an exception hit): their blocks are kept, their
+        # futures stay in by_handle; the next collector reads them first. Under collect_lock.
+        self.unread: list[tuple[int, list[int]]] = []
+        # Keys of stashed child results dropped before their STASH was read (orphan_children:
+        # a live executor's socket may still hold it): dropped when they come.
+        self.unwanted_stash: set[int] = set()
+        self.parked_fetches: dict[int, list[WorkerHandle]] = {}
+        # pid -> the stash key last answered to that worker's FETCH, until its death is
+        # recovered: a fetcher dies between the answer and the store that zeroes the key in
+        # its block, and its recovery must not wait for bytes already taken (unwanted_stash).
+        self.fetched: dict[int, int] = {}
+        self.workers: list[WorkerHandle | None] = [None] * n_workers
+        # Slots whose worker was asked for (SPAWN) and not registered yet (SPAWNED not read).
+        self.starting: set[int] = set()
+        self.by_fd: dict[int, WorkerHandle] = {}
+        self.exit_codes: dict[int, int] = {}  # pid -> exit code, from the zygote
+        self.draining = False  # set once shutdown began: no task may come in after it
+        # The Pool was garbage-collected: the loop begins a shutdown(wait=False) itself.
+        # Written by: the drop callback (_lifecycle; takes no lock). Read by: the loop.
+        self.owner_dropped = False
+        # A copy in a child of the user's os.fork() (PoolResources.disown): the pool and its
+        # shared memory are the parent's. Cancels and help_wait from the child's copies of the
+        # futures must not touch the parent's queues and slab (a cancel there tombstoned the
+        # parent's task and freed its block: the parent's future never settled, and its
+        # shutdown waited for ever). Written once, in the child, before it runs user code.
+        self.disowned = False
+        self.broken: BaseException | None = None
+        self.submitted = 0
+        self.next_slot = 0
+        self.stash_counter = 0
+        self.crashes = 0
+        self.respawns = 0
+        self.completed = 0
+        self.retried = 0
+        self.recycled = 0
+        self.retired_pids: set[int] = set()  # their EXITED reports are not crash reports
+        self.misfires = 0
+        self.skipped_runs = 0
+        self.final_stats: dict[int, dict[str, int]] = {}
+        self.epoll = select.epoll()
+        self.wakeup_fd = wakeup_fd
+        self.epoll.register(wakeup_fd, select.EPOLLIN)
+        self.epoll.register(zygote_conn.fileno(), select.EPOLLIN)
+        # The thread is started while the zygote starts up and waits for this before its loop
+        # (only the pool's thread reads the zygote's READY); start_aborted: it returns at once.
+        self.go = threading.Event()
+        self.start_aborted = False
+        self.finished = threading.Event()
+
+    if TYPE_CHECKING:
+        # Defined by the other parts (see the module docstring); each is called on ``self``
+        # by a part that does not define it. Not defined at run time: Coordinator's are found.
+        # _coordinator
+        def spawn(self, slot: int) -> None: ...
+        def check_usable(self) -> None: ...
+        def wake_sleepers(self, every: bool = False) -> None: ...
+        def drop_stashed(self, handles: list[int], field: int = _NBYTES) -> None: ...
+        def on_worker_readable(self, worker: WorkerHandle) -> None: ...
+        def on_worker_message(self, worker: WorkerHandle, frame: bytes) -> None: ...
+        def on_zygote_message(self, block: bool) -> None: ...
+
+        # _coord_timed
+        def note_heap_due(self) -> None: ...
+        def end_recurring_run(self, future: Future, status: int, data: bytes) -> None: ...
+
+        # _coord_cancel
+        def cancel(self, future: Future) -> bool: ...
+        def withdraw(self, future: Future) -> bool: ...
+        def withdraw_handed(self, task_id: Hashable) -> Future | None: ...
+
+        # _coord_collect
+        def help_wait(self, future: Future) -> None: ...
+        def collect(self) -> None: ...
+        def settle(self, outcomes: list[tuple[Future, int, bytes]]) -> None: ...
+
+        # _coord_recovery
+        def forget_worker(self, worker: WorkerHandle) -> None: ...
+
+        # _coord_drain
+        def all_done(self) -> bool: ...

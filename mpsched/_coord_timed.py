@@ -1,0 +1,207 @@
+"""The coordinator's timed side: tasks with an id (``Timing``, a part of ``Coordinator``).
+
+Owns: adding a version of an id (``schedule``) and superseding the versions it replaces
+(``supersede``), the id's state (``state``), moving due versions from the timetable to the ready
+queue (``release_due``, ``make_ready``), the loop's next due time (``note_due``,
+``note_heap_due``), and recurrences: the next run after one ends or misfires
+(``end_recurring_run``, ``continue_recurrence``, ``misfired``). The timetable itself (heap,
+handed versions, recurrences) is ``_timed.Timetable``; this part decides when its methods run
+and keeps ``next_due`` and ``sleep_until`` in step with it.
+
+Called from: user threads (``schedule``, ``state``; through ``Pool``), the coordinator thread
+(``release_due`` from the loop, ``misfired`` from dispatch), and whichever thread settles a run
+(``end_recurring_run``: the coordinator's, or a user thread collecting in ``help_wait``).
+
+Invariants: the timetable, ``next_due`` and ``sleep_until`` change only under ``self.lock``; a
+future is marked cancelled only once that lock is released (its callbacks may call back in).
+``next_due`` is never later than the heap's next deadline after a version ends (``note_heap_due``),
+or a deferred version would wait for ever and the drain with it. A run that misfired is skipped
+only by its policy, never a retry of a run that started on time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Hashable, Sequence
+
+from mpsched._coord_collect import resolve
+from mpsched._coord_state import (
+    _CANCELLED,
+    _OK,
+    CoordinatorState,
+    logger,
+)
+from mpsched._future import FINISHING, Future
+from mpsched._options import is_misfire, next_run_at
+from mpsched._task import TaskState
+from mpsched._timed import Recurrence, TaskRun
+
+
+class Timing(CoordinatorState):
+    def schedule(
+        self,
+        task_id: Hashable,
+        run_at: float,
+        priority: int,
+        future: Future,
+        recurrence: Recurrence | None = None,
+    ) -> bool:
+        """Any thread: add a version of ``task_id`` (``future`` holds its call, encoded with its
+        meta). The version handed out earlier, if no worker has claimed it, and the pending one
+        are superseded: cancelled, never run.
+        Returns True if the loop must be woken (the new task is due before it would wake)."""
+        superseded: Sequence[Future] = ()  # no list for a new id (the measured path)
+        timetable = self.timetable
+        lock = self.lock
+        lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+        try:
+            if self.broken is not None or self.draining:
+                self.check_usable()
+            self.submitted += 1
+            if timetable.known(task_id):  # an id seen before: supersede what it has
+                superseded = self.supersede(task_id, recurrence)
+            if recurrence is not None:
+                timetable.recurring[task_id] = recurrence
+            timetable.schedule(task_id, run_at, priority, future)
+            if self.next_due is None or run_at < self.next_due:
+                self.next_due = run_at
+            wake = run_at < self.sleep_until
+            if wake:
+                self.sleep_until = run_at
+        finally:
+            lock.release()
+        for old_future in superseded:
+            old_future._mark_cancelled()
+        return wake
+
+    def supersede(self, task_id: Hashable, recurrence: Recurrence | None) -> list[Future]:
+        """Under ``self.lock``: a new version of ``task_id`` comes; cancel the handed-out version
+        if no worker claimed it, the pending one, and a recurrence other than ``recurrence``.
+        Returns their futures, to be marked cancelled once the lock is released."""
+        timetable = self.timetable
+        superseded = []
+        handed = self.withdraw_handed(task_id)
+        if handed is not None:
+            superseded.append(handed)
+        pending = timetable.pending_future(task_id)
+        if pending is not None:
+            superseded.append(pending)  # the heap drops it when the new version comes
+        old = timetable.recurring.get(task_id)
+        if old is not None and old is not recurrence:
+            del timetable.recurring[task_id]
+            old.active = False
+            superseded.append(old.future)
+        return superseded
+
+    def state(self, task_id: Hashable) -> TaskState | None:
+        with self.lock:
+            return self.timetable.state(task_id, self.claimed)
+
+    def claimed(self, future: Future) -> bool:
+        """Under ``self.lock``: whether a handed-out task was claimed by a worker."""
+        if future._handle < 0 or future._slot < 0:
+            return False
+        return not self.slots[future._slot].in_inbox(future._handle)
+
+    def release_due(self) -> None:
+        """Move the timetable's due versions to the ready queue (and age the ready queue)."""
+        now = time.monotonic()
+        with self.lock:
+            self.next_due = self.timetable.release_due(now, self.make_ready)
+            if self.aging is not None and self.ready:
+                self.ready.age(now, self.aging)
+
+    def make_ready(self, future: Future, priority: int) -> None:
+        """Under ``self.lock``: a version came due (the timetable hands it out)."""
+        future._due_at = time.monotonic()
+        self.ready.append(future, priority)
+
+    def misfired(self, future: Future) -> bool:
+        """Under ``self.lock``: drop a recurring run that is too late, if its policy says so."""
+        run = future._run
+        if run is None or run.recurrence is None:
+            return False
+        options = run.options
+        if (
+            options.misfire != "skip"
+            # A retry (its worker died): the run started on time, so it runs again, as the
+            # retries option says. Dropped, it continued a recurrence that a schedule of the id
+            # may have replaced meanwhile: that next version superseded the new schedule's,
+            # whose future never settled (test_a_retried_run_of_a_superseded_recurrence_...).
+            or run.retries_left != options.retries
+            or not is_misfire(run.run_at, time.monotonic(), options.misfire_grace)
+        ):
+            return False
+        self.misfires += 1
+        logger.warning(
+            "mpsched: recurring task %r missed its run due at %.3f (more than %.3f s late); "
+            "skipped by its misfire policy",
+            run.recurrence.task_id,
+            run.run_at,
+            options.misfire_grace,
+        )
+        # Taken back from an inbox (take_back_lower): it still holds its slab block and its
+        # entry in by_handle. Withdraw it (frees both), or the pool would count it in flight
+        # for ever (found by test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block).
+        if future._handle >= 0:
+            self.withdraw(future)
+        future._withdrawn = True
+        self.timetable.end(future, None, cancelled=True)
+        if run.recurrence.active:  # else a schedule of the id replaced it: never continue it
+            self.continue_recurrence(future, skipped=True)
+        return True
+
+    def note_due(self, run_at: float | None) -> None:
+        """Under ``self.lock``: the loop must wake at ``run_at`` (None: nothing new)."""
+        if run_at is not None and (self.next_due is None or run_at < self.next_due):
+            self.next_due = run_at
+
+    def note_heap_due(self) -> None:
+        """Under ``self.lock``, after a version ended: a newer version deferred behind it may
+        have entered the heap, so the loop must learn the heap's next due time."""
+        self.note_due(self.timetable.heap.next_deadline())
+
+    def end_recurring_run(self, future: Future, status: int, data: bytes) -> None:
+        """One run of a recurring id ended: schedule the next, or end the recurrence."""
+        rec: Recurrence = future._run.recurrence
+        if status == _OK and rec.active:
+            with self.lock:
+                continued = rec.active
+                if continued:
+                    self.continue_recurrence(future, skipped=False)
+            if continued:
+                # A user thread's collection (help_wait) woke the loop before this (settle),
+                # and the loop may have gone to sleep since without this run's due time.
+                if threading.get_ident() != self.thread_id:
+                    self.wakeup()
+                return
+        if status == _OK:
+            return  # stopped meanwhile: its future was cancelled then
+        with self.lock:
+            rec.active = False
+            if self.timetable.recurring.get(rec.task_id) is rec:
+                del self.timetable.recurring[rec.task_id]
+            if status != _CANCELLED:  # it ends with the run's error: refuse a racing cancel
+                rec.future._owner = FINISHING  # (cancel_id reads it under this lock)
+        if status == _CANCELLED:
+            rec.future._mark_cancelled()
+        else:  # a run failed: the recurrence ends with its error (as Java's scheduled tasks)
+            resolve(rec.future, status, data)
+
+    def continue_recurrence(self, run_future: Future, skipped: bool) -> None:
+        """Under ``self.lock``: schedule the run after ``run_future``'s (ended or skipped)."""
+        rec: Recurrence = run_future._run.recurrence
+        options = rec.options
+        # A skipped misfire goes to the grid after now, whatever the overlap policy.
+        policy = "skip" if skipped else options.overlap
+        every: float = options.every  # type: ignore[assignment]  # set on every recurrence
+        run_at, dropped = next_run_at(run_future._run.run_at, every, time.monotonic(), policy)
+        self.skipped_runs += dropped
+        future = Future(self, rec.call, rec.priority)
+        future._run = TaskRun(options, rec, run_at)
+        # Each run is a task of its own (``completed`` counts each): submitted counted only
+        # the schedule() call, and a recurrence made completed exceed submitted.
+        self.submitted += 1
+        self.timetable.schedule(rec.task_id, run_at, rec.priority, future)
+        self.note_due(run_at)
