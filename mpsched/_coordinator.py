@@ -229,6 +229,8 @@ class Coordinator:
         self.by_fd: dict[int, WorkerHandle] = {}
         self.exit_codes: dict[int, int] = {}  # pid -> exit code, from the zygote
         self.draining = False  # set once shutdown began: no task may come in after it
+        # Set by abort_running ("stop now"): the drain waits for no child, and stops every worker.
+        self.aborted = False
         # The Pool was garbage-collected: the loop begins a shutdown(wait=False) itself.
         # Written by: the drop callback (_lifecycle; takes no lock). Read by: the loop.
         self.owner_dropped = False
@@ -644,7 +646,7 @@ class Coordinator:
             not self.ready
             and not self.by_handle
             and not self.timetable.busy()
-            and (self.header.live_children() == 0 or self.children_phantom())
+            and (self.header.live_children() == 0 or self.aborted or self.children_phantom())
         )
 
     def quiescent(self) -> bool:
@@ -1717,6 +1719,9 @@ class Coordinator:
         """Any thread (an interrupted ``with`` block, after ``begin_shutdown``): stop every
         running task by killing its worker (``kill_running``, in the coordinator thread)."""
         with self.lock:
+            # Children of the killed tasks (queued, or running on a peer) and fire-and-forget
+            # ones are nobody's to wait for: the drain stops their workers (drain_workers).
+            self.aborted = True
             self.requests.extend((future, True) for future in self.by_handle.values())
         self.wakeup()
 
@@ -1749,6 +1754,10 @@ class Coordinator:
                     live.append(worker)
                     with contextlib.suppress(OSError):
                         worker.conn.send_bytes(_DRAIN)
+                    if self.aborted:  # it may be running (or about to steal) a child for long
+                        worker.drained = True  # its EOF is no crash: nothing to recover
+                        with contextlib.suppress(ProcessLookupError):
+                            send_signal(worker, signal.SIGKILL)
             if not self.starting and not any(self.workers[w.slot] is w for w in live):
                 break
             timeout = deadline - time.monotonic()
