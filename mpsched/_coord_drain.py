@@ -20,8 +20,10 @@ and no child lives (or the pool is provably quiescent after a crash), decided un
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 
+from mpsched._coord_cancel import send_signal
 from mpsched._coord_state import (
     CoordinatorState,
     WorkerHandle,
@@ -54,7 +56,7 @@ class Draining(CoordinatorState):
             not self.ready
             and not self.by_handle
             and not self.timetable.busy()
-            and (self.header.live_children() == 0 or self.children_phantom())
+            and (self.header.live_children() == 0 or self.aborted or self.children_phantom())
         )
 
     def quiescent(self) -> bool:
@@ -145,6 +147,9 @@ class Draining(CoordinatorState):
         """Any thread (an interrupted ``with`` block, after ``begin_shutdown``): stop every
         running task by killing its worker (``kill_running``, in the coordinator thread)."""
         with self.lock:
+            # Children of the killed tasks (queued, or running on a peer) and fire-and-forget
+            # ones are nobody's to wait for: the drain stops their workers (drain_workers).
+            self.aborted = True
             self.requests.extend((future, True) for future in self.by_handle.values())
         self.wakeup()
 
@@ -177,6 +182,10 @@ class Draining(CoordinatorState):
                     live.append(worker)
                     with contextlib.suppress(OSError):
                         worker.conn.send_bytes(_DRAIN)
+                    if self.aborted:  # it may be running (or about to steal) a child for long
+                        worker.drained = True  # its EOF is no crash: nothing to recover
+                        with contextlib.suppress(ProcessLookupError):
+                            send_signal(worker, signal.SIGKILL)
             if not self.starting and not any(self.workers[w.slot] is w for w in live):
                 break
             timeout = deadline - time.monotonic()

@@ -152,6 +152,8 @@ class CoordinatorState:
         self.by_fd: dict[int, WorkerHandle] = {}
         self.exit_codes: dict[int, int] = {}  # pid -> exit code, from the zygote
         self.draining = False  # set once shutdown began: no task may come in after it
+        # Set by abort_running ("stop now"): the drain waits for no child, and stops every worker.
+        self.aborted = False
         # The Pool was garbage-collected: the loop begins a shutdown(wait=False) itself.
         # Written by: the drop callback (_lifecycle; takes no lock). Read by: the loop.
         self.owner_dropped = False

@@ -280,7 +280,11 @@ class ChildFuture:
         object ``exception()`` returns): the raise gives it a traceback holding the caller's
         frame, and a copy this future kept would close a reference cycle through that frame,
         keeping the caller's other child futures alive, and their blocks taken, until a
-        garbage collection (docs/design.md, "Dropped child futures")."""
+        garbage collection (docs/design.md, "Dropped child futures").
+
+        ``timeout`` is checked between the tasks this worker runs while it waits, not during
+        them: most often it runs the awaited child itself, so the wait can last as long as the
+        child (docs/design.md, "Futures", known gap)."""
         self._wait(timeout)
         if self._error_data is not None:
             raise load_exception(self._error_data)

@@ -277,3 +277,17 @@ def spawn_big_args_child_for_a_peer(started: str, gate_path: str, size: int) -> 
     while worker.child_state(handle) != CHILD_DONE:
         pass  # a peer steals it: this worker runs only this task meanwhile
     return 1
+
+
+def gated_child(path: str, gate_path: str, k: int) -> int:
+    """Record ``k`` (the child runs), then wait at the gate."""
+    record(path, k)
+    gate(gate_path)
+    return k
+
+
+def parent_of_gated_children(path: str, gate_path: str, n: int) -> int:
+    """Spawn ``n`` children that record and wait at the gate, and join them (so this worker
+    runs one of them inline while a peer steals another)."""
+    futures = [mpsched.submit(gated_child, path, gate_path, k) for k in range(n)]
+    return sum(f.result() for f in futures)

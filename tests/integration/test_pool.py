@@ -13,8 +13,9 @@ import pytest
 import mpsched
 from mpsched import BrokenPoolError, Pool, PoolClosedError, _pool
 
+from . import edge_tasks as et
 from . import tasks
-from .conditions import Fifos
+from .conditions import Fifos, wait_until
 
 START_METHODS = ["forkserver", "spawn", "fork"]
 
@@ -358,6 +359,28 @@ def test_ctrl_c_in_the_with_block_cancels_unclaimed_work() -> None:
     assert all(f.done() for f in futures)
     assert sum(f.cancelled() for f in futures) >= 1000  # not run to the end (~2 s of work)
     assert all(f.result() == 0.001 for f in futures if not f.cancelled())
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_in_the_with_block_stops_the_children_of_running_tasks(fifos: Fifos) -> None:
+    """Leaving on Ctrl-C kills the workers running tasks, so that the exit never waits for a
+    long task: nor for their children, running on a peer or queued behind the killed task
+    (the drain waited until every child of the killed parent had run to its end, here for
+    ever: they wait at a gate that is never opened)."""
+    futures: list[mpsched.Future] = []
+    open(fifos.log, "wb").close()
+
+    def interrupted_block() -> None:
+        with Pool(2) as pool:
+            futures.append(pool.submit(et.parent_of_gated_children, fifos.log, fifos.gate, 4))
+            # One child runs in the parent's worker (its join), one on the peer (stolen).
+            wait_until(lambda: len(tasks.read_log(fifos.log)) == 2, "two children run")
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupted_block()
+    assert futures[0].cancelled()
+    assert len(tasks.read_log(fifos.log)) == 2  # the queued children never ran
 
 
 @pytest.mark.timeout(60)
