@@ -21,6 +21,7 @@ from mpsched import (
     PoolClosedError,
     TaskPicklingError,
     WorkerCrashedError,
+    _map,
     _pool,
 )
 from mpsched._coordinator import Coordinator
@@ -296,7 +297,7 @@ def test_map_item_that_does_not_pickle_fails_at_its_chunks_position(
     got: list[int] = []
     with pytest.raises(TaskPicklingError):
         got.extend(pool2.map(tasks.ident, items, chunksize=chunksize))
-    size = chunksize or _pool.MAP_FIRST_CHUNK  # its chunk is in the first read-ahead
+    size = chunksize or _map.MAP_FIRST_CHUNK  # its chunk is in the first read-ahead
     assert got == list(range(100 // size * size))
     assert pool2.submit(tasks.ident, 3).result(timeout=20) == 3
 
@@ -313,7 +314,7 @@ def test_map_across_shutdown_yields_the_results_of_the_chunks_sent_before() -> N
     got: list[int] = []
     with pytest.raises(PoolClosedError):
         got.extend(results)
-    assert got == list(range(1, 10 * _pool.MAP_PREFETCH_PER_WORKER))
+    assert got == list(range(1, 10 * _map.MAP_PREFETCH_PER_WORKER))
 
 
 @pytest.mark.timeout(60)
