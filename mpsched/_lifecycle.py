@@ -13,7 +13,7 @@ Who releases (``PoolResources.teardown``; a second call is a no-op):
     (``shutdown(wait=True)``, the atexit hook) through ``request_release``, or by the drop.
     After its loop ended, the thread waits on the wakeup pipe for that request, because the
     Pool's ``statistics()`` may read the shared memory until the Pool releases it;
-  - ``Pool._abort_start``, after a failed start-up (the loop never ran).
+  - ``_startup.abort_start``, after a failed start-up (the loop never ran).
 
 The drop callback (``_on_pool_dropped``) runs wherever the garbage collector runs: in any
 thread, possibly inside a critical section of that same thread (the coordinator's lock, the
@@ -65,15 +65,15 @@ _unreleased: set[PoolResources] = set()
 coordinator_fds: set[int] = set()
 # Pools started and not released. Weak: a dropped pool is collected, and then ends by itself
 # (docs/design.md, "Lifecycle"); its resources stay in _unreleased until released. Written by:
-# Pool._start and Pool._release (user threads), the after-fork hook (a fork child). Read by: the
-# atexit hook.
+# _startup.start and Pool._release (user threads), the after-fork hook (a fork child). Read by:
+# the atexit hook.
 live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 
 
 class PoolResources:
     """The processes, fds and shared memory of one pool; never a reference to the ``Pool``.
 
-    Fields are filled by ``Pool._start`` as it creates them (a failed start-up releases what
+    Fields are filled by ``_startup.start`` as it creates them (a failed start-up releases what
     exists). Flags below are plain attributes written without a lock: each is set once, never
     cleared, and read after the wakeup byte that follows its write.
     """
@@ -190,7 +190,7 @@ def run_coordinator(resources: PoolResources) -> None:
     try:
         coordinator.run()
     finally:
-        if not coordinator.start_aborted:  # else Pool._abort_start tears down
+        if not coordinator.start_aborted:  # else _startup.abort_start tears down
             resources.wait_release_requested()
             resources.teardown()
 

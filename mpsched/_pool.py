@@ -2,20 +2,9 @@
 
 Owns the pool's lifecycle (start-up, the coordinator thread, shutdown) and the user-facing calls.
 Called from any user thread; every call that changes state goes through the coordinator's lock
-or queue and wakes the coordinator loop.
-
-Start-up, in order (the reasons are in docs/design.md):
-  1. sweep semaphore names left by a process that died inside the start-up window;
-  2. create the memfd segment (no name), the locks (named for now), one wake eventfd per slot,
-     and format the segment but for the slab's free stack;
-  3. start the zygote through the start method (under fork: a bare fork, see ForkedZygote);
-     it opens the locks and maps the segment; meanwhile build the coordinator, mark every
-     worker as starting, fill the free stack and start the coordinator thread (it waits);
-  4. on READY, unlink every lock name (from here on nothing of the pool has a name), let the
-     coordinator thread go and return: the workers are not waited for;
-  5. the zygote forks the workers (listed in its config: no SPAWN message each); the
-     coordinator thread registers each as its SPAWNED comes. A task submitted before may wait
-     in a starting worker's inbox.
+or queue and wakes the coordinator loop. Parts of it live in their own modules: the start-up
+(``_startup``), ``map``'s iterator (``_map``), the ``statistics`` snapshot (``_statistics``) and
+what the pool owns, with the process-wide fork and exit hooks (``_lifecycle``).
 
 Lifecycle: RUNNING -> DRAINING (shutdown called: no new work; the coordinator drains) ->
 CLOSED (workers and zygote gone, resources released). ``shutdown`` is idempotent and may be
@@ -36,87 +25,25 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 from mpsched._coordinator import Coordinator
 from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
 from mpsched._future import Future
-from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
-from mpsched._lifecycle import (
-    PoolResources,
-    coordinator_fds,
-    live_pools,
-    run_coordinator,
-)
+from mpsched._layout import SegmentViews
+from mpsched._lifecycle import PoolResources, live_pools
 from mpsched._map import map_results
 from mpsched._options import TaskOptions, check_seconds
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
 from mpsched._serialize import FunctionCache, dumps, portable
-from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
+from mpsched._startup import DISPATCH_WINDOW, DISPATCH_WINDOW_MAX, start
+from mpsched._statistics import PoolStatistics, snapshot
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
 from mpsched._wakeup import Wakeup
 from mpsched._worker import WorkerOptions
-from mpsched._zygote import ZYGOTE_NAME, ForkedZygote, ZygoteConfig, zygote_main
-
-DISPATCH_WINDOW = 128  # tasks per worker inbox; larger = fewer wake-ups, longer cancel window
-DISPATCH_WINDOW_MAX = 4096  # the inbox ring is sized for the window
-INFLIGHT_PER_WORKER = 4 * DISPATCH_WINDOW  # dispatched-unfinished tasks, per worker
-BLOCKS_PER_WORKER = 2048  # slab blocks per worker: in-flight tasks plus their children
-DEQUE_CAPACITY = 1024  # children queued per worker before they run inline
-STARTUP_TIMEOUT = 60.0  # seconds for the zygote to come up (spawn imports the main module)
 
 _INF = float("inf")
-_MAX_SEGMENT_BYTES = 1 << 63  # off_t: ftruncate's limit
-_NO_COUNTERS = {"executed": 0, "stolen": 0}
-
-
-@dataclass(frozen=True)
-class WorkerStatistics:
-    """One worker slot's counters (``PoolStatistics.per_worker``).
-
-    ``executed`` counts the tasks that ran to their end in this slot: top-level tasks (a
-    ``map`` chunk is one) and children, wherever they were spawned; a run its worker died in is
-    not counted. ``stolen``: tasks it took from a peer's queues. Both add up over every worker
-    that ran in the slot (a replacement after a crash or a recycling goes on counting). A run
-    is counted just before its result is published, so a snapshot taken after a future is
-    done counts its run (a worker that dies in between counts a run whose task then fails).
-    ``pid`` is 0 while the slot's worker is starting and after the pool ended.
-    """
-
-    slot: int
-    pid: int
-    executed: int
-    stolen: int
-    inbox_depth: int
-    deque_depth: int
-
-
-@dataclass(frozen=True)
-class PoolStatistics:
-    """A snapshot of the pool's counters (racy reads of shared counters: hints).
-
-    ``submitted`` counts the top-level tasks the pool took: each ``submit`` and ``schedule``
-    (a superseded or cancelled one too), each chunk of a ``map`` and each run of a recurring
-    task. ``completed`` counts the runs a worker ended (returned or raised; a retried task
-    once), so ``completed <= submitted``; children are in ``per_worker[k].executed`` only.
-    """
-
-    workers: int
-    submitted: int  # top-level tasks taken (see above)
-    completed: int  # top-level runs that ended in a worker
-    pending: int  # due, not yet handed to a worker
-    scheduled: int  # versions waiting for their run_at (or behind a running version)
-    steals: int
-    crashes: int
-    respawns: int
-    retried: int  # runs started again after their worker died (the retries option)
-    recycled: int  # workers replaced after max_tasks_per_worker tasks
-    misfires: int  # recurring runs skipped by the misfire policy
-    skipped_runs: int  # recurring due times dropped by the overlap policy "skip"/"coalesce"
-    per_worker: tuple[WorkerStatistics, ...]
 
 
 def _default_start_method() -> str:
@@ -165,6 +92,7 @@ class Pool:
     _views: SegmentViews
     _functions: FunctionCache
     _wakeup: Wakeup
+    _coordinator_pid: int  # the process that started the pool (a fork child is not it)
 
     def __init__(
         self,
@@ -232,127 +160,13 @@ class Pool:
         self._closed = False
         self._closed_message = POOL_CLOSED_MESSAGE  # another one in a forked child
         self._started = False
-        self._start()
+        start(self)
 
-    # ------------------------------------------------------------------ start-up
-    def _start(self) -> None:
-        sweep_stale_names()
-        n = self._workers
-        layout = SegmentLayout(
-            n_slots=n,
-            deque_capacity=DEQUE_CAPACITY,
-            inbox_capacity=_pow2(self._window),
-            done_capacity=_pow2(max(INFLIGHT_PER_WORKER, 4 * self._window) * n),
-            block_count=BLOCKS_PER_WORKER * n,
-        )
-        if layout.total_bytes >= _MAX_SEGMENT_BYTES:  # else an OverflowError deep in ftruncate
-            raise ValueError(
-                f"workers={n} is too many: the pool's shared memory would take "
-                f"{layout.total_bytes:.3e} bytes"
-            )
-        segment = AnonSegment.create(layout.total_bytes)
-        self._wakeup = Wakeup()
-        res = self._resources = PoolResources(segment, self._wakeup)
-        locks = create_locks(n)
-        try:
-            res.wake_fds = [SharedFd(create_eventfd()) for _ in range(n)]
-            # The stall callback is the resources' (not a method of the Pool: the locks are
-            # the coordinator's, and nothing it reaches may keep the Pool alive).
-            guarded = locks.guarded(res.on_lock_stall)
-            # Format the segment, which the zygote checks when it attaches; the bulk of it,
-            # the slab's free stack, is filled below while the zygote starts up.
-            self._views = attach(segment, layout, guarded, init=True, fill_slab=False)
-            zygote_conn = self._start_zygote(layout, locks)
-            # While the zygote starts up: build the coordinator, mark every worker as starting
-            # (the zygote forks them after READY), fill the free stack (no block is allocated
-            # before Pool() returns) and start the coordinator thread (it waits for go). None
-            # of it is then on the path to the first result.
-            self._functions = res.functions = FunctionCache(self._views.functions.add)
-            self._coordinator = res.coordinator = Coordinator(
-                self._views,
-                res.wake_fds,
-                zygote_conn,
-                self._wakeup.fileno(),
-                self._wakeup.wakeup,
-                self._wakeup.clear,
-                n,
-                self._window,
-                max(INFLIGHT_PER_WORKER, 4 * self._window) * n,
-                locks=guarded,
-                aging=self._aging,
-                timed_after_shutdown=self._timed_after_shutdown,
-                recurring_after_shutdown=self._recurring_after_shutdown,
-                wakeup_nowait=self._wakeup.wakeup_nowait,
-                has_initializer=bool(self._worker_options.initializer),
-            )
-            self._coordinator.mark_all_starting()
-            self._views.slab.fill_free_stack()
-            self._thread = res.thread = threading.Thread(
-                target=run_coordinator, args=(res,), name="mpsched-coordinator", daemon=True
-            )
-            self._thread.start()
-            # READY: the zygote opened the locks, so their names can go. The workers are not
-            # waited for: a first task waits in a starting worker's inbox (see dispatch_one).
-            self._coordinator.wait_ready(STARTUP_TIMEOUT)
-        except BaseException:
-            self._abort_start()
-            raise
-        finally:
-            locks.unlink_names()  # from here on, nothing of the pool has a name
-        self._coordinator.go.set()
-        self._coordinator_pid = os.getpid()
-        self._started = True
-        live_pools.add(self)
-        res.watch(self)
-
-    def _abort_start(self) -> None:
-        """Start-up failed: end the waiting coordinator thread, then undo the rest."""
-        res = self._resources
-        if res.coordinator is not None:
-            res.coordinator.start_aborted = True
-            res.coordinator.go.set()
-        if res.thread is not None and res.thread.ident is not None:
-            res.thread.join()
-        res.teardown()
-
+    # ------------------------------------------------------------------ start-up (_startup)
     @property
     def _zygote(self) -> Any:
         """The zygote's Process (or ForkedZygote): tests signal it and read its pid."""
         return self._resources.zygote
-
-    def _start_zygote(self, layout: SegmentLayout, locks: SegmentLocks) -> Connection:
-        ctx: Any = multiprocessing.get_context(self._start_method)
-        parent_conn: Connection
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        res = self._resources
-        res.zygote_conn = parent_conn
-        coordinator_fds.add(parent_conn.fileno())
-        fork = self._start_method == "fork"
-        cfg = ZygoteConfig(
-            conn=child_conn,
-            segment=res.segment,
-            layout=layout,
-            locks=locks,
-            wake_fds=res.wake_fds,
-            coordinator_pid=os.getpid(),
-            worker_options=self._worker_options,
-            close_fds=sorted(coordinator_fds) if fork else [],
-            initial_slots=list(range(self._workers)),
-            # Under fork the zygote inherits the workers' views: attaching here costs ~0.1 ms,
-            # in the zygote (copy-on-write faults after the fork) ~0.7 ms on the start-up path.
-            views=attach(res.segment, layout, locks) if fork else None,
-        )
-        try:
-            if fork:  # a bare fork, lighter than a Process (see ForkedZygote)
-                res.zygote = ForkedZygote(cfg)
-            else:
-                res.zygote = ctx.Process(
-                    target=zygote_main, args=(cfg,), name=ZYGOTE_NAME, daemon=True
-                )
-                res.zygote.start()
-        finally:
-            child_conn.close()
-        return parent_conn
 
     # ------------------------------------------------------------------ submitting
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
@@ -629,43 +443,7 @@ class Pool:
         ``shutdown`` (once ``await_termination`` returned True), the final counters: queue
         depths and pids read 0 then."""
         with self._shutdown_lock:  # the memory is not released while we read it
-            return self._statistics()
-
-    def _statistics(self) -> PoolStatistics:
-        coord = self._coordinator
-        live = self._started
-        with coord.lock:
-            pending = coord.ready.live()
-        per_worker = []
-        for k, slot in enumerate(self._views.slots):
-            counters = coord.final_stats.get(k) or (slot.counters() if live else _NO_COUNTERS)
-            worker = coord.workers[k]
-            deque_, inbox = slot.depths() if live else (0, 0)
-            per_worker.append(
-                WorkerStatistics(
-                    slot=k,
-                    pid=worker.pid if worker is not None else 0,
-                    executed=counters["executed"],
-                    stolen=counters["stolen"],
-                    inbox_depth=inbox,
-                    deque_depth=deque_,
-                )
-            )
-        return PoolStatistics(
-            workers=self._workers,
-            submitted=coord.submitted,
-            completed=coord.completed,
-            pending=pending,
-            scheduled=len(coord.timetable.heap),
-            steals=sum(w.stolen for w in per_worker),
-            crashes=coord.crashes,
-            respawns=coord.respawns,
-            retried=coord.retried,
-            recycled=coord.recycled,
-            misfires=coord.misfires,
-            skipped_runs=coord.skipped_runs,
-            per_worker=tuple(per_worker),
-        )
+            return snapshot(self)
 
     def __enter__(self) -> Pool:
         return self
@@ -740,7 +518,3 @@ def _wait_timeout(timeout: object) -> float | None:
     if math.isnan(timeout):
         raise ValueError("timeout must be a number of seconds or None, not nan")
     return None if timeout == _INF else float(timeout)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()

@@ -22,7 +22,7 @@ from mpsched import (
     TaskPicklingError,
     WorkerCrashedError,
     _map,
-    _pool,
+    _startup,
 )
 from mpsched._coordinator import Coordinator
 from mpsched._errors import InternalError, ProtocolError
@@ -445,7 +445,7 @@ def test_children_run_inline_on_a_full_deque_leave_no_stash(
 ) -> None:
     """A child whose arguments went to the stash, then found the deque full, runs inline:
     its stashed arguments must not stay behind."""
-    monkeypatch.setattr(_pool, "DEQUE_CAPACITY", 2)
+    monkeypatch.setattr(_startup, "DEQUE_CAPACITY", 2)
     pool = Pool(1, start_method="fork")  # the zygote inherits the patched layout anyway
     try:
         assert pool.submit(et.spawn_big_children, 6, 300_000).result(timeout=20) == 6 * 300_000
