@@ -11,8 +11,8 @@ Called from: ``Pool.map`` (a user thread), which checks the arguments and the po
 (``close()``) may run in any thread, inside the garbage collector, so it takes no lock there.
 
 Invariants: ``in_flight`` holds the chunks sent and not yet yielded, in input order (the rest
-of a chunk that stopped at its budget goes back to its front); at most
-``MAP_PREFETCH_PER_WORKER`` chunks per worker are read ahead of the results; every chunk still
+of a chunk that stopped at its budget goes back to its front); new input is read only while
+fewer than ``MAP_PREFETCH_PER_WORKER`` chunks per worker are in flight; every chunk still
 in flight when the generator ends is cancelled: at once when it ends by its own error, timeout
 or Ctrl-C, by the coordinator thread (``cancel_later``) when it is closed. An error met ahead
 of the results (the input's, a chunk's submit) is raised only after every earlier result was

@@ -60,6 +60,7 @@ ZYGOTE_AVOIDS = {
     "mpsched._map",
     "mpsched._statistics",
     "mpsched._startup",
+    "mpsched._lifecycle",
     "mpsched._coordinator",
     "mpsched._coord_state",
     "mpsched._coord_timed",
