@@ -5,7 +5,8 @@ Layering rule (enforced by tests/test_quality.py): the leaf modules (``_task``, 
 mpsched except ``_errors`` and ``_task`` (``_shm_deque`` is one leaf in four modules, with
 ``_slot_region``, ``_slot_repair`` and ``_block_state``, which import one another);
 ``_scheduler``, ``_worker`` and ``_coordinator`` (with its parts, ``_coord_*``) compose leaves;
-only ``_pool`` knows about both sides. Public names come only from this module.
+only ``_pool`` (with its parts ``_startup``, ``_lifecycle``, ``_map`` and ``_statistics``) knows
+about both sides. Public names come only from this module.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ if TYPE_CHECKING:
     from mpsched._future import Future as Future
     from mpsched._options import TaskOptions as TaskOptions
     from mpsched._pool import Pool as Pool
-    from mpsched._pool import PoolStatistics as PoolStatistics
     from mpsched._pool import TaskSubmitter as TaskSubmitter
-    from mpsched._pool import WorkerStatistics as WorkerStatistics
     from mpsched._scheduler import Scheduler as Scheduler
     from mpsched._serialize import TaskPicklingError as TaskPicklingError
+    from mpsched._statistics import PoolStatistics as PoolStatistics
+    from mpsched._statistics import WorkerStatistics as WorkerStatistics
     from mpsched._task import Due as Due
     from mpsched._task import TaskState as TaskState
     from mpsched._task import Wait as Wait
@@ -52,7 +53,7 @@ _LAZY = {
     "Due": "mpsched._task",
     "Future": "mpsched._future",
     "Pool": "mpsched._pool",
-    "PoolStatistics": "mpsched._pool",
+    "PoolStatistics": "mpsched._statistics",
     "Scheduler": "mpsched._scheduler",
     "TaskContext": "mpsched._worker",
     "TaskOptions": "mpsched._options",
@@ -60,7 +61,7 @@ _LAZY = {
     "TaskState": "mpsched._task",
     "TaskSubmitter": "mpsched._pool",
     "Wait": "mpsched._task",
-    "WorkerStatistics": "mpsched._pool",
+    "WorkerStatistics": "mpsched._statistics",
     "current_task": "mpsched._worker",
     "submit": "mpsched._worker",
 }

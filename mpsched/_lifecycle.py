@@ -1,4 +1,5 @@
-"""What a started pool owns apart from the ``Pool`` object, and who releases it, exactly once.
+"""What a started pool owns apart from the ``Pool`` object, and who releases it, exactly once;
+what becomes of every pool when the process forks or exits.
 
 A ``Pool`` that its user drops (no ``shutdown``, no ``with``) ends like ``shutdown(wait=False)``,
 as ``concurrent.futures.ProcessPoolExecutor`` does (its manager thread holds only a weakref to
@@ -12,7 +13,7 @@ Who releases (``PoolResources.teardown``; a second call is a no-op):
     (``shutdown(wait=True)``, the atexit hook) through ``request_release``, or by the drop.
     After its loop ended, the thread waits on the wakeup pipe for that request, because the
     Pool's ``statistics()`` may read the shared memory until the Pool releases it;
-  - ``Pool._abort_start``, after a failed start-up (the loop never ran).
+  - ``_startup.abort_start``, after a failed start-up (the loop never ran).
 
 The drop callback (``_on_pool_dropped``) runs wherever the garbage collector runs: in any
 thread, possibly inside a critical section of that same thread (the coordinator's lock, the
@@ -20,26 +21,38 @@ wakeup's lock), as the map finalizer of tests/integration/test_engine_edges.py s
 takes no lock and waits for nothing: it sets flags and writes a byte to the wakeup pipe
 (``Wakeup.wakeup_nowait``); the coordinator loop then begins the shutdown itself.
 
-Registry (``_unreleased``): every started pool's resources until they are released. The
-atexit hook waits for those of dropped pools (``join_dropped``), and a child of ``os.fork()``
-lets go of its copies of their sockets (``disown_all``).
+Registries: ``_unreleased``, every started pool's resources until they are released, and
+``live_pools``, the started ``Pool`` objects not yet released (weak references). The
+process-wide hooks at the end of this module use them, and run in the thread that forks or
+exits:
+  - after ``os.fork()``, in the child (``_disown_pools_in_forked_child``): the pools stay the
+    parent's; their copies here refuse work, and the child lets go of its copies of their
+    sockets and processes (``disown_all``);
+  - at the interpreter's exit (``_shutdown_all_pools``, atexit): shut down every pool still
+    referenced, then wait for those that were dropped (``join_dropped``); after a Ctrl-C that
+    ended the program, stop them now (``_exiting_on_ctrl_c``).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import select
+import sys
 import threading
 import weakref
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpsched._coordinator import Coordinator
 from mpsched._serialize import FunctionCache
 from mpsched._shm import AnonSegment, SharedFd, disown_inherited_process
 from mpsched._wakeup import Wakeup
 from mpsched._zygote import ForkedZygote
+
+if TYPE_CHECKING:
+    from mpsched._pool import Pool
 
 ZYGOTE_JOIN_TIMEOUT = 5.0  # seconds the zygote gets to exit after EOF before it is killed
 
@@ -50,12 +63,17 @@ _unreleased: set[PoolResources] = set()
 # zygote of a pool learns of its coordinator's death by EOF there). Kept exact: numbers are
 # removed when closed, so a reused number is never closed by mistake.
 coordinator_fds: set[int] = set()
+# Pools started and not released. Weak: a dropped pool is collected, and then ends by itself
+# (docs/design.md, "Lifecycle"); its resources stay in _unreleased until released. Written by:
+# _startup.start and Pool._release (user threads), the after-fork hook (a fork child). Read by:
+# the atexit hook.
+live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 
 
 class PoolResources:
     """The processes, fds and shared memory of one pool; never a reference to the ``Pool``.
 
-    Fields are filled by ``Pool._start`` as it creates them (a failed start-up releases what
+    Fields are filled by ``_startup.start`` as it creates them (a failed start-up releases what
     exists). Flags below are plain attributes written without a lock: each is set once, never
     cleared, and read after the wakeup byte that follows its write.
     """
@@ -143,7 +161,7 @@ class PoolResources:
 
     def disown(self) -> None:
         """In the child of ``os.fork()``: let go of the copies of the parent's sockets and
-        processes (see ``_pool._disown_pools_in_forked_child``); release nothing else."""
+        processes (see ``_disown_pools_in_forked_child``); release nothing else."""
         self.disowned = True
         if self.coordinator is not None:
             self.coordinator.disowned = True  # its futures' copies leave the parent's memory be
@@ -172,7 +190,7 @@ def run_coordinator(resources: PoolResources) -> None:
     try:
         coordinator.run()
     finally:
-        if not coordinator.start_aborted:  # else Pool._abort_start tears down
+        if not coordinator.start_aborted:  # else _startup.abort_start tears down
             resources.wait_release_requested()
             resources.teardown()
 
@@ -204,3 +222,55 @@ def join_dropped(stop: bool = False) -> None:
             coordinator.begin_shutdown(True)
             coordinator.abort_running()
             raise
+
+
+FORKED_CHILD_MESSAGE = (
+    "this pool belongs to the process that created it (pid {pid}); this process is a child of "
+    "os.fork() and cannot use it: create a new Pool here"
+)
+
+
+def _disown_pools_in_forked_child() -> None:
+    """``os.fork()`` (by user code, or a zygote under the fork start method): the child has
+    copies of the pools' objects but not their coordinator threads, and shares their memory
+    with the parent. The pools stay the parent's: here a submit would write into the parent's
+    shared memory behind its coordinator's back (which then breaks on a block it never
+    handed out), and a shutdown (the atexit hook at the child's exit) would wait forever for a
+    coordinator thread that this process does not have. So the child's copies refuse work
+    with a clear error and their shutdown does nothing (the parent's pool goes on). The
+    child also closes its copies of the coordinator's sockets: the zygote learns of its
+    coordinator's death by EOF on the control socket, which a copy here kept open, so the
+    parent's workers outlived a SIGKILLed parent as long as this child lived."""
+    for pool in list(live_pools):
+        pool._closed_message = FORKED_CHILD_MESSAGE.format(pid=pool._coordinator_pid)
+        pool._closed = True
+        pool._started = False
+    disown_all()  # every pool's, referenced or dropped: sockets, zygote processes
+    live_pools.clear()
+
+
+os.register_at_fork(after_in_child=_disown_pools_in_forked_child)
+
+
+def _exiting_on_ctrl_c() -> bool:
+    """The interpreter exits because a KeyboardInterrupt reached the top of the main module:
+    its report there set ``sys.last_value``. Not in an interactive session, where that is
+    whatever failed last at the prompt."""
+    return isinstance(getattr(sys, "last_value", None), KeyboardInterrupt) and not hasattr(
+        sys, "ps1"
+    )
+
+
+@atexit.register
+def _shutdown_all_pools() -> None:
+    """Interpreter exit: finish and stop every pool the user did not shut down; after a Ctrl-C
+    that ended the program, stop them now, as leaving a ``with`` block on it does (the
+    interrupted wait was outside one: the exit waited for every running task)."""
+    stop = _exiting_on_ctrl_c()
+    for pool in list(live_pools):
+        with contextlib.suppress(Exception):
+            if stop and pool._started:
+                pool.shutdown(wait=False, cancel_futures=True)
+                pool._coordinator.abort_running()
+            pool.shutdown(wait=True)
+    join_dropped(stop)

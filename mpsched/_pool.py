@@ -2,20 +2,9 @@
 
 Owns the pool's lifecycle (start-up, the coordinator thread, shutdown) and the user-facing calls.
 Called from any user thread; every call that changes state goes through the coordinator's lock
-or queue and wakes the coordinator loop.
-
-Start-up, in order (the reasons are in docs/design.md):
-  1. sweep semaphore names left by a process that died inside the start-up window;
-  2. create the memfd segment (no name), the locks (named for now), one wake eventfd per slot,
-     and format the segment but for the slab's free stack;
-  3. start the zygote through the start method (under fork: a bare fork, see ForkedZygote);
-     it opens the locks and maps the segment; meanwhile build the coordinator, mark every
-     worker as starting, fill the free stack and start the coordinator thread (it waits);
-  4. on READY, unlink every lock name (from here on nothing of the pool has a name), let the
-     coordinator thread go and return: the workers are not waited for;
-  5. the zygote forks the workers (listed in its config: no SPAWN message each); the
-     coordinator thread registers each as its SPAWNED comes. A task submitted before may wait
-     in a starting worker's inbox.
+or queue and wakes the coordinator loop. Parts of it live in their own modules: the start-up
+(``_startup``), ``map``'s iterator (``_map``), the ``statistics`` snapshot (``_statistics``) and
+what the pool owns, with the process-wide fork and exit hooks (``_lifecycle``).
 
 Lifecycle: RUNNING -> DRAINING (shutdown called: no new work; the coordinator drains) ->
 CLOSED (workers and zygote gone, resources released). ``shutdown`` is idempotent and may be
@@ -27,125 +16,34 @@ coordinator thread releases (docs/design.md, "Lifecycle").
 
 from __future__ import annotations
 
-import atexit
-import collections
-import contextlib
 import dataclasses
 import functools
-import itertools
 import math
 import multiprocessing
 import os
-import pickle
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
-from mpsched._chunks import run_chunk
 from mpsched._coordinator import Coordinator
 from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
 from mpsched._future import Future
-from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach, create_locks
-from mpsched._lifecycle import (
-    PoolResources,
-    coordinator_fds,
-    disown_all,
-    join_dropped,
-    run_coordinator,
-)
+from mpsched._layout import SegmentViews
+from mpsched._lifecycle import PoolResources, live_pools
+from mpsched._map import map_results
 from mpsched._options import TaskOptions, check_seconds
-from mpsched._protocol import PICKLE_PROTOCOL, load_exception
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
 from mpsched._serialize import FunctionCache, dumps, portable
-from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
+from mpsched._startup import DISPATCH_WINDOW, DISPATCH_WINDOW_MAX, start
+from mpsched._statistics import PoolStatistics, snapshot
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
 from mpsched._wakeup import Wakeup
 from mpsched._worker import WorkerOptions
-from mpsched._zygote import ZYGOTE_NAME, ForkedZygote, ZygoteConfig, zygote_main
-
-DISPATCH_WINDOW = 128  # tasks per worker inbox; larger = fewer wake-ups, longer cancel window
-DISPATCH_WINDOW_MAX = 4096  # the inbox ring is sized for the window
-INFLIGHT_PER_WORKER = 4 * DISPATCH_WINDOW  # dispatched-unfinished tasks, per worker
-BLOCKS_PER_WORKER = 2048  # slab blocks per worker: in-flight tasks plus their children
-DEQUE_CAPACITY = 1024  # children queued per worker before they run inline
-STARTUP_TIMEOUT = 60.0  # seconds for the zygote to come up (spawn imports the main module)
-# Pool.map's default chunking (docs/design.md, "Pool.map").
-MAP_TARGET_CHUNK_SECONDS = 0.002  # map: aim for chunks of about this much work
-# Items per chunk, at most. A chunk costs ~0.3 ms of hand-offs (inject, wake, poke, collect)
-# whatever its size: 20,000 no-ops took 7.3 ms at 4096 and 9.0 ms at 1024 (medians of 9).
-MAP_MAX_CHUNK = 4096
-# Pickled bytes per chunk, about. 20,000 strings of 1 KB: 64 ms in 512 KiB chunks, 71 ms in
-# 1 MiB, 128 ms in 4 MiB (the stash through the coordinator's socket) and 134 ms in 128 KiB
-# (hand-offs); medians of 5, interleaved.
-MAP_CHUNK_BYTES = 512 * 1024
-MAP_SAMPLE_ITEMS = 8  # items of the first chunk pickled to estimate bytes per item
-MAP_PREFETCH_PER_WORKER = 4  # chunks in flight per worker (bounded read-ahead of lazy input)
-MAP_GROWTH = 64  # chunks grow at most this much per measured chunk
-MAP_FIRST_CHUNK = 64  # items per chunk before any chunk was measured (bounded by the budget)
-# A default-sized chunk stops after about this much work (s) and map sends the rest of its
-# items again: a first guess or a mis-measured chunk of slow items costs at most this much
-# imbalance. 5x the target, so that a chunk sized by the target does not stop early.
-MAP_CHUNK_BUDGET = 0.01
 
 _INF = float("inf")
-_MAX_SEGMENT_BYTES = 1 << 63  # off_t: ftruncate's limit
-_NO_COUNTERS = {"executed": 0, "stolen": 0}
-
-# Pools started and not released. Weak: a dropped pool is collected, and then ends by itself
-# (docs/design.md, "Lifecycle"); its resources stay in _lifecycle's registry until released.
-_live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
-
-
-@dataclass(frozen=True)
-class WorkerStatistics:
-    """One worker slot's counters (``PoolStatistics.per_worker``).
-
-    ``executed`` counts the tasks that ran to their end in this slot: top-level tasks (a
-    ``map`` chunk is one) and children, wherever they were spawned; a run its worker died in is
-    not counted. ``stolen``: tasks it took from a peer's queues. Both add up over every worker
-    that ran in the slot (a replacement after a crash or a recycling goes on counting). A run
-    is counted just before its result is published, so a snapshot taken after a future is
-    done counts its run (a worker that dies in between counts a run whose task then fails).
-    ``pid`` is 0 while the slot's worker is starting and after the pool ended.
-    """
-
-    slot: int
-    pid: int
-    executed: int
-    stolen: int
-    inbox_depth: int
-    deque_depth: int
-
-
-@dataclass(frozen=True)
-class PoolStatistics:
-    """A snapshot of the pool's counters (racy reads of shared counters: hints).
-
-    ``submitted`` counts the top-level tasks the pool took: each ``submit`` and ``schedule``
-    (a superseded or cancelled one too), each chunk of a ``map`` and each run of a recurring
-    task. ``completed`` counts the runs a worker ended (returned or raised; a retried task
-    once), so ``completed <= submitted``; children are in ``per_worker[k].executed`` only.
-    """
-
-    workers: int
-    submitted: int  # top-level tasks taken (see above)
-    completed: int  # top-level runs that ended in a worker
-    pending: int  # due, not yet handed to a worker
-    scheduled: int  # versions waiting for their run_at (or behind a running version)
-    steals: int
-    crashes: int
-    respawns: int
-    retried: int  # runs started again after their worker died (the retries option)
-    recycled: int  # workers replaced after max_tasks_per_worker tasks
-    misfires: int  # recurring runs skipped by the misfire policy
-    skipped_runs: int  # recurring due times dropped by the overlap policy "skip"/"coalesce"
-    per_worker: tuple[WorkerStatistics, ...]
 
 
 def _default_start_method() -> str:
@@ -194,6 +92,7 @@ class Pool:
     _views: SegmentViews
     _functions: FunctionCache
     _wakeup: Wakeup
+    _coordinator_pid: int  # the process that started the pool (a fork child is not it)
 
     def __init__(
         self,
@@ -261,127 +160,13 @@ class Pool:
         self._closed = False
         self._closed_message = POOL_CLOSED_MESSAGE  # another one in a forked child
         self._started = False
-        self._start()
+        start(self)
 
-    # ------------------------------------------------------------------ start-up
-    def _start(self) -> None:
-        sweep_stale_names()
-        n = self._workers
-        layout = SegmentLayout(
-            n_slots=n,
-            deque_capacity=DEQUE_CAPACITY,
-            inbox_capacity=_pow2(self._window),
-            done_capacity=_pow2(max(INFLIGHT_PER_WORKER, 4 * self._window) * n),
-            block_count=BLOCKS_PER_WORKER * n,
-        )
-        if layout.total_bytes >= _MAX_SEGMENT_BYTES:  # else an OverflowError deep in ftruncate
-            raise ValueError(
-                f"workers={n} is too many: the pool's shared memory would take "
-                f"{layout.total_bytes:.3e} bytes"
-            )
-        segment = AnonSegment.create(layout.total_bytes)
-        self._wakeup = Wakeup()
-        res = self._resources = PoolResources(segment, self._wakeup)
-        locks = create_locks(n)
-        try:
-            res.wake_fds = [SharedFd(create_eventfd()) for _ in range(n)]
-            # The stall callback is the resources' (not a method of the Pool: the locks are
-            # the coordinator's, and nothing it reaches may keep the Pool alive).
-            guarded = locks.guarded(res.on_lock_stall)
-            # Format the segment, which the zygote checks when it attaches; the bulk of it,
-            # the slab's free stack, is filled below while the zygote starts up.
-            self._views = attach(segment, layout, guarded, init=True, fill_slab=False)
-            zygote_conn = self._start_zygote(layout, locks)
-            # While the zygote starts up: build the coordinator, mark every worker as starting
-            # (the zygote forks them after READY), fill the free stack (no block is allocated
-            # before Pool() returns) and start the coordinator thread (it waits for go). None
-            # of it is then on the path to the first result.
-            self._functions = res.functions = FunctionCache(self._views.functions.add)
-            self._coordinator = res.coordinator = Coordinator(
-                self._views,
-                res.wake_fds,
-                zygote_conn,
-                self._wakeup.fileno(),
-                self._wakeup.wakeup,
-                self._wakeup.clear,
-                n,
-                self._window,
-                max(INFLIGHT_PER_WORKER, 4 * self._window) * n,
-                locks=guarded,
-                aging=self._aging,
-                timed_after_shutdown=self._timed_after_shutdown,
-                recurring_after_shutdown=self._recurring_after_shutdown,
-                wakeup_nowait=self._wakeup.wakeup_nowait,
-                has_initializer=bool(self._worker_options.initializer),
-            )
-            self._coordinator.mark_all_starting()
-            self._views.slab.fill_free_stack()
-            self._thread = res.thread = threading.Thread(
-                target=run_coordinator, args=(res,), name="mpsched-coordinator", daemon=True
-            )
-            self._thread.start()
-            # READY: the zygote opened the locks, so their names can go. The workers are not
-            # waited for: a first task waits in a starting worker's inbox (see dispatch_one).
-            self._coordinator.wait_ready(STARTUP_TIMEOUT)
-        except BaseException:
-            self._abort_start()
-            raise
-        finally:
-            locks.unlink_names()  # from here on, nothing of the pool has a name
-        self._coordinator.go.set()
-        self._coordinator_pid = os.getpid()
-        self._started = True
-        _live_pools.add(self)
-        res.watch(self)
-
-    def _abort_start(self) -> None:
-        """Start-up failed: end the waiting coordinator thread, then undo the rest."""
-        res = self._resources
-        if res.coordinator is not None:
-            res.coordinator.start_aborted = True
-            res.coordinator.go.set()
-        if res.thread is not None and res.thread.ident is not None:
-            res.thread.join()
-        res.teardown()
-
+    # ------------------------------------------------------------------ start-up (_startup)
     @property
     def _zygote(self) -> Any:
         """The zygote's Process (or ForkedZygote): tests signal it and read its pid."""
         return self._resources.zygote
-
-    def _start_zygote(self, layout: SegmentLayout, locks: SegmentLocks) -> Connection:
-        ctx: Any = multiprocessing.get_context(self._start_method)
-        parent_conn: Connection
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        res = self._resources
-        res.zygote_conn = parent_conn
-        coordinator_fds.add(parent_conn.fileno())
-        fork = self._start_method == "fork"
-        cfg = ZygoteConfig(
-            conn=child_conn,
-            segment=res.segment,
-            layout=layout,
-            locks=locks,
-            wake_fds=res.wake_fds,
-            coordinator_pid=os.getpid(),
-            worker_options=self._worker_options,
-            close_fds=sorted(coordinator_fds) if fork else [],
-            initial_slots=list(range(self._workers)),
-            # Under fork the zygote inherits the workers' views: attaching here costs ~0.1 ms,
-            # in the zygote (copy-on-write faults after the fork) ~0.7 ms on the start-up path.
-            views=attach(res.segment, layout, locks) if fork else None,
-        )
-        try:
-            if fork:  # a bare fork, lighter than a Process (see ForkedZygote)
-                res.zygote = ForkedZygote(cfg)
-            else:
-                res.zygote = ctx.Process(
-                    target=zygote_main, args=(cfg,), name=ZYGOTE_NAME, daemon=True
-                )
-                res.zygote.start()
-        finally:
-            child_conn.close()
-        return parent_conn
 
     # ------------------------------------------------------------------ submitting
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
@@ -576,102 +361,8 @@ class Pool:
             raise PoolClosedError(self._closed_message)
         deadline = None if timeout is None else time.monotonic() + timeout
         if len(iterables) == 1:  # the items go as they are (see _chunks)
-            return self._map(fn, iter(iterables[0]), False, chunksize, deadline)
-        return self._map(fn, zip(*iterables, strict=False), True, chunksize, deadline)
-
-    def _map(
-        self,
-        fn: Callable[..., Any],
-        items: Iterator[Any],
-        star: bool,
-        chunksize: int | None,
-        deadline: float | None,
-    ) -> Iterator[Any]:
-        # In input order: each chunk's future and its items (a chunk that stopped at its budget
-        # leaves the rest of its items to go again, before every later chunk's results).
-        in_flight: collections.deque[tuple[Future, list[Any]]] = collections.deque()
-        # islice takes at most sys.maxsize: a bigger chunksize means the same (one chunk).
-        size = min(chunksize, sys.maxsize) if chunksize else MAP_FIRST_CHUNK
-        budget = _INF if chunksize else MAP_CHUNK_BUDGET
-        per_item = None
-        cap = 0  # largest default chunk, from the first chunk's bytes per item; 0: not yet
-        limit = MAP_PREFETCH_PER_WORKER * self._workers
-        exhausted = False
-        # fn travels in each chunk's arguments, not through the function table: a __main__
-        # function needs its copy by value there too (see _serialize.portable).
-        fn = portable(fn)
-
-        def send(piece: list[Any]) -> tuple[Future, bool]:
-            # An error met ahead of the results (the input's, a submit's: an item that does
-            # not pickle, the pool shut down) takes the place of its items: the results before
-            # it come first, as with the builtin map (and ProcessPoolExecutor.map).
-            try:
-                return self.submit(run_chunk, fn, piece, star, budget), True
-            except Exception as exc:  # a BaseException (Ctrl-C) goes on at once
-                return _failed(exc), False
-
-        try:
-            while True:
-                while not exhausted and len(in_flight) < limit:
-                    chunk: list[Any] = []
-                    try:
-                        chunk.extend(itertools.islice(items, size))  # keeps what came before
-                    except Exception as exc:
-                        if chunk:
-                            in_flight.append((send(chunk)[0], chunk))
-                        in_flight.append((_failed(exc), []))
-                        exhausted = True
-                        break
-                    if not chunk:
-                        exhausted = True
-                        break
-                    if not cap and chunksize is None:
-                        cap = _max_chunk(chunk)
-                    future, sent = send(chunk)
-                    in_flight.append((future, chunk))
-                    exhausted = not sent  # failed to go: nothing after it is read
-                if not in_flight:
-                    return
-                future, chunk = in_flight.popleft()
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    results, seconds, error = future.result(remaining)
-                except BaseException:
-                    # Popped from in_flight, so the finally below does not see it: on a
-                    # timeout (or a Ctrl-C) its chunk may still be unclaimed, and an abandoned
-                    # map must not run it (the stdlib's gh-95166). A no-op if it failed.
-                    future.cancel()
-                    raise
-                if error is not None:  # an item raised after these: they come first (_chunks)
-                    del chunk
-                    yield from results
-                    raise load_exception(error)
-                if chunksize is None:
-                    sample = seconds / len(results)
-                    per_item = sample if per_item is None else 0.5 * per_item + 0.5 * sample
-                    size = _next_chunksize(per_item, len(results), cap)
-                done = len(results)
-                if done < len(chunk):  # stopped at its budget: the rest goes again, first
-                    rest = chunk[done:]
-                    pieces = [rest[i : i + size] for i in range(0, len(rest), size)]
-                    for piece in reversed(pieces):
-                        in_flight.appendleft((send(piece)[0], piece))
-                del chunk
-                yield from results
-        except GeneratorExit:
-            # close(): by the caller, or by the garbage collector finalizing the generator,
-            # which may run inside any allocation, also while this thread holds a lock that
-            # future.cancel() takes (Coordinator.lock, the futures' module lock, a slot lock):
-            # cancelling here would wait for this thread forever. The coordinator thread
-            # cancels them instead, on its next pass (docs/design.md, Pool.map).
-            self._coordinator.cancel_later([future for future, _ in in_flight])
-            in_flight.clear()
-            raise
-        finally:
-            # The map's own error, timeout or Ctrl-C, raised in this frame (every lock taken
-            # below it was released on the way out): cancel at once.
-            for future, _ in in_flight:
-                future.cancel()
+            return map_results(self, fn, iter(iterables[0]), False, chunksize, deadline)
+        return map_results(self, fn, zip(*iterables, strict=False), True, chunksize, deadline)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -742,7 +433,7 @@ class Pool:
         # and cleared before the join, a shutdown(wait=True) racing this one returned while
         # the teardown was still going on (tests/stress/test_lifecycle_races.py).
         self._started = False
-        _live_pools.discard(self)
+        live_pools.discard(self)
 
     def statistics(self) -> PoolStatistics:
         """A snapshot of the counters (racy reads while the pool runs: hints).
@@ -752,43 +443,7 @@ class Pool:
         ``shutdown`` (once ``await_termination`` returned True), the final counters: queue
         depths and pids read 0 then."""
         with self._shutdown_lock:  # the memory is not released while we read it
-            return self._statistics()
-
-    def _statistics(self) -> PoolStatistics:
-        coord = self._coordinator
-        live = self._started
-        with coord.lock:
-            pending = coord.ready.live()
-        per_worker = []
-        for k, slot in enumerate(self._views.slots):
-            counters = coord.final_stats.get(k) or (slot.counters() if live else _NO_COUNTERS)
-            worker = coord.workers[k]
-            deque_, inbox = slot.depths() if live else (0, 0)
-            per_worker.append(
-                WorkerStatistics(
-                    slot=k,
-                    pid=worker.pid if worker is not None else 0,
-                    executed=counters["executed"],
-                    stolen=counters["stolen"],
-                    inbox_depth=inbox,
-                    deque_depth=deque_,
-                )
-            )
-        return PoolStatistics(
-            workers=self._workers,
-            submitted=coord.submitted,
-            completed=coord.completed,
-            pending=pending,
-            scheduled=len(coord.timetable.heap),
-            steals=sum(w.stolen for w in per_worker),
-            crashes=coord.crashes,
-            respawns=coord.respawns,
-            retried=coord.retried,
-            recycled=coord.recycled,
-            misfires=coord.misfires,
-            skipped_runs=coord.skipped_runs,
-            per_worker=tuple(per_worker),
-        )
+            return snapshot(self)
 
     def __enter__(self) -> Pool:
         return self
@@ -863,86 +518,3 @@ def _wait_timeout(timeout: object) -> float | None:
     if math.isnan(timeout):
         raise ValueError("timeout must be a number of seconds or None, not nan")
     return None if timeout == _INF else float(timeout)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _next_chunksize(per_item: float, measured: int, cap: int) -> int:
-    """Items in the next default chunk, from the mean ``per_item`` seconds and the items of the
-    last measured chunk; at most ``cap`` (``_max_chunk``)."""
-    target = int(MAP_TARGET_CHUNK_SECONDS / per_item) if per_item > 0 else cap
-    # Bounded growth, so one mis-measured fast chunk cannot make a huge slow one; 64x reaches
-    # the largest chunk from the first one in one result, so a map of tiny tasks ramps up fast.
-    return max(1, min(target, MAP_GROWTH * measured, cap))
-
-
-def _failed(error: Exception) -> Future:
-    """A future that failed with ``error``: an error in ``Pool.map``'s input order."""
-    future = Future()
-    future.set_exception(error)
-    return future
-
-
-def _max_chunk(chunk: list[Any]) -> int:
-    """The largest default chunk for items like the first few of ``chunk``: at most
-    ``MAP_MAX_CHUNK`` items and about ``MAP_CHUNK_BYTES`` pickled."""
-    sample = chunk[:MAP_SAMPLE_ITEMS]
-    try:
-        nbytes = len(pickle.dumps(sample, PICKLE_PROTOCOL))
-    except Exception:  # submit says why, with cloudpickle's help; size by count meanwhile
-        return MAP_MAX_CHUNK
-    return max(1, min(MAP_MAX_CHUNK, MAP_CHUNK_BYTES * len(sample) // max(1, nbytes)))
-
-
-FORKED_CHILD_MESSAGE = (
-    "this pool belongs to the process that created it (pid {pid}); this process is a child of "
-    "os.fork() and cannot use it: create a new Pool here"
-)
-
-
-def _disown_pools_in_forked_child() -> None:
-    """``os.fork()`` (by user code, or a zygote under the fork start method): the child has
-    copies of the pools' objects but not their coordinator threads, and shares their memory
-    with the parent. The pools stay the parent's: here a submit would write into the parent's
-    shared memory behind its coordinator's back (which then breaks on a block it never
-    handed out), and a shutdown (the atexit hook at the child's exit) would wait forever for a
-    coordinator thread that this process does not have. So the child's copies refuse work
-    with a clear error and their shutdown does nothing (the parent's pool goes on). The
-    child also closes its copies of the coordinator's sockets: the zygote learns of its
-    coordinator's death by EOF on the control socket, which a copy here kept open, so the
-    parent's workers outlived a SIGKILLed parent as long as this child lived."""
-    for pool in list(_live_pools):
-        pool._closed_message = FORKED_CHILD_MESSAGE.format(pid=pool._coordinator_pid)
-        pool._closed = True
-        pool._started = False
-    disown_all()  # every pool's, referenced or dropped: sockets, zygote processes
-    _live_pools.clear()
-
-
-os.register_at_fork(after_in_child=_disown_pools_in_forked_child)
-
-
-def _exiting_on_ctrl_c() -> bool:
-    """The interpreter exits because a KeyboardInterrupt reached the top of the main module:
-    its report there set ``sys.last_value``. Not in an interactive session, where that is
-    whatever failed last at the prompt."""
-    return isinstance(getattr(sys, "last_value", None), KeyboardInterrupt) and not hasattr(
-        sys, "ps1"
-    )
-
-
-@atexit.register
-def _shutdown_all_pools() -> None:
-    """Interpreter exit: finish and stop every pool the user did not shut down; after a Ctrl-C
-    that ended the program, stop them now, as leaving a ``with`` block on it does (the
-    interrupted wait was outside one: the exit waited for every running task)."""
-    stop = _exiting_on_ctrl_c()
-    for pool in list(_live_pools):
-        with contextlib.suppress(Exception):
-            if stop and pool._started:
-                pool.shutdown(wait=False, cancel_futures=True)
-                pool._coordinator.abort_running()
-            pool.shutdown(wait=True)
-    join_dropped(stop)

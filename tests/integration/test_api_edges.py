@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import mpsched
-from mpsched import Pool, PoolStatistics, TaskPicklingError, TaskState, WorkerCrashedError, _pool
+from mpsched import Pool, PoolStatistics, TaskPicklingError, TaskState, WorkerCrashedError, _startup
 
 from . import api_edge_tasks as at
 from . import tasks
@@ -395,7 +395,7 @@ def test_current_task_in_plain_and_timed_tasks_and_their_children() -> None:
 def test_current_task_in_children_run_inline(monkeypatch: pytest.MonkeyPatch) -> None:
     """Children that find the deque full run inline, inside their parent's run: they still
     have no id, version or cancel flag (they reported their parent's)."""
-    monkeypatch.setattr(_pool, "DEQUE_CAPACITY", 2)
+    monkeypatch.setattr(_startup, "DEQUE_CAPACITY", 2)
     with Pool(1, start_method="fork") as pool:  # the zygote inherits the patched layout
         contexts = pool.schedule("ctx", time.monotonic(), 0, at.contexts_of_children, 5).result(
             RESULT_TIMEOUT

@@ -18,8 +18,7 @@ import time
 
 import pytest
 
-from mpsched import Pool, WorkerCrashedError
-from mpsched import _pool as mpsched_pool
+from mpsched import Pool, WorkerCrashedError, _lifecycle
 
 from . import tasks
 from . import window_tasks as wt
@@ -60,7 +59,7 @@ def shut_down(pool: Pool) -> None:
     if not ended:  # take it down by force, and keep the interpreter's exit from hanging on it
         pool._zygote.kill()
         if not pool.await_termination(TIMEOUT):
-            mpsched_pool._live_pools.discard(pool)
+            _lifecycle.live_pools.discard(pool)
     assert not stopper.is_alive(), "shutdown() is stuck: the coordinator holds its lock"
     assert ended, "the pool did not shut down"
 

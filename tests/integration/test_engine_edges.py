@@ -21,7 +21,8 @@ from mpsched import (
     PoolClosedError,
     TaskPicklingError,
     WorkerCrashedError,
-    _pool,
+    _map,
+    _startup,
 )
 from mpsched._coordinator import Coordinator
 from mpsched._errors import InternalError, ProtocolError
@@ -296,7 +297,7 @@ def test_map_item_that_does_not_pickle_fails_at_its_chunks_position(
     got: list[int] = []
     with pytest.raises(TaskPicklingError):
         got.extend(pool2.map(tasks.ident, items, chunksize=chunksize))
-    size = chunksize or _pool.MAP_FIRST_CHUNK  # its chunk is in the first read-ahead
+    size = chunksize or _map.MAP_FIRST_CHUNK  # its chunk is in the first read-ahead
     assert got == list(range(100 // size * size))
     assert pool2.submit(tasks.ident, 3).result(timeout=20) == 3
 
@@ -313,7 +314,7 @@ def test_map_across_shutdown_yields_the_results_of_the_chunks_sent_before() -> N
     got: list[int] = []
     with pytest.raises(PoolClosedError):
         got.extend(results)
-    assert got == list(range(1, 10 * _pool.MAP_PREFETCH_PER_WORKER))
+    assert got == list(range(1, 10 * _map.MAP_PREFETCH_PER_WORKER))
 
 
 @pytest.mark.timeout(60)
@@ -444,7 +445,7 @@ def test_children_run_inline_on_a_full_deque_leave_no_stash(
 ) -> None:
     """A child whose arguments went to the stash, then found the deque full, runs inline:
     its stashed arguments must not stay behind."""
-    monkeypatch.setattr(_pool, "DEQUE_CAPACITY", 2)
+    monkeypatch.setattr(_startup, "DEQUE_CAPACITY", 2)
     pool = Pool(1, start_method="fork")  # the zygote inherits the patched layout anyway
     try:
         assert pool.submit(et.spawn_big_children, 6, 300_000).result(timeout=20) == 6 * 300_000

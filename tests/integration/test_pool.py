@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import mpsched
-from mpsched import BrokenPoolError, Pool, PoolClosedError, _pool
+from mpsched import BrokenPoolError, Pool, PoolClosedError, _map
 
 from . import edge_tasks as et
 from . import tasks
@@ -144,7 +144,7 @@ def test_map_keeps_order_with_any_chunksize(pool2: Pool) -> None:
         (10, 1000),
         # Default chunking: nothing was measured when the first result came, so every chunk so
         # far is a first guess.
-        (None, _pool.MAP_PREFETCH_PER_WORKER * 2 * _pool.MAP_FIRST_CHUNK),
+        (None, _map.MAP_PREFETCH_PER_WORKER * 2 * _map.MAP_FIRST_CHUNK),
     ],
 )
 def test_map_reads_its_input_lazily(pool2: Pool, chunksize: int | None, most_pulled: int) -> None:
@@ -166,7 +166,7 @@ def test_map_reads_its_input_lazily(pool2: Pool, chunksize: int | None, most_pul
 def test_map_sends_again_what_a_chunk_left_at_its_budget(
     pool2: Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_pool, "MAP_CHUNK_BUDGET", 0.0)  # every chunk stops after one item
+    monkeypatch.setattr(_map, "MAP_CHUNK_BUDGET", 0.0)  # every chunk stops after one item
     data = list(range(300))
     assert list(pool2.map(tasks.ident, data)) == data
     assert list(pool2.map(tasks.add, data, data)) == [2 * x for x in data]

@@ -37,8 +37,7 @@ from concurrent.futures import wait
 import psutil
 import pytest
 
-from mpsched import Future, Pool, WorkerCrashedError
-from mpsched import _pool as mpsched_pool
+from mpsched import Future, Pool, WorkerCrashedError, _lifecycle
 from mpsched._payloads import BlockField
 from tests.stress import chaos_tasks
 
@@ -136,7 +135,7 @@ def shut_down(pool: Pool) -> bool:
     # interpreter's exit (mpsched's atexit hook shuts down every live pool) from hanging on it.
     pool._zygote.kill()
     if not pool.await_termination(SHUTDOWN_TIMEOUT):
-        mpsched_pool._live_pools.discard(pool)
+        _lifecycle.live_pools.discard(pool)
     return False
 
 

@@ -37,7 +37,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpsched import Pool, _pool
+from mpsched import Pool, _map
 from tests.integration.conditions import wait_until
 from tests.stress import nested_tasks as nt
 
@@ -207,7 +207,7 @@ def run_map(
         inputs = [Counted(k) for k in lengths]
         results = pool.map(functools.partial(nt.map_item, log, bad), *inputs, chunksize=chunksize)
         assert all(i.taken == 0 for i in inputs), "map read its input before the first next()"
-        ahead = _pool.MAP_PREFETCH_PER_WORKER * workers * (chunksize or _pool.MAP_MAX_CHUNK)
+        ahead = _map.MAP_PREFETCH_PER_WORKER * workers * (chunksize or _map.MAP_MAX_CHUNK)
         # zip takes one more item from the iterables before the one that ends first
         extra = 1 if len(lengths) > 1 else 0
         got: list[Any] = []
@@ -223,7 +223,7 @@ def run_map(
             taken = max(i.taken for i in inputs)
             assert taken <= len(got) + ahead + extra, (len(got), taken)
             if chunksize is None and len(got) == 1:  # nothing was measured yet: first chunks
-                first = _pool.MAP_PREFETCH_PER_WORKER * workers * _pool.MAP_FIRST_CHUNK
+                first = _map.MAP_PREFETCH_PER_WORKER * workers * _map.MAP_FIRST_CHUNK
                 assert taken <= first + extra, taken
         assert got == expected[: len(got)]
         finished = stop is None or len(got) < stop

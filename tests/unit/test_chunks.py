@@ -7,7 +7,7 @@ import operator
 
 import pytest
 
-from mpsched import _pool
+from mpsched import _map
 from mpsched._chunks import run_chunk
 from mpsched._protocol import load_exception
 
@@ -28,19 +28,19 @@ def test_run_chunk_stops_at_its_budget_after_one_item_at_least() -> None:
 
 
 def test_chunk_size_grows_boundedly_up_to_the_cap() -> None:
-    assert _pool._next_chunksize(1e-9, 64, 4096) == 4096
-    assert _pool._next_chunksize(1e-9, 1, 4096) == _pool.MAP_GROWTH
-    assert _pool._next_chunksize(1e-9, 64, 100) == 100
-    assert _pool._next_chunksize(1.0, 64, 4096) == 1  # slow items: one per chunk
-    assert _pool._next_chunksize(0.0, 64, 4096) == 4096
+    assert _map._next_chunksize(1e-9, 64, 4096) == 4096
+    assert _map._next_chunksize(1e-9, 1, 4096) == _map.MAP_GROWTH
+    assert _map._next_chunksize(1e-9, 64, 100) == 100
+    assert _map._next_chunksize(1.0, 64, 4096) == 1  # slow items: one per chunk
+    assert _map._next_chunksize(0.0, 64, 4096) == 4096
 
 
 def test_max_chunk_bounds_the_pickled_bytes() -> None:
-    assert _pool._max_chunk(list(range(64))) == _pool.MAP_MAX_CHUNK
-    big = _pool._max_chunk(["x" * 1000 + str(i) for i in range(64)])
-    assert 64 <= big <= _pool.MAP_CHUNK_BYTES // 1000
-    assert _pool._max_chunk([b"x" * 10**6]) == 1
-    assert _pool._max_chunk([lambda: 0]) == _pool.MAP_MAX_CHUNK  # submit reports the error
+    assert _map._max_chunk(list(range(64))) == _map.MAP_MAX_CHUNK
+    big = _map._max_chunk(["x" * 1000 + str(i) for i in range(64)])
+    assert 64 <= big <= _map.MAP_CHUNK_BYTES // 1000
+    assert _map._max_chunk([b"x" * 10**6]) == 1
+    assert _map._max_chunk([lambda: 0]) == _map.MAP_MAX_CHUNK  # submit reports the error
 
 
 def _fail_at_3(x: int) -> int:

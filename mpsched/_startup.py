@@ -1,0 +1,173 @@
+"""Pool start-up: size the shared memory, start the zygote and the coordinator thread.
+
+Owns the segment's sizes (the ``DISPATCH_WINDOW`` default and the per-worker constants below),
+the order of the start-up, and its undoing when it fails. Called from: ``Pool.__init__`` (the
+user thread creating the pool), once its arguments are checked: ``start`` fills the Pool's
+aliases of what its ``_lifecycle.PoolResources`` holds, and, on any failure (a BaseException
+too), ``abort_start`` ends the waiting coordinator thread and releases what exists, so nothing
+leaks and the Pool is never registered.
+
+Start-up, in order (the reasons are in docs/design.md, section 2):
+  1. sweep semaphore names left by a process that died inside the start-up window;
+  2. create the memfd segment (no name), the locks (named for now), one wake eventfd per slot,
+     and format the segment but for the slab's free stack;
+  3. start the zygote through the start method (under fork: a bare fork, see ForkedZygote);
+     it opens the locks and maps the segment; meanwhile build the coordinator, mark every
+     worker as starting, fill the free stack and start the coordinator thread (it waits);
+  4. on READY, unlink every lock name (from here on nothing of the pool has a name), let the
+     coordinator thread go and return: the workers are not waited for;
+  5. the zygote forks the workers (listed in its config: no SPAWN message each); the
+     coordinator thread registers each as its SPAWNED comes. A task submitted before may wait
+     in a starting worker's inbox.
+
+Invariants: once ``start`` returned or raised, nothing of the pool has a name (the locks'
+names are unlinked in its ``finally``); a pool is in ``_lifecycle.live_pools``, and its
+resources are watched for its drop, only once it started.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from mpsched._coordinator import Coordinator
+from mpsched._layout import SegmentLayout, SegmentLocks, attach, create_locks
+from mpsched._lifecycle import PoolResources, coordinator_fds, live_pools, run_coordinator
+from mpsched._serialize import FunctionCache
+from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
+from mpsched._wakeup import Wakeup
+from mpsched._zygote import ZYGOTE_NAME, ForkedZygote, ZygoteConfig, zygote_main
+
+if TYPE_CHECKING:
+    from mpsched._pool import Pool
+
+DISPATCH_WINDOW = 128  # tasks per worker inbox; larger = fewer wake-ups, longer cancel window
+DISPATCH_WINDOW_MAX = 4096  # the inbox ring is sized for the window
+INFLIGHT_PER_WORKER = 4 * DISPATCH_WINDOW  # dispatched-unfinished tasks, per worker
+BLOCKS_PER_WORKER = 2048  # slab blocks per worker: in-flight tasks plus their children
+DEQUE_CAPACITY = 1024  # children queued per worker before they run inline
+STARTUP_TIMEOUT = 60.0  # seconds for the zygote to come up (spawn imports the main module)
+_MAX_SEGMENT_BYTES = 1 << 63  # off_t: ftruncate's limit
+
+
+def start(pool: Pool) -> None:
+    """``Pool.__init__``, once the arguments are checked: start the pool (see above); on
+    failure, undo what was made and raise."""
+    sweep_stale_names()
+    n = pool._workers
+    layout = SegmentLayout(
+        n_slots=n,
+        deque_capacity=DEQUE_CAPACITY,
+        inbox_capacity=_pow2(pool._window),
+        done_capacity=_pow2(max(INFLIGHT_PER_WORKER, 4 * pool._window) * n),
+        block_count=BLOCKS_PER_WORKER * n,
+    )
+    if layout.total_bytes >= _MAX_SEGMENT_BYTES:  # else an OverflowError deep in ftruncate
+        raise ValueError(
+            f"workers={n} is too many: the pool's shared memory would take "
+            f"{layout.total_bytes:.3e} bytes"
+        )
+    segment = AnonSegment.create(layout.total_bytes)
+    pool._wakeup = Wakeup()
+    res = pool._resources = PoolResources(segment, pool._wakeup)
+    locks = create_locks(n)
+    try:
+        res.wake_fds = [SharedFd(create_eventfd()) for _ in range(n)]
+        # The stall callback is the resources' (not a method of the Pool: the locks are
+        # the coordinator's, and nothing it reaches may keep the Pool alive).
+        guarded = locks.guarded(res.on_lock_stall)
+        # Format the segment, which the zygote checks when it attaches; the bulk of it,
+        # the slab's free stack, is filled below while the zygote starts up.
+        pool._views = attach(segment, layout, guarded, init=True, fill_slab=False)
+        zygote_conn = _start_zygote(pool, layout, locks)
+        # While the zygote starts up: build the coordinator, mark every worker as starting
+        # (the zygote forks them after READY), fill the free stack (no block is allocated
+        # before Pool() returns) and start the coordinator thread (it waits for go). None
+        # of it is then on the path to the first result.
+        pool._functions = res.functions = FunctionCache(pool._views.functions.add)
+        pool._coordinator = res.coordinator = Coordinator(
+            pool._views,
+            res.wake_fds,
+            zygote_conn,
+            pool._wakeup.fileno(),
+            pool._wakeup.wakeup,
+            pool._wakeup.clear,
+            n,
+            pool._window,
+            max(INFLIGHT_PER_WORKER, 4 * pool._window) * n,
+            locks=guarded,
+            aging=pool._aging,
+            timed_after_shutdown=pool._timed_after_shutdown,
+            recurring_after_shutdown=pool._recurring_after_shutdown,
+            wakeup_nowait=pool._wakeup.wakeup_nowait,
+            has_initializer=bool(pool._worker_options.initializer),
+        )
+        pool._coordinator.mark_all_starting()
+        pool._views.slab.fill_free_stack()
+        pool._thread = res.thread = threading.Thread(
+            target=run_coordinator, args=(res,), name="mpsched-coordinator", daemon=True
+        )
+        pool._thread.start()
+        # READY: the zygote opened the locks, so their names can go. The workers are not
+        # waited for: a first task waits in a starting worker's inbox (see dispatch_one).
+        pool._coordinator.wait_ready(STARTUP_TIMEOUT)
+    except BaseException:
+        abort_start(res)
+        raise
+    finally:
+        locks.unlink_names()  # from here on, nothing of the pool has a name
+    pool._coordinator.go.set()
+    pool._coordinator_pid = os.getpid()
+    pool._started = True
+    live_pools.add(pool)
+    res.watch(pool)
+
+
+def abort_start(res: PoolResources) -> None:
+    """Start-up failed: end the waiting coordinator thread, then undo the rest."""
+    if res.coordinator is not None:
+        res.coordinator.start_aborted = True
+        res.coordinator.go.set()
+    if res.thread is not None and res.thread.ident is not None:
+        res.thread.join()
+    res.teardown()
+
+
+def _start_zygote(pool: Pool, layout: SegmentLayout, locks: SegmentLocks) -> Connection:
+    ctx: Any = multiprocessing.get_context(pool._start_method)
+    parent_conn: Connection
+    parent_conn, child_conn = ctx.Pipe(duplex=True)
+    res = pool._resources
+    res.zygote_conn = parent_conn
+    coordinator_fds.add(parent_conn.fileno())
+    fork = pool._start_method == "fork"
+    cfg = ZygoteConfig(
+        conn=child_conn,
+        segment=res.segment,
+        layout=layout,
+        locks=locks,
+        wake_fds=res.wake_fds,
+        coordinator_pid=os.getpid(),
+        worker_options=pool._worker_options,
+        close_fds=sorted(coordinator_fds) if fork else [],
+        initial_slots=list(range(pool._workers)),
+        # Under fork the zygote inherits the workers' views: attaching here costs ~0.1 ms,
+        # in the zygote (copy-on-write faults after the fork) ~0.7 ms on the start-up path.
+        views=attach(res.segment, layout, locks) if fork else None,
+    )
+    try:
+        if fork:  # a bare fork, lighter than a Process (see ForkedZygote)
+            res.zygote = ForkedZygote(cfg)
+        else:
+            res.zygote = ctx.Process(target=zygote_main, args=(cfg,), name=ZYGOTE_NAME, daemon=True)
+            res.zygote.start()
+    finally:
+        child_conn.close()
+    return parent_conn
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

@@ -1,0 +1,103 @@
+"""Pool.statistics: the snapshot's types (``PoolStatistics``, ``WorkerStatistics``) and its read.
+
+Called from: ``Pool.statistics`` (any user thread), under the pool's ``_shutdown_lock``, so the
+shared memory is not released while ``snapshot`` reads it. Nothing here writes: the values are
+racy reads of counters that the workers and the coordinator write (hints). While the pool runs,
+a slot's counters come from shared memory; once it ended, from ``Coordinator.final_stats``
+(which ``Pool._release`` fills before the memory goes), and queue depths and pids read 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpsched._pool import Pool
+
+_NO_COUNTERS = {"executed": 0, "stolen": 0}
+
+
+@dataclass(frozen=True)
+class WorkerStatistics:
+    """One worker slot's counters (``PoolStatistics.per_worker``).
+
+    ``executed`` counts the tasks that ran to their end in this slot: top-level tasks (a
+    ``map`` chunk is one) and children, wherever they were spawned; a run its worker died in is
+    not counted. ``stolen``: tasks it took from a peer's queues. Both add up over every worker
+    that ran in the slot (a replacement after a crash or a recycling goes on counting). A run
+    is counted just before its result is published, so a snapshot taken after a future is
+    done counts its run (a worker that dies in between counts a run whose task then fails).
+    ``pid`` is 0 while the slot's worker is starting and after the pool ended.
+    """
+
+    slot: int
+    pid: int
+    executed: int
+    stolen: int
+    inbox_depth: int
+    deque_depth: int
+
+
+@dataclass(frozen=True)
+class PoolStatistics:
+    """A snapshot of the pool's counters (racy reads of shared counters: hints).
+
+    ``submitted`` counts the top-level tasks the pool took: each ``submit`` and ``schedule``
+    (a superseded or cancelled one too), each chunk of a ``map`` and each run of a recurring
+    task. ``completed`` counts the runs a worker ended (returned or raised; a retried task
+    once), so ``completed <= submitted``; children are in ``per_worker[k].executed`` only.
+    """
+
+    workers: int
+    submitted: int  # top-level tasks taken (see above)
+    completed: int  # top-level runs that ended in a worker
+    pending: int  # due, not yet handed to a worker
+    scheduled: int  # versions waiting for their run_at (or behind a running version)
+    steals: int
+    crashes: int
+    respawns: int
+    retried: int  # runs started again after their worker died (the retries option)
+    recycled: int  # workers replaced after max_tasks_per_worker tasks
+    misfires: int  # recurring runs skipped by the misfire policy
+    skipped_runs: int  # recurring due times dropped by the overlap policy "skip"/"coalesce"
+    per_worker: tuple[WorkerStatistics, ...]
+
+
+def snapshot(pool: Pool) -> PoolStatistics:
+    """``Pool.statistics``, under the pool's ``_shutdown_lock`` (the memory is not released
+    while this reads it)."""
+    coord = pool._coordinator
+    live = pool._started
+    with coord.lock:
+        pending = coord.ready.live()
+    per_worker = []
+    for k, slot in enumerate(pool._views.slots):
+        counters = coord.final_stats.get(k) or (slot.counters() if live else _NO_COUNTERS)
+        worker = coord.workers[k]
+        deque_, inbox = slot.depths() if live else (0, 0)
+        per_worker.append(
+            WorkerStatistics(
+                slot=k,
+                pid=worker.pid if worker is not None else 0,
+                executed=counters["executed"],
+                stolen=counters["stolen"],
+                inbox_depth=inbox,
+                deque_depth=deque_,
+            )
+        )
+    return PoolStatistics(
+        workers=pool._workers,
+        submitted=coord.submitted,
+        completed=coord.completed,
+        pending=pending,
+        scheduled=len(coord.timetable.heap),
+        steals=sum(w.stolen for w in per_worker),
+        crashes=coord.crashes,
+        respawns=coord.respawns,
+        retried=coord.retried,
+        recycled=coord.recycled,
+        misfires=coord.misfires,
+        skipped_runs=coord.skipped_runs,
+        per_worker=tuple(per_worker),
+    )
