@@ -545,8 +545,9 @@ class Pool:
 
         The input is read lazily, at most a few chunks per worker ahead of the results.
         ``chunksize=None`` adapts: chunks of 64 items first, then chunks of about 2 ms of
-        work each (at most 4096 items, and about 512 KiB pickled); a chunk that runs longer
-        than 10 ms stops, and the rest of its items go again.
+        work each (at most 4096 items); every chunk holds about 512 KiB pickled at most (but
+        for the first, which holds the first 8 items); a chunk that runs longer than 10 ms
+        stops, and the rest of its items go again.
 
         Raises:
             TypeError: no iterable (as the builtin ``map``); ``fn`` is not callable;
@@ -615,7 +616,16 @@ class Pool:
                 while not exhausted and len(in_flight) < limit:
                     chunk: list[Any] = []
                     try:
-                        chunk.extend(itertools.islice(items, size))  # keeps what came before
+                        if not cap and chunksize is None:
+                            # The bytes per item bound every chunk from the first on: big
+                            # items read 64 to a chunk made a read-ahead of 64 items per
+                            # chunk in flight (512 MB of 1 MB items) before the first result.
+                            chunk.extend(itertools.islice(items, MAP_SAMPLE_ITEMS))
+                            if chunk:
+                                cap = _max_chunk(chunk)
+                                size = min(size, cap)
+                        # keeps what came before an error of the input
+                        chunk.extend(itertools.islice(items, max(0, size - len(chunk))))
                     except Exception as exc:
                         if chunk:
                             in_flight.append((send(chunk)[0], chunk))
@@ -625,8 +635,6 @@ class Pool:
                     if not chunk:
                         exhausted = True
                         break
-                    if not cap and chunksize is None:
-                        cap = _max_chunk(chunk)
                     future, sent = send(chunk)
                     in_flight.append((future, chunk))
                     exhausted = not sent  # failed to go: nothing after it is read
