@@ -1221,6 +1221,9 @@ class Coordinator:
                 if future._handle >= 0:
                     self.watched.pop(future._handle, None)
                 future._handle = -1
+                # Kept only to run it again after a crash (retries): a settled future kept its
+                # pickled call (arguments of any size) for as long as its caller kept it.
+                future._payload = b""
                 # Settled from here on: a racing Future.cancel() (which may have read the owner
                 # before this) must be refused, not withdraw a version that ran (withdraw reads
                 # _handle -1 as "queued here"); resolve() sets the same owner later, unlocked.
