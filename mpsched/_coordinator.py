@@ -1079,6 +1079,7 @@ class Coordinator:
         later: list[int] = []  # a user thread's: left to the loop, their blocks kept
         by_handle = self.by_handle
         get_word = slab.get_word
+        future = None
         try:
             for handle in handles:
                 future = by_handle.get(handle)
@@ -1092,11 +1093,18 @@ class Coordinator:
                 elif in_loop:
                     data = self.stash_take(-nbytes, k)
                 else:
-                    stashed = self.stash.pop(-nbytes, None)
+                    # Read, and taken out only with the task (below): a handle an exception
+                    # leaves to the loop must find its bytes there (taken first, a Ctrl-C
+                    # after the take left the loop waiting for a STASH that had come: a hang)
+                    stashed = self.stash.get(-nbytes)
                     if stashed is None:  # still in the worker's socket: its arrival wakes the loop
                         later.append(handle)
                         continue
                     data = stashed
+                    del by_handle[handle]
+                    self.stash.pop(-nbytes, None)
+                    outcomes.append((future, status, data))
+                    continue
                 del by_handle[handle]  # only once read: fail_unread ends it otherwise
                 outcomes.append((future, status, data))
         except BaseException as exc:
@@ -1107,6 +1115,19 @@ class Coordinator:
             if in_loop:
                 self.fail_unread(handles[read:], k, exc, outcomes, unknown)
             else:
+                if (
+                    read < len(handles)
+                    and future is not None
+                    and future._handle == handles[read]
+                    and handles[read] not in by_handle
+                ):
+                    # Hit (a Ctrl-C) between taking the task out of by_handle and keeping its
+                    # outcome: read already, and no later pass would find it (the loop took
+                    # it for an unknown block, and the pool broke)
+                    outcomes.append((future, status, data))
+                    if nbytes < 0:
+                        self.stash.pop(-nbytes, None)
+                    read += 1
                 later += handles[read:]
             raise
         finally:
