@@ -163,6 +163,7 @@ class Collecting(CoordinatorState):
         later: list[int] = []  # a user thread's: left to the loop, their blocks kept
         by_handle = self.by_handle
         get_word = slab.get_word
+        future = None
         try:
             for handle in handles:
                 future = by_handle.get(handle)
@@ -176,11 +177,18 @@ class Collecting(CoordinatorState):
                 elif in_loop:
                     data = self.stash_take(-nbytes, k)
                 else:
-                    stashed = self.stash.pop(-nbytes, None)
+                    # Read, and taken out only with the task (below): a handle an exception
+                    # leaves to the loop must find its bytes there (taken first, a Ctrl-C
+                    # after the take left the loop waiting for a STASH that had come: a hang)
+                    stashed = self.stash.get(-nbytes)
                     if stashed is None:  # still in the worker's socket: its arrival wakes the loop
                         later.append(handle)
                         continue
                     data = stashed
+                    del by_handle[handle]
+                    self.stash.pop(-nbytes, None)
+                    outcomes.append((future, status, data))
+                    continue
                 del by_handle[handle]  # only once read: fail_unread ends it otherwise
                 outcomes.append((future, status, data))
         except BaseException as exc:
@@ -191,6 +199,19 @@ class Collecting(CoordinatorState):
             if in_loop:
                 self.fail_unread(handles[read:], k, exc, outcomes, unknown)
             else:
+                if (
+                    read < len(handles)
+                    and future is not None
+                    and future._handle == handles[read]
+                    and handles[read] not in by_handle
+                ):
+                    # Hit (a Ctrl-C) between taking the task out of by_handle and keeping its
+                    # outcome: read already, and no later pass would find it (the loop took
+                    # it for an unknown block, and the pool broke)
+                    outcomes.append((future, status, data))
+                    if nbytes < 0:
+                        self.stash.pop(-nbytes, None)
+                    read += 1
                 later += handles[read:]
             raise
         finally:
@@ -305,6 +326,9 @@ class Collecting(CoordinatorState):
                 if future._handle >= 0:
                     self.watched.pop(future._handle, None)
                 future._handle = -1
+                # Kept only to run it again after a crash (retries): a settled future kept its
+                # pickled call (arguments of any size) for as long as its caller kept it.
+                future._payload = b""
                 # Settled from here on: a racing Future.cancel() (which may have read the owner
                 # before this) must be refused, not withdraw a version that ran (withdraw reads
                 # _handle -1 as "queued here"); resolve() sets the same owner later, unlocked.

@@ -96,7 +96,16 @@ def map_results(
             while not exhausted and len(in_flight) < limit:
                 chunk: list[Any] = []
                 try:
-                    chunk.extend(itertools.islice(items, size))  # keeps what came before
+                    if not cap and chunksize is None:
+                        # The bytes per item bound every chunk from the first on: big
+                        # items read 64 to a chunk made a read-ahead of 64 items per
+                        # chunk in flight (512 MB of 1 MB items) before the first result.
+                        chunk.extend(itertools.islice(items, MAP_SAMPLE_ITEMS))
+                        if chunk:
+                            cap = _max_chunk(chunk)
+                            size = min(size, cap)
+                    # keeps what came before an error of the input
+                    chunk.extend(itertools.islice(items, max(0, size - len(chunk))))
                 except Exception as exc:
                     if chunk:
                         in_flight.append((send(chunk)[0], chunk))
@@ -106,8 +115,6 @@ def map_results(
                 if not chunk:
                     exhausted = True
                     break
-                if not cap and chunksize is None:
-                    cap = _max_chunk(chunk)
                 future, sent = send(chunk)
                 in_flight.append((future, chunk))
                 exhausted = not sent  # failed to go: nothing after it is read

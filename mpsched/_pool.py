@@ -330,8 +330,9 @@ class Pool:
 
         The input is read lazily, at most a few chunks per worker ahead of the results.
         ``chunksize=None`` adapts: chunks of 64 items first, then chunks of about 2 ms of
-        work each (at most 4096 items, and about 512 KiB pickled); a chunk that runs longer
-        than 10 ms stops, and the rest of its items go again.
+        work each (at most 4096 items); every chunk holds about 512 KiB pickled at most (but
+        for the first, which holds the first 8 items); a chunk that runs longer than 10 ms
+        stops, and the rest of its items go again.
 
         Raises:
             TypeError: no iterable (as the builtin ``map``); ``fn`` is not callable;

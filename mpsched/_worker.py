@@ -499,9 +499,13 @@ class Worker:
         self.header.add_live_children(1)
         if not self.me.push(handle):  # deque full
             self.header.add_live_children(-1)
-            slab.free_children([handle])
-            if stashed:  # only a FETCH empties the coordinator's stash: drop them so
+            if stashed:  # only a FETCH empties the coordinator's stash: drop them so,
+                # before the free: until then the block names the key to the crash recovery
+                # (an unpublished child), which drops it (freed first, a death before the
+                # FETCH left the bytes in the stash, named by no block)
                 self.fetch(stashed)
+                slab.set_word(handle, _NBYTES, 0)
+            slab.free_children([handle])
             return self.run_inline(payload)
         if self.header.sleepers():
             self.wake_one_sleeper()

@@ -278,6 +278,24 @@ def test_a_parent_killed_between_a_fetch_and_its_zeroing_leaves_no_unwanted_key(
         shut_down(pool)
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_killed_after_a_full_deque_refused_a_stashed_child_leaves_no_stash() -> None:
+    """A child whose arguments went to the stash found the deque full: ``mpsched.submit``
+    frees its block and runs it inline, and must take the stashed bytes back (a FETCH) for
+    nobody else will. It freed the block first: killed in between, it left the bytes in the
+    stash for good, named by no block."""
+    pool = Pool(1)
+    try:
+        with pytest.raises(WorkerCrashedError, match=r"exit code 3\b"):
+            pool.submit(wt.die_after_a_full_deque_refused_a_stashed_child, 400_000).result(TIMEOUT)
+        assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
+        wait_all_blocks_free(pool)
+        coordinator = pool._coordinator
+        assert (coordinator.stash, coordinator.unwanted_stash) == ({}, set())
+    finally:
+        shut_down(pool)
+
+
 def wait_all_blocks_free(pool: Pool) -> None:
     """Until every slab block is free (a free may come after a task's end), once each."""
     slab = pool._views.slab

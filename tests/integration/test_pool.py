@@ -163,6 +163,30 @@ def test_map_reads_its_input_lazily(pool2: Pool, chunksize: int | None, most_pul
 
 
 @pytest.mark.timeout(60)
+def test_map_bounds_the_read_ahead_of_big_items_by_their_bytes_from_the_first_chunk(
+    pool2: Pool,
+) -> None:
+    """Default chunks hold about ``MAP_CHUNK_BYTES`` pickled, from the bytes of the first
+    items: the first window was chunks of ``MAP_FIRST_CHUNK`` items whatever their size, so a
+    map of 1 MB items read 512 of them (and stashed them) before its first result."""
+    pulled = 0
+    item = 100_000  # bytes: about 5 per chunk
+
+    def blobs():  # infinite
+        nonlocal pulled
+        while True:
+            pulled += 1
+            yield bytes(item)
+
+    results = pool2.map(len, blobs())
+    assert next(results) == item
+    per_chunk = _map.MAP_CHUNK_BYTES // item
+    first = _map.MAP_SAMPLE_ITEMS  # the first chunk holds the items its size is read from
+    assert pulled <= first + (_map.MAP_PREFETCH_PER_WORKER * 2 - 1) * per_chunk
+    results.close()
+
+
+@pytest.mark.timeout(60)
 def test_map_sends_again_what_a_chunk_left_at_its_budget(
     pool2: Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

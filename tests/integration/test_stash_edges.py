@@ -238,3 +238,86 @@ def test_a_fetcher_dying_while_its_fetch_waits_for_the_stash_fails_no_other_work
         assert pool.statistics().crashes == 1
         assert coordinator.stash == {}
         assert coordinator.parked_fetches == {}
+
+
+class _TakeThenInterrupt(dict):  # type: ignore[type-arg]
+    """The coordinator's stash, whose next take of an entry (``pop`` or ``del``) in the main
+    thread is followed by a Ctrl-C's KeyboardInterrupt (one that lands right after it)."""
+
+    armed = True
+
+    def interrupt(self) -> None:
+        if self.armed and threading.current_thread() is threading.main_thread():
+            self.armed = False
+            raise KeyboardInterrupt
+
+    def pop(self, *args: Any) -> Any:
+        value = super().pop(*args)
+        self.interrupt()
+        return value
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self.interrupt()
+
+
+@pytest.mark.timeout(60)
+def test_a_user_thread_collector_interrupted_after_taking_a_stashed_result_loses_it_not() -> None:
+    """A collector in a user thread (``help_wait``) took a stashed result out of the stash and
+    a Ctrl-C hit it before the result was settled: the handle is left to the loop (``unread``)
+    with the rest of its batch, but its bytes were gone, and the loop waited in the worker's
+    socket for a STASH that had come already: the pool hung, and so did the shutdown."""
+    with Pool(1) as pool:
+        assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
+        coordinator = pool._coordinator
+        slot = pool._views.slots[0]
+        coordinator.collect_lock.acquire()  # the loop reads the STASH, then waits for this
+        try:
+            big = pool.submit(tasks.make_bytes, BIG)
+            _poll(lambda: bool(coordinator.stash) and slot.done_depth() == 1, "no result")
+            coordinator.stash = _TakeThenInterrupt(coordinator.stash)
+            with pytest.raises(KeyboardInterrupt):
+                coordinator.collect_locked(False)  # what help_wait runs, interrupted
+        finally:
+            coordinator.collect_lock.release()
+        assert len(big.result(timeout=20)) == BIG
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+        assert coordinator.stash == {}
+        assert coordinator.broken is None
+
+
+class _DeleteThenInterrupt(dict):  # type: ignore[type-arg]
+    """``Coordinator.by_handle``, whose next ``del`` in the main thread is followed by a
+    Ctrl-C's KeyboardInterrupt."""
+
+    armed = True
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        if self.armed and threading.current_thread() is threading.main_thread():
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+@pytest.mark.timeout(60)
+def test_a_user_thread_collector_interrupted_after_taking_a_task_out_settles_it() -> None:
+    """The same Ctrl-C, between a collector's removal of a task from ``by_handle`` and the
+    keeping of its outcome (a result in its block): the handle was left to the loop, which
+    found no task for it ("completed unknown task blocks") and broke the pool."""
+    with Pool(1) as pool:
+        assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
+        coordinator = pool._coordinator
+        slot = pool._views.slots[0]
+        coordinator.collect_lock.acquire()  # the loop waits for this before it collects
+        try:
+            small = pool.submit(tasks.ident, 7)
+            _poll(lambda: slot.done_depth() == 1, "no result")
+            with coordinator.lock:
+                coordinator.by_handle = _DeleteThenInterrupt(coordinator.by_handle)
+            with pytest.raises(KeyboardInterrupt):
+                coordinator.collect_locked(False)  # what help_wait runs, interrupted
+        finally:
+            coordinator.collect_lock.release()
+        assert small.result(timeout=20) == 7
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+        assert coordinator.broken is None

@@ -327,6 +327,22 @@ def test_a_retried_run_goes_running_again_and_completes(fifos: Fifos) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_settled_task_with_retries_keeps_no_copy_of_its_arguments() -> None:
+    """A task with retries keeps its pickled call in its future, to run it again if its worker
+    dies; once it ended (completed, or failed with no retry left) nothing can run it again, yet
+    the future kept the call, arguments of any size, for as long as the caller kept it."""
+    big = bytes(400_000)  # stashed: the coordinator's copy is another one
+    with Pool(1) as pool:
+        ok = pool.with_options(retries=1).submit(len, big)
+        failed = pool.with_options(retries=1).submit(tasks.add, big, 1)  # TypeError
+        scheduled = pool.with_options(retries=1).schedule("r", 0.0, 0, len, big)
+        assert ok.result(timeout=CONDITION_TIMEOUT) == len(big)
+        assert scheduled.result(timeout=CONDITION_TIMEOUT) == len(big)
+        assert failed.exception(timeout=CONDITION_TIMEOUT) is not None
+        assert [f._payload for f in (ok, failed, scheduled)] == [b"", b"", b""]
+
+
+@pytest.mark.timeout(60)
 def test_a_recurrence_kept_after_shutdown_runs_until_its_future_is_cancelled(
     tmp_path: Path,
 ) -> None:

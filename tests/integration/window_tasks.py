@@ -302,3 +302,19 @@ def die_between_a_fetch_and_its_zeroing(nbytes: int) -> None:
 
     worker.fetch = fetch_then_die
     child.result()
+
+
+def die_after_a_full_deque_refused_a_stashed_child(nbytes: int) -> None:
+    """Spawn a child with ``nbytes`` of arguments (stashed: too big for a chain of blocks)
+    into a deque that refuses it (full: the child runs inline), and die right after the
+    child's block is freed."""
+    worker = _current()
+    worker.me.push = lambda handle: False
+    free = worker.slab.free_children
+
+    def free_then_die(handles: Any) -> None:
+        free(handles)
+        os._exit(3)
+
+    worker.slab.free_children = free_then_die
+    mpsched.submit(len, bytes(nbytes))
