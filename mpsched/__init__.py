@@ -4,9 +4,9 @@ Layering rule (enforced by tests/test_quality.py): the leaf modules (``_task``, 
 ``_heap``, ``_shm``, ``_shm_deque``, ``_payloads``, ``_protocol``, ``_wakeup``) import nothing from
 mpsched except ``_errors`` and ``_task`` (``_shm_deque`` is one leaf in four modules, with
 ``_slot_region``, ``_slot_repair`` and ``_block_state``, which import one another);
-``_scheduler``, ``_worker`` and ``_coordinator`` (with its parts, ``_coord_*``) compose leaves;
-only ``_pool`` (with its parts ``_startup``, ``_lifecycle``, ``_map`` and ``_statistics``) knows
-about both sides. Public names come only from this module.
+``_scheduler``, ``_worker`` (with its part ``_children``) and ``_coordinator`` (with its parts,
+``_coord_*``) compose leaves; only ``_pool`` (with its parts ``_startup``, ``_lifecycle``, ``_map``
+and ``_statistics``) knows about both sides. Public names come only from this module.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from mpsched._children import ChildFuture as ChildFuture
+    from mpsched._children import TaskContext as TaskContext
+    from mpsched._children import current_task as current_task
+    from mpsched._children import submit as submit
     from mpsched._future import Future as Future
     from mpsched._options import TaskOptions as TaskOptions
     from mpsched._pool import Pool as Pool
@@ -40,30 +44,26 @@ if TYPE_CHECKING:
     from mpsched._task import Due as Due
     from mpsched._task import TaskState as TaskState
     from mpsched._task import Wait as Wait
-    from mpsched._worker import ChildFuture as ChildFuture
-    from mpsched._worker import TaskContext as TaskContext
-    from mpsched._worker import current_task as current_task
-    from mpsched._worker import submit as submit
 
 # Imported on first use: the zygote and the workers import this package too, and must not pay
 # for the coordinator's side (concurrent.futures, threads, the pool, the scheduler's types and
 # the enum and named tuple classes they build) on every start-up.
 _LAZY = {
-    "ChildFuture": "mpsched._worker",
+    "ChildFuture": "mpsched._children",
     "Due": "mpsched._task",
     "Future": "mpsched._future",
     "Pool": "mpsched._pool",
     "PoolStatistics": "mpsched._statistics",
     "Scheduler": "mpsched._scheduler",
-    "TaskContext": "mpsched._worker",
+    "TaskContext": "mpsched._children",
     "TaskOptions": "mpsched._options",
     "TaskPicklingError": "mpsched._serialize",
     "TaskState": "mpsched._task",
     "TaskSubmitter": "mpsched._pool",
     "Wait": "mpsched._task",
     "WorkerStatistics": "mpsched._statistics",
-    "current_task": "mpsched._worker",
-    "submit": "mpsched._worker",
+    "current_task": "mpsched._children",
+    "submit": "mpsched._children",
 }
 
 

@@ -4,7 +4,7 @@ What this module owns: ``BlockHandshake``, the part of ``_shm_deque.SlotQueues``
 writes a slab block's ``state`` word (and, taking a block over, its ``uid``) under THIS slot's
 lock, and the structural type ``BlockStates`` of where those words live (``_payloads.Slab``; a
 leaf does not import another). The values are ``_protocol.ChildState``'s (QUEUED, DONE,
-ABANDONED); what they mean to the engine is decided in ``_worker`` and ``_coordinator``.
+ABANDONED); what they mean to the engine is decided in ``_children`` and ``_coordinator``.
 
 Who calls what, from which process (the slot is always the child's PARENT's, i.e. its
 spawner's: a child's state word is guarded by the lock of the slot it was spawned from):

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from itertools import islice, starmap
 from typing import Any
 
+from mpsched._children import announce_result
 from mpsched._protocol import dump_exception
-from mpsched._worker import announce_result
 
 
 def run_chunk(

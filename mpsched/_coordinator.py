@@ -68,7 +68,7 @@ from mpsched._protocol import (
 )
 from mpsched._serialize import with_version
 
-_UID_COUNTER_MASK = (1 << _UID_PID_SHIFT) - 1  # counters wrap: see _worker.UID_COUNTER_MASK
+_UID_COUNTER_MASK = (1 << _UID_PID_SHIFT) - 1  # counters wrap: see _children.UID_COUNTER_MASK
 # A top-level task's block: the uid names no process, so orphan_children never takes it for a
 # dead worker's child (the block's handle identifies the task; no per-task number is needed).
 TOP_LEVEL_UID = 0

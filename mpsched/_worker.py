@@ -1,8 +1,12 @@
 """The worker process: find work, run it, report it, sleep without losing a wake-up, drain.
 
 Runs in each worker process (forked by the zygote, ``_zygote``); ``worker_main`` is its entry.
-Also owns the task-side API that runs inside workers: ``submit`` (``mpsched.submit``) and
-``ChildFuture`` (join-helping).
+Owns ``Worker``'s state (``Worker.__init__``) and its loop: find work, steal, run, load a
+function, report, stash and fetch big payloads, idle and wake peers, read the coordinator's
+messages; and the worker's start (``run_initializer``) and end. ``Worker`` is one object made of
+two parts: the children's side (spawn, finish, collect, join) and the task-side API
+(``mpsched.submit``, ``ChildFuture``, ``mpsched.current_task``) are in ``_children``, whose
+``Children`` it extends; ``worker_main`` sets ``_children._current``.
 
 find_work, in order (rayon's ``find_work``; "finish what we started before we take on something
 new"): the own deque's back (LIFO: the children our tasks just spawned), then the own inbox's
@@ -52,37 +56,37 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from mpsched import _children
+from mpsched._children import (
+    _CANCEL_REQUESTED,
+    _ERROR,
+    _NBYTES,
+    _OK,
+    _RESULT_NBYTES,
+    _RESULT_STATUS,
+    _STATE,
+    CHILD_DONE,
+    Children,
+)
 from mpsched._errors import InternalError, TaskCancelled
 from mpsched._layout import SegmentViews
 from mpsched._payloads import BlockField
 from mpsched._protocol import (
-    ChildState,
     ResultStatus,
     Tag,
-    TopState,
     decode,
     dump_exception,
     encode,
-    load_exception,
-    unpickling_failed,
 )
-from mpsched._serialize import INLINE, decode_call, dumps, encode_call
+from mpsched._serialize import INLINE, decode_call, dumps
 from mpsched._shm import SharedFd
 from mpsched._shm_deque import StealResult
-from mpsched._slot_region import MAX_NESTING
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Literal
+    from typing import Any
 
-CHILD_QUEUED = int(ChildState.QUEUED)
-CHILD_DONE = int(ChildState.DONE)
-CHILD_ABANDONED = int(ChildState.ABANDONED)
-
-# A uid or stash key is pid << 31 | counter: the counter wraps at 2**31 (a uid is reused only
-# after 2**31 more from the same process, long after its task ended).
-UID_COUNTER_MASK = (1 << 31) - 1
 STEAL_RETRY_ROUNDS = 64  # full rounds over the peers while some answered RETRY, then sleep
 # Before sleeping, watch the own queues this long (s): a caller that waits for each result
 # before it submits the next task (a latency-bound loop) hands the next one over within tens of
@@ -90,16 +94,9 @@ STEAL_RETRY_ROUNDS = 64  # full rounds over the peers while some answered RETRY,
 IDLE_SPIN = 200e-6
 _SUCCESS = StealResult.SUCCESS
 _RETRY = StealResult.RETRY
-_OK = int(ResultStatus.OK)
-_ERROR = int(ResultStatus.ERROR)
 _CANCELLED = int(ResultStatus.CANCELLED)
-_STATE = int(BlockField.STATE)
-_NBYTES = int(BlockField.NBYTES)
 _PARENT = int(BlockField.PARENT)
-_RESULT_STATUS = int(BlockField.RESULT_STATUS)
-_RESULT_NBYTES = int(BlockField.RESULT_NBYTES)
 _POKE = encode(Tag.RESULTS)
-_CANCEL_REQUESTED = int(TopState.CANCEL_REQUESTED)
 
 
 class WorkerOptions:
@@ -120,208 +117,9 @@ class WorkerOptions:
         self.initializer = initializer
 
 
-# The Worker of this process, set by worker_main; None outside workers.
-_current: Worker | None = None
-
-
-def submit(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> ChildFuture:
-    """Inside a task: run ``fn(*args, **kwargs)`` as a child task on this worker's own deque.
-
-    The child may be stolen by an idle worker. ``result()`` on the returned future runs other
-    tasks while it waits (join-helping), so recursive fork-join finishes even with one worker.
-
-    Raises:
-        RuntimeError: called outside a task running in an mpsched pool (use ``Pool.submit``).
-        TaskPicklingError: the function or an argument cannot be pickled.
-    """
-    worker = _current
-    if worker is None:
-        raise RuntimeError(
-            "mpsched.submit() only works inside a task running in an mpsched pool; "
-            "outside one, use pool.submit()"
-        )
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
-    return worker.spawn(fn, args, kwargs)
-
-
-def announce_result() -> None:
-    """Inside a top-level task: announce its result to the coordinator as soon as it is in the
-    done ring, not with the worker's batch (``WorkerOptions.result_batch``) or when the worker
-    idles. For a task whose caller waits on it while later tasks queue behind it on the same
-    worker (a chunk of ``Pool.map``, consumed in order): otherwise its result would wait for
-    those. Should only be used by ``_chunks``; a no-op outside a worker."""
-    worker = _current
-    if worker is not None:
-        worker.announce = True
-
-
-def current_task() -> TaskContext:
-    """Inside a task: the running task's context (its id, version, worker and cancel flag).
-
-    Raises:
-        RuntimeError: called outside a task running in an mpsched pool.
-    """
-    worker = _current
-    if worker is None or not worker.contexts:
-        raise RuntimeError("mpsched.current_task() only works inside a task running in a pool")
-    handle, meta = worker.contexts[-1]
-    return TaskContext(worker.slot, worker.slab, handle, meta)
-
-
-class TaskContext:
-    """What a running task knows about itself (``mpsched.current_task()``).
-
-    Attributes:
-        task_id: the id given to ``pool.schedule``; None for ``submit``/``map`` tasks and
-            children.
-        version: the version of ``task_id`` this run belongs to (0 without an id).
-        worker_id: the slot of the worker running the task (0 .. workers - 1).
-    """
-
-    __slots__ = ("_handle", "_slab", "task_id", "version", "worker_id")
-
-    def __init__(
-        self, worker_id: int, slab: Any, handle: int, meta: tuple[Any, int] | Literal[False]
-    ) -> None:
-        self.worker_id = worker_id
-        self.task_id: Any = meta[0] if meta else None
-        self.version: int = meta[1] if meta else 0
-        self._slab = slab
-        self._handle = handle  # -1 for a child: nobody can cancel a child by id
-
-    @property
-    def cancel_requested(self) -> bool:
-        """True once ``pool.cancel(task_id)`` (or the task's timeout) asked this run to stop.
-        Reads one word of shared memory: cheap enough to poll in a loop. Always False in a
-        child (``mpsched.submit``): a cancel of its parent does not reach it (a child may
-        outlive its parent, whose block is then reused); pass it what it needs to stop."""
-        return self._handle >= 0 and self._slab.get_word(self._handle, _STATE) == _CANCEL_REQUESTED
-
-    def raise_if_cancelled(self) -> None:
-        """Raise ``mpsched.TaskCancelled`` if a cancel was requested: the future then ends
-        cancelled."""
-        if self.cancel_requested:
-            raise TaskCancelled(f"task {self.task_id!r} v{self.version} was asked to cancel")
-
-    def __repr__(self) -> str:
-        return (
-            f"<TaskContext task_id={self.task_id!r} version={self.version} "
-            f"worker_id={self.worker_id} cancel_requested={self.cancel_requested}>"
-        )
-
-
-class ChildFuture:
-    """The future of a child task (``mpsched.submit``); lives in the spawning worker only.
-
-    ``result()`` and ``exception()`` help: while the child is not done, this worker runs other
-    tasks (its own deque first, where the child most likely still is). Not thread-safe, and not
-    picklable: it refers to a block of this pool's shared memory.
-
-    It has the query methods of ``concurrent.futures.Future`` (``done``, ``running``,
-    ``cancelled``, ``cancel``, ``result``, ``exception``) but no callbacks. A child cannot be
-    cancelled: ``cancel()`` always returns False and ``cancelled()`` is always False. (A queued
-    child sits in the middle of this worker's deque, which only gives up its ends, and a peer
-    may steal it at any moment; withdrawing it safely would need a claim protocol like the
-    top-level tasks' inbox cancel.) To stop caring about a child, drop its future: a child
-    nobody waits for still runs, and its result is discarded.
-    """
-
-    __slots__ = ("__weakref__", "_error", "_error_data", "_handle", "_settled", "_value", "_worker")
-
-    def __init__(self, worker: Worker, handle: int) -> None:
-        self._worker = worker
-        self._handle = handle  # -1 once settled
-        self._settled = False
-        self._value: Any = None
-        self._error: BaseException | None = None  # what exception() returns; never raised
-        # The child's pickled error: result() raises a fresh copy of it (see result()).
-        self._error_data: bytes | None = None
-
-    @classmethod
-    def settled(cls, worker: Worker, value: Any, error: bytes | None) -> ChildFuture:
-        """A child run inline: its value, or its error pickled (``dump_exception``) as a
-        child's is, so that it reads the same whichever way the child ran."""
-        fut = cls(worker, -1)
-        fut._settled = True
-        fut._value = value
-        if error is not None:
-            fut._error_data = error
-            fut._error = load_exception(error)
-        return fut
-
-    def done(self) -> bool:
-        if not self._settled and self._worker.child_state(self._handle) == CHILD_DONE:
-            self._settle()
-        return self._settled
-
-    def running(self) -> bool:
-        """Whether a worker has started the child and it is not done: False while it waits in
-        this worker's deque. A snapshot: a peer may steal and start it right after."""
-        if self.done():
-            return False
-        if self._worker.me.in_deque(self._handle):
-            return False
-        return not self.done()
-
-    def cancelled(self) -> bool:
-        """Always False: a child is never cancelled (see ``cancel``)."""
-        return False
-
-    def cancel(self) -> bool:
-        """Always False (as ``concurrent.futures.Future.cancel`` for a call it cannot stop): a
-        child cannot be withdrawn once spawned (see the class docstring); it runs to its end."""
-        return False
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The child's return value; re-raises its exception. Runs other tasks while waiting.
-
-        The exception raised is a new copy at each call (equal type and arguments, not the
-        object ``exception()`` returns): the raise gives it a traceback holding the caller's
-        frame, and a copy this future kept would close a reference cycle through that frame,
-        keeping the caller's other child futures alive, and their blocks taken, until a
-        garbage collection (docs/design.md, "Dropped child futures").
-
-        ``timeout`` is checked between the tasks this worker runs while it waits, not during
-        them: most often it runs the awaited child itself, so the wait can last as long as the
-        child (docs/design.md, "Futures", known gap)."""
-        self._wait(timeout)
-        if self._error_data is not None:
-            raise load_exception(self._error_data)
-        return self._value
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._wait(timeout)
-        return self._error
-
-    def _wait(self, timeout: float | None) -> None:
-        if not self._settled:
-            self._worker.join(self, timeout)
-            self._settle()
-
-    def _settle(self) -> None:
-        status, value = self._worker.collect_child(self._handle)
-        self._worker.unsettled -= 1
-        self._handle = -1
-        self._settled = True
-        if status == _OK:
-            self._value = value
-        else:
-            self._error_data = value
-            self._error = load_exception(value)
-
-    def __del__(self) -> None:
-        # No lock here: __del__ may run inside any critical section of this process (a GC
-        # pass). The worker processes abandoned children at its next safe point.
-        if not self._settled and self._handle >= 0 and _current is self._worker:
-            self._worker.abandoned.append(self._handle)
-
-    def __reduce__(self) -> Any:
-        raise TypeError("a ChildFuture cannot leave the worker that spawned the child")
-
-
-class Worker:
-    """The state of one worker process. Methods run in that process's main thread only."""
+class Worker(Children):
+    """The state of one worker process. Methods run in that process's main thread only; the
+    children's methods are in ``_children.Children``."""
 
     def __init__(
         self,
@@ -476,169 +274,6 @@ class Worker:
             self.unannounced = 0
             self.conn.send_bytes(_POKE)
 
-    # ------------------------------------------------------------------ children
-    def spawn(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> ChildFuture:
-        fid = self.fid_of.get(fn, INLINE) if type(fn).__hash__ is not None else INLINE
-        payload = encode_call(fid, None if fid != INLINE else fn, args, kwargs)
-        if self.depth >= MAX_NESTING - 1:
-            # join() stops helping at this depth (the run stack is full): a child pushed now
-            # would wait in our own deque for a joiner that never runs it, and with no idle
-            # peer to steal it (Pool(1)) forever. Run it inline, as when the deque is full.
-            return self.run_inline(payload)
-        slab = self.slab
-        uid = self.next_uid()
-        handle = slab.alloc(uid)  # the block names us from its allocation on
-        if handle < 0:  # slab full: run the child here and now (rayon runs inline too)
-            return self.run_inline(payload)
-        stashed = 0
-        if not slab.write_child(handle, payload, self.slot, CHILD_QUEUED):
-            slab.write_child(handle, b"", self.slot, CHILD_QUEUED)
-            stashed = self.stash(payload, handle, _NBYTES)
-        self.header.add_live_children(1)
-        if not self.me.push(handle):  # deque full
-            self.header.add_live_children(-1)
-            if stashed:  # only a FETCH empties the coordinator's stash: drop them so,
-                # before the free: until then the block names the key to the crash recovery
-                # (an unpublished child), which drops it (freed first, a death before the
-                # FETCH left the bytes in the stash, named by no block)
-                self.fetch(stashed)
-                slab.set_word(handle, _NBYTES, 0)
-            slab.free_children([handle])
-            return self.run_inline(payload)
-        if self.header.sleepers():
-            self.wake_one_sleeper()
-        self.unsettled += 1
-        return ChildFuture(self, handle)
-
-    def run_inline(self, payload: bytes) -> ChildFuture:
-        # Decoding runs user code (the arguments' unpickling, the function's import): its
-        # error is the child's, as when a peer runs it (it escaped from mpsched.submit).
-        contexts = self.contexts
-        pushed = False
-        try:
-            fid, fn, args, kwargs, _ = decode_call(payload)
-            if fid != INLINE:
-                fn = self.load_function(fid)
-            # A child's context, as in run(): current_task() in the child reported the
-            # parent's id and version, and its cancel flag (a child has none).
-            contexts.append((-1, False))
-            pushed = True
-            value = fn(*args, **kwargs)
-        except BaseException as exc:  # user code: reported as a child's error is
-            return ChildFuture.settled(self, None, dump_exception(exc))
-        finally:
-            if pushed:
-                contexts.pop()
-        return ChildFuture.settled(self, value, None)
-
-    def finish_child(self, handle: int, parent: int) -> None:
-        """Executor of a child: publish DONE under the parent's slot lock and wake the parent.
-
-        The run-stack pop happens in the same lock hold (``finished_by``): the parent frees
-        the block only after confirming DONE under that lock, so a handle is never both on a
-        run stack and free (the uniqueness crash repair relies on).
-
-        An ABANDONED child stays ABANDONED (``unless``): this worker frees it, and DONE would
-        tell the crash recovery of a dead parent (``orphan_children``) that the block is the
-        parent's to free, so that it freed it too (a double free) while this worker was
-        between the exchange and its free. In the same hold the block's uid becomes this
-        worker's (``taker``): the recovery of the parent no longer takes it for the parent's,
-        and that of this worker, dying before its free commits, finds it (an ABANDONED block
-        in no ring and on no run stack is its uid's to free).
-        """
-        previous = self.slots[parent].exchange_block_state(
-            self.slab,
-            handle,
-            CHILD_DONE,
-            finished_by=self.me,
-            unless=CHILD_ABANDONED,
-            taker=self.uid_base,
-        )
-        self.header.add_live_children(-1)
-        if previous == CHILD_ABANDONED:
-            self.free_unread_child(handle)
-        elif self.slots[parent].clear_sleeping():
-            os.eventfd_write(self.wake_fds[parent], 1)
-
-    def child_state(self, handle: int) -> int:
-        """Racy read (a hint): whether a child looks done; confirmed under the lock by join."""
-        return self.slab.get_word(handle, _STATE)
-
-    def collect_child(self, handle: int) -> tuple[int, Any]:
-        """Parent: read a DONE child's outcome and free its block: its value, or its error as
-        pickled (``dump_exception``: the future loads it)."""
-        slab = self.slab
-        if self.me.block_state(slab, handle) != CHILD_DONE:  # under the lock: see finish_child
-            raise InternalError(f"collecting child block {handle} that is not done")
-        status = slab.get_word(handle, _RESULT_STATUS)
-        nbytes = slab.get_word(handle, _RESULT_NBYTES)
-        if nbytes >= 0:
-            data = slab.read_result(handle)[1]
-        else:
-            data = self.fetch(-nbytes)
-            # Fetched: a death in the free below leaves a DONE block that the crash recovery
-            # frees, and it must not wait for the bytes (unwanted_stash) as if still stashed.
-            slab.set_word(handle, _RESULT_NBYTES, 0)
-        self.free_child(handle)
-        if status == _OK:
-            try:
-                return status, pickle.loads(data)
-            except BaseException as exc:  # user code (__reduce__, __setstate__) ran
-                # The child's error, as a top-level task's (the block is freed: an error
-                # escaping here left the future unsettled on a free block, and a second
-                # result() waited on it forever).
-                return _ERROR, dump_exception(unpickling_failed(exc))
-        return status, data
-
-    def free_child(self, handle: int) -> None:
-        self.slab.free_children([handle])
-
-    def free_unread_child(self, handle: int) -> None:
-        """Free a DONE child whose future was dropped. An outcome too big for the block waits
-        in the coordinator's stash, which only a FETCH empties: fetch it (and drop it), or
-        every such child would leak its result's bytes in the coordinator. (A FETCH, not a
-        "drop" message: the executor's STASH may still be in flight on its own socket; the
-        coordinator parks a FETCH until the STASH comes.)"""
-        nbytes = self.slab.get_word(handle, _RESULT_NBYTES)
-        if nbytes < 0:
-            self.fetch(-nbytes)
-            # Fetched: a death in the free below leaves a block that the crash recovery frees,
-            # and it must not wait for the bytes (unwanted_stash) as if still stashed.
-            self.slab.set_word(handle, _RESULT_NBYTES, 0)
-        self.free_child(handle)
-
-    def release_abandoned(self) -> None:
-        """At a safe point (no lock held): children nobody waits for go to their executor."""
-        while self.abandoned:
-            handle = self.abandoned.pop()
-            self.unsettled -= 1
-            if self.me.exchange_block_state(self.slab, handle, CHILD_ABANDONED) == CHILD_DONE:
-                self.free_unread_child(handle)
-
-    def join(self, future: ChildFuture, timeout: float | None) -> None:
-        """Help until ``future``'s child is done: run other tasks, or sleep until woken."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        handle = future._handle
-        while self.child_state(handle) != CHILD_DONE:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError("the child task did not finish in time")
-            found = self.find_work() if self.depth < MAX_NESTING - 1 else -1
-            if found >= 0:
-                self.run(found)
-                if self.abandoned:
-                    self.release_abandoned()
-            else:
-                self.idle(handle, deadline)
-
-    def next_uid(self) -> int:
-        # The counter wraps within its 31 bits: past them it spilled into the pid's bits, and
-        # the crash recovery, which finds a dead worker's children and stashed bytes by
-        # ``uid >> 31 == pid``, missed them (after 2**31 spawns in one worker's life).
-        self.stash_counter = counter = (self.stash_counter + 1) & UID_COUNTER_MASK
-        return self.uid_base | counter
-
     # ------------------------------------------------------------------ big payloads
     def stash(self, data: bytes, handle: int, field: int) -> int:
         """Hand bytes too big for a block to the coordinator; returns their key (> 0), stored
@@ -741,13 +376,12 @@ def worker_main(
     options: WorkerOptions,
 ) -> int:
     """Entry point of a worker process (called in the child of the zygote's fork)."""
-    global _current
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the coordinator
     worker = Worker(slot, views, wake_fds, conn, options)
     os.register_at_fork(after_in_child=lambda: _forked_by_a_task(conn))
     if options.initializer and not run_initializer(conn, slot, options.initializer):
         return 0  # the coordinator breaks the pool with the initializer's error
-    _current = worker
+    _children._current = worker
     worker.me.bind_owner()
     try:
         if worker.main_loop():  # retired: its queues stay in shared memory for the successor
@@ -777,7 +411,7 @@ def worker_main(
             sys.stderr.write(text)
         return 70  # EX_SOFTWARE: an mpsched bug
     finally:
-        _current = None
+        _children._current = None
 
 
 def _forked_by_a_task(conn: Connection) -> None:
@@ -787,8 +421,7 @@ def _forked_by_a_task(conn: Connection) -> None:
     worker's death, so its task never failed, its slot was not replaced and the shutdown
     waited the drain's timeout. ``mpsched.submit`` refuses to run here: it would push into the
     worker's deque beside the worker, the deque's one owner."""
-    global _current
-    _current = None
+    _children._current = None
     conn.close()
 
 

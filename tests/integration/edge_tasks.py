@@ -244,7 +244,7 @@ def keep_done_big_children(n: int, size: int, die: bool) -> int:
 def die_after_a_peer_ran_a_big_child(size: int) -> None:
     """Spawn a child with a result too big for a block (stashed), keep this worker busy until
     a peer has stolen and finished it (DONE, unread), then die (SIGKILL)."""
-    from mpsched._worker import CHILD_DONE
+    from mpsched._children import CHILD_DONE
 
     child = mpsched.submit(huge_result, size)
     _kept.append(child)
@@ -267,7 +267,7 @@ def spawn_big_args_child_for_a_peer(started: str, gate_path: str, size: int) -> 
     """Write this worker's pid to the FIFO ``started``, wait at the gate, then spawn a child
     with arguments too big for a block (stashed) and, without joining it (a peer must run it),
     wait until it is DONE."""
-    from mpsched._worker import CHILD_DONE
+    from mpsched._children import CHILD_DONE
 
     with open(started, "wb") as fifo:
         fifo.write(str(os.getpid()).encode())

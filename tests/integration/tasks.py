@@ -160,9 +160,9 @@ def fire_and_forget(path: str, task_id: int) -> int:
 
 def send_fatal() -> None:
     """Pretend mpsched's own code failed in this worker (tests the broken-pool path)."""
-    from mpsched import _protocol, _worker
+    from mpsched import _children, _protocol
 
-    worker = _worker._current
+    worker = _children._current
     assert worker is not None
     worker.conn.send_bytes(_protocol.encode(_protocol.Tag.FATAL, worker.slot, "simulated bug"))
 
@@ -238,9 +238,9 @@ def initializer_failing_at_gate(directory: str, gate_path: str) -> None:
 def die_holding_lock(which: str, record_pid: bool) -> None:
     """Take one of the pool's cross-process locks and die with it held, with or without the
     holder pid recorded (the second is the window between acquire and the pid store)."""
-    from mpsched import _worker
+    from mpsched import _children
 
-    worker = _worker._current
+    worker = _children._current
     assert worker is not None
     structure: Any = worker.me if which == "slot" else worker.slab
     assert structure._acquire(True, 5.0)

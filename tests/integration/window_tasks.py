@@ -4,7 +4,7 @@ A SIGKILL can land between any two bytecodes of a worker. These tasks reproduce,
 deterministically, the deaths that the chaos test (tests/stress/test_chaos.py) hits at random:
 inside a shared lock, inside ``mpsched.submit``, in a parent with children still queued, and
 in a child's executor between its DONE and its parent's wake-up.
-They reach into the worker's internals (``mpsched._worker._current``): white-box by design.
+They reach into the worker's internals (``mpsched._children._current``): white-box by design.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import signal
 from typing import Any
 
 import mpsched
-from mpsched import _worker
+from mpsched import _children
 from mpsched._protocol import ChildState
 from mpsched._slot_region import HOLDER_PID
 
@@ -23,7 +23,7 @@ HELPER_MAX_S = 120.0  # s; the helper of die_holding_own_slot_lock exits by then
 
 
 def _current() -> Any:
-    worker = _worker._current
+    worker = _children._current
     assert worker is not None, "not in a worker"
     return worker
 

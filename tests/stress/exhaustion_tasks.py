@@ -92,9 +92,9 @@ def uids_past_the_counter_limit(start: int) -> list[bool]:
     """In a worker: whether each uid (children, stash keys) still names this worker's pid when
     its counter starts at ``start`` (2**31 is reached after ~2 billion spawns in one worker's
     life)."""
-    from mpsched import _worker
+    from mpsched import _children
 
-    worker = _worker._current
+    worker = _children._current
     assert worker is not None
     worker.stash_counter = start
     return [worker.next_uid() >> 31 == worker.pid for _ in range(4)]
@@ -102,9 +102,9 @@ def uids_past_the_counter_limit(start: int) -> list[bool]:
 
 def spawn_past_the_counter_limit() -> int:
     """Children spawned and joined around the counter's wrap."""
-    from mpsched import _worker
+    from mpsched import _children
 
-    worker = _worker._current
+    worker = _children._current
     assert worker is not None
     worker.stash_counter = 2**31 - 3
     return sum(mpsched.submit(ident, i).result() for i in range(6))
