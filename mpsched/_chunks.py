@@ -11,6 +11,11 @@ A chunk may stop early, at its time budget: it runs its items in runs of 1, 1, 2
 run as long as all before it), reads the clock after each run, and stops once ``budget``
 seconds have passed. So a chunk holds at most about twice its budget of work (or one item),
 whatever its length: ``Pool.map`` sends the items it did not run again.
+
+A chunk pickles its own results (with the worker's ``dumps``) and returns their bytes: ``map``
+reads their size (``len``) to bound the results of later chunks, and unpickles them itself. The
+worker's own pickling of that tuple copies the bytes once more; it needs no size field of the
+pool's result path for every task.
 """
 
 from __future__ import annotations
@@ -22,37 +27,47 @@ from typing import Any
 
 from mpsched._children import announce_result
 from mpsched._protocol import dump_exception
+from mpsched._serialize import dumps
 
 
 def run_chunk(
     fn: Callable[..., Any], items: list[Any], star: bool, budget: float
-) -> tuple[list[Any], float, bytes | None]:
+) -> tuple[bytes, float, bytes | None]:
     """``[fn(x) for x in items]`` (``fn(*x)`` if ``star``), or a prefix of it if ``budget``
-    seconds ran out; the seconds it took (map sizes chunks by it); and None, or the pickled
-    error (``dump_exception``) of the item that raised after the ones in the prefix.
+    seconds ran out, pickled (``_serialize.dumps``); the seconds it took (map sizes chunks by
+    it); and None, or the pickled error (``dump_exception``) of the item that raised after the
+    ones in the prefix.
 
     An item that raises ends the chunk. If it is the first, the chunk's task fails with its
     error; otherwise the results before it are returned with the error, so that ``map``
     yields them before it raises, as the builtin ``map`` does (the task failing would drop
     them, and how many items precede the error in the same chunk depends on default chunking,
-    i.e. on timing)."""
+    i.e. on timing). Results that do not pickle fail the chunk's task, as any task's."""
+    try:
+        results, seconds, error = _run(fn, items, star, budget)
+        return dumps(results), seconds, error
+    finally:
+        announce_result()  # map waits for the chunks in order: no batching of this result
+
+
+def _run(
+    fn: Callable[..., Any], items: list[Any], star: bool, budget: float
+) -> tuple[list[Any], float, bytes | None]:
+    """``run_chunk``'s results before pickling."""
     start = time.perf_counter()
     it = iter(items)
     call = starmap(fn, it) if star else map(fn, it)
     results: list[Any] = []
     run = 1
-    try:
-        while True:
-            try:
-                # islice stops at the raise; extend keeps what came before it
-                results.extend(islice(call, run))
-            except BaseException as exc:  # user code: as the worker reports a task's error
-                if not results:
-                    raise
-                return results, time.perf_counter() - start, dump_exception(exc)
-            seconds = time.perf_counter() - start
-            if len(results) == len(items) or seconds >= budget:
-                return results, seconds, None
-            run = len(results)
-    finally:
-        announce_result()  # map waits for the chunks in order: no batching of this result
+    while True:
+        try:
+            # islice stops at the raise; extend keeps what came before it
+            results.extend(islice(call, run))
+        except BaseException as exc:  # user code: as the worker reports a task's error
+            if not results:
+                raise
+            return results, time.perf_counter() - start, dump_exception(exc)
+        seconds = time.perf_counter() - start
+        if len(results) == len(items) or seconds >= budget:
+            return results, seconds, None
+        run = len(results)

@@ -1,7 +1,9 @@
 """Pool.map: reading the input in chunks, sizing them, and yielding the results in input order.
 
 Owns the map's iterator (``map_results``), the default chunk sizing (``_next_chunksize``,
-``_max_chunk``, the ``MAP_*`` constants) and the failed future that takes the place of an error
+``_max_chunk`` from the arguments' bytes, ``_bytes_cap`` from the results', the ``MAP_*``
+constants), the unpickling of the chunks' results (``_load``: ``run_chunk`` returns them
+pickled, so that their size is known) and the failed future that takes the place of an error
 met ahead of the results (``_failed``). The chunks are ordinary top-level tasks
 (``_chunks.run_chunk``), sent through ``Pool.submit``; nothing here touches the coordinator but
 ``cancel_later``. The reasons and measurements are in docs/design.md, "Pool.map".
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from mpsched._chunks import run_chunk
 from mpsched._future import Future
-from mpsched._protocol import PICKLE_PROTOCOL, load_exception
+from mpsched._protocol import PICKLE_PROTOCOL, load_exception, unpickling_failed
 from mpsched._serialize import portable
 
 if TYPE_CHECKING:
@@ -43,9 +45,10 @@ MAP_TARGET_CHUNK_SECONDS = 0.002  # map: aim for chunks of about this much work
 # Items per chunk, at most. A chunk costs ~0.3 ms of hand-offs (inject, wake, poke, collect)
 # whatever its size: 20,000 no-ops took 7.3 ms at 4096 and 9.0 ms at 1024 (medians of 9).
 MAP_MAX_CHUNK = 4096
-# Pickled bytes per chunk, about. 20,000 strings of 1 KB: 64 ms in 512 KiB chunks, 71 ms in
-# 1 MiB, 128 ms in 4 MiB (the stash through the coordinator's socket) and 134 ms in 128 KiB
-# (hand-offs); medians of 5, interleaved.
+# Pickled bytes per chunk, about: of its arguments from the first chunk on, of its results too
+# once some came back (the first window can only be sized from the arguments). 20,000 strings
+# of 1 KB: 64 ms in 512 KiB chunks, 71 ms in 1 MiB, 128 ms in 4 MiB (the stash through the
+# coordinator's socket) and 134 ms in 128 KiB (hand-offs); medians of 5, interleaved.
 MAP_CHUNK_BYTES = 512 * 1024
 MAP_SAMPLE_ITEMS = 8  # items of the first chunk pickled to estimate bytes per item
 MAP_PREFETCH_PER_WORKER = 4  # chunks in flight per worker (bounded read-ahead of lazy input)
@@ -76,6 +79,7 @@ def map_results(
     budget = math.inf if chunksize else MAP_CHUNK_BUDGET
     per_item = None
     cap = 0  # largest default chunk, from the first chunk's bytes per item; 0: not yet
+    out_per_item = None  # pickled result bytes per item (a running mean); None: none came yet
     limit = MAP_PREFETCH_PER_WORKER * pool._workers
     exhausted = False
     # fn travels in each chunk's arguments, not through the function table: a __main__
@@ -123,13 +127,17 @@ def map_results(
             future, chunk = in_flight.popleft()
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                results, seconds, error = future.result(remaining)
+                pickled, seconds, error = future.result(remaining)
             except BaseException:
                 # Popped from in_flight, so the finally below does not see it: on a
                 # timeout (or a Ctrl-C) its chunk may still be unclaimed, and an abandoned
                 # map must not run it (the stdlib's gh-95166). A no-op if it failed.
                 future.cancel()
                 raise
+            del future  # holds the pickled results: not again alongside the results
+            nbytes = len(pickled)
+            results = _load(pickled)
+            del pickled
             if error is not None:  # an item raised after these: they come first (_chunks)
                 del chunk
                 yield from results
@@ -137,7 +145,11 @@ def map_results(
             if chunksize is None:
                 sample = seconds / len(results)
                 per_item = sample if per_item is None else 0.5 * per_item + 0.5 * sample
-                size = _next_chunksize(per_item, len(results), cap)
+                # Results bound the chunks too: small inputs with big results (1 MB each)
+                # made chunks of thousands of items, each returning one huge list.
+                sample = nbytes / len(results)
+                out_per_item = sample if out_per_item is None else 0.5 * out_per_item + 0.5 * sample
+                size = _next_chunksize(per_item, len(results), _bytes_cap(cap, out_per_item))
             done = len(results)
             if done < len(chunk):  # stopped at its budget: the rest goes again, first
                 rest = chunk[done:]
@@ -169,6 +181,23 @@ def _next_chunksize(per_item: float, measured: int, cap: int) -> int:
     # Bounded growth, so one mis-measured fast chunk cannot make a huge slow one; 64x reaches
     # the largest chunk from the first one in one result, so a map of tiny tasks ramps up fast.
     return max(1, min(target, MAP_GROWTH * measured, cap))
+
+
+def _bytes_cap(cap: int, out_per_item: float) -> int:
+    """``cap`` (items), lowered so that a chunk's pickled results hold about
+    ``MAP_CHUNK_BYTES`` at ``out_per_item`` bytes each (one item at least)."""
+    return max(1, min(cap, int(MAP_CHUNK_BYTES / max(1.0, out_per_item))))
+
+
+def _load(pickled: bytes) -> list[Any]:
+    """A chunk's results from their bytes (``run_chunk`` pickled them), in the caller's thread.
+    An error (SystemExit included) fails as any task's result that does not unpickle does, with
+    a RuntimeError; a KeyboardInterrupt goes on: here it may be the caller's Ctrl-C."""
+    try:  # user code runs here (__setstate__, __reduce__)
+        results: list[Any] = pickle.loads(pickled)
+    except (Exception, SystemExit) as exc:
+        raise unpickling_failed(exc) from exc
+    return results
 
 
 def _failed(error: Exception) -> Future:

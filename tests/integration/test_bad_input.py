@@ -318,6 +318,24 @@ def test_a_result_or_exception_that_does_not_travel_fails_its_future_only(case: 
 
 
 @pytest.mark.timeout(60)
+def test_a_map_result_that_cannot_be_unpickled_fails_at_its_position() -> None:
+    """Map unpickles its chunks' results in the caller's thread (their size bounds the later
+    chunks): an error, SystemExit included, fails as a task's result would (RuntimeError) after
+    the earlier results; a KeyboardInterrupt goes on, as a Ctrl-C there would."""
+    with bounded_pool(None) as pool:
+        for cls in (bt.ErrorAtUnpickle, bt.ExitAtUnpickle):
+            results = pool.map(bt.return_instance, [int, cls, int], chunksize=1)
+            assert next(results) == 0
+            with pytest.raises(RuntimeError, match="result could not be unpickled"):
+                next(results)
+        results = pool.map(bt.return_instance, [int, bt.InterruptAtUnpickle], chunksize=1)
+        assert next(results) == 0
+        with pytest.raises(KeyboardInterrupt, match="interrupt at unpickle"):
+            next(results)
+        assert_pool_works(pool)
+
+
+@pytest.mark.timeout(60)
 def test_an_exception_that_cannot_be_unpickled_keeps_the_workers_traceback() -> None:
     """The RuntimeError that stands in for it has the worker's traceback as its cause, as the
     exception would have had: it is the only trace of where the task failed."""

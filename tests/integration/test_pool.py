@@ -187,6 +187,37 @@ def test_map_bounds_the_read_ahead_of_big_items_by_their_bytes_from_the_first_ch
 
 
 @pytest.mark.timeout(60)
+def test_map_bounds_its_chunks_by_the_bytes_of_their_results(
+    pool2: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once results came, default chunks hold about ``MAP_CHUNK_BYTES`` of pickled results too:
+    sized from their small arguments only, they grew to thousands of items each, and a map of
+    small inputs with big results returned one huge list per chunk (a reviewer measured
+    240-320 MB in the caller for 1 MB results)."""
+    monkeypatch.setattr(_map, "MAP_CHUNK_BYTES", 64 * 1024)  # small, to keep this test light
+    item = 8 * 1024  # bytes per result: about 8 per chunk
+    pulled = 0
+
+    def sizes():  # infinite
+        nonlocal pulled
+        while True:
+            pulled += 1
+            yield item
+
+    results = pool2.map(tasks.make_bytes, sizes())
+    # The first window is sized from the arguments alone (nothing came back yet); every chunk
+    # read after it was sized from results.
+    first_window = _map.MAP_PREFETCH_PER_WORKER * 2 * _map.MAP_FIRST_CHUNK
+    per_chunk = _map.MAP_CHUNK_BYTES // item
+    consumed = 0
+    for _ in range(first_window + _map.MAP_PREFETCH_PER_WORKER * 2 * per_chunk):
+        assert len(next(results)) == item
+        consumed += 1
+    assert pulled - consumed <= _map.MAP_PREFETCH_PER_WORKER * 2 * per_chunk  # in flight
+    results.close()
+
+
+@pytest.mark.timeout(60)
 def test_map_sends_again_what_a_chunk_left_at_its_budget(
     pool2: Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import operator
+import pickle
+from typing import Any
 
 import pytest
 
@@ -12,19 +14,24 @@ from mpsched._chunks import run_chunk
 from mpsched._protocol import load_exception
 
 
+def _results(*args: Any) -> Any:
+    """``run_chunk``'s results, unpickled (it returns them pickled: map reads their size)."""
+    return pickle.loads(run_chunk(*args)[0])
+
+
 def test_run_chunk_runs_every_item_within_its_budget() -> None:
     items = list(range(1000))
-    assert run_chunk(abs, items, False, math.inf)[0] == items
-    assert run_chunk(operator.add, [(1, 2), (3, 4)], True, math.inf)[0] == [3, 7]
-    assert run_chunk(abs, [], False, math.inf)[0] == []
+    assert _results(abs, items, False, math.inf) == items
+    assert _results(operator.add, [(1, 2), (3, 4)], True, math.inf) == [3, 7]
+    assert _results(abs, [], False, math.inf) == []
 
 
 def test_run_chunk_stops_at_its_budget_after_one_item_at_least() -> None:
-    results, seconds, error = run_chunk(abs, list(range(-5, 5)), False, 0.0)
-    assert results == [5]  # a prefix: map sends the rest again
+    pickled, seconds, error = run_chunk(abs, list(range(-5, 5)), False, 0.0)
+    assert pickle.loads(pickled) == [5]  # a prefix: map sends the rest again
     assert seconds >= 0.0
     assert error is None
-    assert run_chunk(operator.add, [(1, 2), (3, 4)], True, 0.0)[0] == [3]
+    assert _results(operator.add, [(1, 2), (3, 4)], True, 0.0) == [3]
 
 
 def test_chunk_size_grows_boundedly_up_to_the_cap() -> None:
@@ -33,6 +40,13 @@ def test_chunk_size_grows_boundedly_up_to_the_cap() -> None:
     assert _map._next_chunksize(1e-9, 64, 100) == 100
     assert _map._next_chunksize(1.0, 64, 4096) == 1  # slow items: one per chunk
     assert _map._next_chunksize(0.0, 64, 4096) == 4096
+
+
+def test_the_bytes_of_the_results_lower_the_cap() -> None:
+    assert _map._bytes_cap(4096, 10.0) == 4096  # small results: the arguments' cap
+    assert _map._bytes_cap(4096, 100_000.0) == _map.MAP_CHUNK_BYTES // 100_000
+    assert _map._bytes_cap(4096, 10.0**7) == 1  # one item at least
+    assert _map._bytes_cap(4096, 0.0) == 4096
 
 
 def test_max_chunk_bounds_the_pickled_bytes() -> None:
@@ -50,8 +64,8 @@ def _fail_at_3(x: int) -> int:
 
 
 def test_run_chunk_returns_the_results_before_an_error_with_the_error() -> None:
-    results, _, error = run_chunk(_fail_at_3, [1, 2, 3, 4], False, math.inf)
-    assert results == [1, 2]
+    pickled, _, error = run_chunk(_fail_at_3, [1, 2, 3, 4], False, math.inf)
+    assert pickle.loads(pickled) == [1, 2]
     assert error is not None
     with pytest.raises(ValueError, match="three"):
         raise load_exception(error)
