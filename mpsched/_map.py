@@ -81,6 +81,9 @@ def map_results(
     cap = 0  # largest default chunk, from the first chunk's bytes per item; 0: not yet
     out_per_item = None  # pickled result bytes per item (a running mean); None: none came yet
     limit = MAP_PREFETCH_PER_WORKER * pool._workers
+    # Until a result came back, a default chunk's results have no known size: one chunk per
+    # worker (a full window of 64-item chunks of 1 MB results was 512 MB on the way back).
+    first_limit = pool._workers if chunksize is None else limit
     exhausted = False
     # fn travels in each chunk's arguments, not through the function table: a __main__
     # function needs its copy by value there too (see _serialize.portable).
@@ -97,7 +100,9 @@ def map_results(
 
     try:
         while True:
-            while not exhausted and len(in_flight) < limit:
+            while not exhausted and len(in_flight) < (
+                first_limit if out_per_item is None else limit
+            ):
                 chunk: list[Any] = []
                 try:
                     if not cap and chunksize is None:

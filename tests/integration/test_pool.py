@@ -217,6 +217,27 @@ def test_map_bounds_its_chunks_by_the_bytes_of_their_results(
     results.close()
 
 
+def test_map_sends_one_chunk_per_worker_until_the_size_of_its_results_is_known(
+    pool2: Pool,
+) -> None:
+    """Before any result came back, a default chunk's results have no known size: a full
+    window of chunks (``MAP_PREFETCH_PER_WORKER`` per worker) of small inputs with 1 MB
+    results was 512 MB on its way back before the first result."""
+    item = 64 * 1024  # bytes per result
+    pulled = 0
+
+    def sizes():  # infinite
+        nonlocal pulled
+        while True:
+            pulled += 1
+            yield item
+
+    results = pool2.map(tasks.make_bytes, sizes())
+    assert len(next(results)) == item
+    assert pulled <= 2 * _map.MAP_FIRST_CHUNK  # one chunk per worker
+    results.close()
+
+
 @pytest.mark.timeout(60)
 def test_map_sends_again_what_a_chunk_left_at_its_budget(
     pool2: Pool, monkeypatch: pytest.MonkeyPatch
