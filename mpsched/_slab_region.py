@@ -10,8 +10,9 @@ allocator and the block reads and writes: ``Slab``, the class to instantiate), `
 
 Who calls what, from which process: ``_layout`` sizes the region (``Slab.region_bytes``) and
 the creator formats it (``init=True``, once, before any other process attaches); the
-coordinator and every worker attach to it; the hints are read by the coordinator (statistics,
-crash recovery: ``free_indices``, ``holder_pid``) and tests. Who calls the rest: ``_payloads``.
+coordinator and every worker attach to it; the hints are read by the coordinator's crash
+recovery (``free_indices``, and ``holder_pid`` on a lock stall; the lock's grace period in
+``_shm.release_if_orphaned`` too) and by tests (``free_count``).
 
 Slab region:
 
