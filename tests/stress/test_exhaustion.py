@@ -23,12 +23,8 @@ import psutil
 import pytest
 
 from mpsched import Pool, TaskState
-from mpsched._payloads import (
-    BLOCK_BYTES,
-    BLOCK_HEADER_BYTES,
-    FTAB_MAX_FIDS,
-    MAX_CHAIN_BLOCKS,
-)
+from mpsched._function_table import FTAB_MAX_FIDS
+from mpsched._payloads import BLOCK_BYTES, BLOCK_HEADER_BYTES, MAX_CHAIN_BLOCKS
 from mpsched._serialize import dumps
 from mpsched._slot_region import MAX_NESTING
 from mpsched._timed import FINISHED_IDS_KEPT
