@@ -5,7 +5,8 @@ header at offset 0, the set of locks a pool needs (``SegmentLocks``) and ``attac
 builds every view object (one ``SlotQueues`` per worker slot, the ``Slab``, the
 ``FunctionTable``, the ``GlobalHeader``) over an ``AnonSegment`` and registers each with the
 segment so that ``AnonSegment.close()`` releases them first. It composes the leaves
-``_shm``, ``_shm_deque`` (with ``_slot_region``) and ``_payloads`` and is used by the
+``_shm``, ``_shm_deque`` (with ``_slot_region``) and ``_payloads`` (with ``_slab_region``,
+``_slab_repair`` and ``_function_table``) and is used by the
 coordinator, zygote and workers.
 
 Who calls what:
@@ -59,7 +60,8 @@ import os
 from collections.abc import Callable
 
 from mpsched._errors import InternalError
-from mpsched._payloads import BLOCK_BYTES, FTAB_DATA_BYTES, FTAB_MAX_FIDS, FunctionTable, Slab
+from mpsched._function_table import FTAB_DATA_BYTES, FTAB_MAX_FIDS, FunctionTable
+from mpsched._payloads import BLOCK_BYTES, Slab
 from mpsched._shm import AnonSegment, GuardedLock, SemLockHandle, create_lock
 from mpsched._shm_deque import SlotQueues
 from mpsched._slot_region import slot_bytes
@@ -81,7 +83,8 @@ __all__ = (
 )
 
 LAYOUT_MAGIC = 0x6D70_7363_6864_6731  # "mpschdg1"
-LAYOUT_VERSION = 3  # bump whenever any layout table in _layout, _slot_region or _payloads changes
+# Bump whenever any layout table in _layout, _slot_region, _slab_region or _function_table changes.
+LAYOUT_VERSION = 3
 HEADER_BYTES = 256
 PAGE = 4096  # bytes; region alignment (see "Regions start on page boundaries")
 

@@ -1,8 +1,16 @@
-"""Where task bytes live: a slab of fixed-size blocks and an append-only function table.
+"""Where task bytes live: a slab of fixed-size blocks, allocated and read and written here.
 
-What this module owns: the layout of two regions of the pool's segment (``_layout`` places
-them) and every access to them. A task handle in a deque or inbox (``_shm_deque``) is a block
-index here; the block holds the task's pickled arguments, and later its result.
+What this module owns: ``Slab``, the class every process instantiates over the slab region of
+the pool's segment (``_layout`` places it), and every per-task access to it: the allocator
+(``alloc*`` / ``free*``), the chains, and the reads and writes of a block's header words and
+bytes. A task handle in a deque or inbox (``_shm_deque``) is a block index here; the block holds
+the task's pickled arguments, and later its result.
+
+``_payloads`` is one leaf in four modules, whose parts ``Slab`` combines or that sit beside it:
+``_slab_region`` (the region's and a block's layout, ``BlockField``, attaching, the hints),
+``_slab_repair`` (the coordinator's repair after a lock holder died: ``break_dead_holder``)
+and ``_function_table`` (the table of pickled functions). The layout constants and
+``BlockField`` are importable from here too.
 
 Who calls what, from which process:
     * ``Slab``: the coordinator allocates and frees blocks for top-level tasks and writes their
@@ -13,55 +21,6 @@ Who calls what, from which process:
       in, used for nothing else); the block words and data are written without it (but for
       ``alloc``'s stamp and a chain's links), by the block's current holder, and
       published to other processes only through a locked ring (``_shm_deque``).
-    * ``FunctionTable``: the coordinator appends pickled functions (``add``, single writer,
-      no lock); workers read them (``get``) and cache the loaded function by fid.
-
-Slab region:
-
-    # offset      size   field        writer                 meaning
-    #    0          8    free_top     allocator-lock holder  entries used in free_stack; commit
-    #                                                        point of alloc/free
-    #    8          8    holder_pid   allocator-lock holder  pid holding the lock, 0 = none
-    #   16          8    magic        creator, const         SLAB_MAGIC
-    #   24          8    block_count  creator, const         N blocks
-    #   32          8    block_bytes  creator, const         B bytes per block, multiple of 64
-    #   40          8    pending_word allocator-lock holder  a chain op in progress (0 = none): the
-    #                                                        link word it stores after its commit
-    #   48          8    pending_value allocator-lock holder that word's value (see "Chains")
-    #   56          8    pending_top  allocator-lock holder  free_top once that op has committed
-    #   64         8*N   free_stack   allocator-lock holder  free block indices; [0, free_top)
-    #  64+8N'      N*B   blocks       see below              N' = N rounded up to 8 (64 B)
-    # Invariant (under the lock): 0 <= free_top <= N; each index is in free_stack at most once.
-
-Block (B bytes, header words are int64; ``BlockField`` names them):
-
-    # offset size  field          writer                     meaning
-    #   0     8    state          engine-defined             lifecycle word (values: the engine)
-    #   8     8    uid            alloc, writer of     0: a top-level task; a child's: its
-    #                              the task; a child's        spawner's pid << 31 | a counter,
-    #                              freer (see below)          from its allocation until its free
-    #  16     8    nbytes         writer of the task         length of the argument bytes
-    #  24     8    parent         writer of the task         slot of the parent task, -1 = none
-    #  32     8    result_status  worker that ran it         engine-defined; written after the
-    #                                                        result bytes (their commit point)
-    #  40     8    result_nbytes  worker that ran it         length of the result bytes
-    #  48     8    next_arg       writer of the task         next block of the arguments, -1 = last
-    #  56     8    next_result    worker that ran it         next block of the result, -1 = last
-    #  64   B-64   data           task writer, then worker   arguments, later overwritten by the
-    #                                                        result (args are dead by then)
-
-Function table region (single writer: the coordinator):
-
-    # offset      size     field      writer        meaning
-    #    0          8      count      coordinator   fids in use; commit point of add()
-    #    8          8      used       coordinator   bytes used in data
-    #   16          8      magic      creator       FTAB_MAGIC
-    #   24          8      max_fids   creator       F
-    #   32          8      data_bytes creator       D
-    #   40         24      (spare)
-    #   64        16*F     index      coordinator   (offset, length) per fid, int64 pairs
-    #  64+16F'      D      data       coordinator   pickled functions, back to back
-    #                                               (F' = F rounded up to 4: 64-byte aligned)
 
 Invariants and ordering:
     * A block index is handed out by ``alloc`` to exactly one holder until ``free``; the slab
@@ -69,12 +28,12 @@ Invariants and ordering:
     * Visibility without fences: a block's bytes are written before its handle is pushed or
       injected under a slot lock, and read after the handle is claimed under that lock; the
       lock's acquire/release order the plain stores (also on ARM). The same chain makes a fid
-      visible: the coordinator adds the function before it injects a task using it.
+      visible (``_function_table``).
       ``result_status`` is the commit point of a result against crashes, not a publication:
       whoever reads a result must have learnt of it through a lock or a syscall (pipe, eventfd)
       after the worker wrote it, never by polling the word.
     * A process that dies holding the allocator lock leaves the old or the new free_top (one
-      final store); ``break_dead_holder`` releases the lock.
+      final store); ``break_dead_holder`` (``_slab_repair``) releases the lock.
     * A free block's uid is 0: ``free_children`` clears a child's under the lock, before the
       commit, and other blocks never carry another (continuation blocks keep the uid they had
       free). ``alloc`` stamps a child's uid (and a zero state) under the lock before its
@@ -106,78 +65,39 @@ Not handled here: what ``state`` and ``result_status`` values mean.
 
 from __future__ import annotations
 
-import enum
 import os
 from array import array
 from collections.abc import Sequence
 
 from mpsched._errors import InternalError
-
-# typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Protocol
+from mpsched._slab_region import (
+    _FREE_TOP,
+    _HOLDER_PID,
+    _NBYTES,
+    _NEXT_ARG,
+    _NEXT_RESULT,
+    _PARENT,
+    _PENDING_TOP,
+    _PENDING_VALUE,
+    _PENDING_WORD,
+    _RESULT_NBYTES,
+    _RESULT_STATUS,
+    _STATE,
+    _UID,
+    BLOCK_BYTES,
+    BLOCK_HEADER_BYTES,
+    BlockField,
+)
+from mpsched._slab_repair import SlabRepair
 
 __all__ = (
     "BLOCK_BYTES",
     "BLOCK_HEADER_BYTES",
-    "FTAB_DATA_BYTES",
-    "FTAB_MAX_FIDS",
+    "MAX_CHAIN_BLOCKS",
     "BlockField",
-    "FunctionTable",
     "Slab",
 )
 
-BLOCK_BYTES = 1024  # per block: a pickled (fid, args) of a typical small task fits in 960 B
-BLOCK_HEADER_BYTES = 64  # 8 int64 header words, one cache line
-FTAB_DATA_BYTES = 4 * 1024 * 1024  # 4 MiB of pickled functions; sparse until written
-FTAB_MAX_FIDS = 4096  # distinct functions per pool; index = 64 KiB
-SLAB_MAGIC = 0x6D70_7363_6864_7331  # "mpschds1"
-FTAB_MAGIC = 0x6D70_7363_6864_6631  # "mpschdf1"
-_LINE = 64  # bytes; alignment unit of regions
-
-# Slab header words.
-_FREE_TOP = 0
-_HOLDER_PID = 1
-_S_MAGIC = 2
-_S_BLOCK_COUNT = 3
-_S_BLOCK_BYTES = 4
-_PENDING_WORD = 5
-_PENDING_VALUE = 6
-_PENDING_TOP = 7
-_FREE_STACK = 8  # word index of free_stack
-
-# Function table header words.
-_F_COUNT = 0
-_F_USED = 1
-_F_MAGIC = 2
-_F_MAX_FIDS = 3
-_F_DATA_BYTES = 4
-_F_INDEX = 8  # word index of the (offset, length) pairs
-
-
-class BlockField(enum.IntEnum):
-    """Word index of each block header field (see the block layout table)."""
-
-    STATE = 0
-    UID = 1
-    NBYTES = 2
-    PARENT = 3
-    RESULT_STATUS = 4
-    RESULT_NBYTES = 5
-    NEXT_ARG = 6
-    NEXT_RESULT = 7
-
-
-_HEADER_WORDS = BLOCK_HEADER_BYTES // 8
-_UID = int(BlockField.UID)
-_NBYTES = int(BlockField.NBYTES)
-_PARENT = int(BlockField.PARENT)
-_STATE = int(BlockField.STATE)
-_RESULT_STATUS = int(BlockField.RESULT_STATUS)
-_RESULT_NBYTES = int(BlockField.RESULT_NBYTES)
-_NEXT_ARG = int(BlockField.NEXT_ARG)
-_NEXT_RESULT = int(BlockField.NEXT_RESULT)
 MAX_CHAIN_BLOCKS = 256  # blocks per chain (~240 KiB): beyond, bytes go through the coordinator
 
 _pid = os.getpid()  # for holder_pid without a syscall per operation
@@ -191,94 +111,8 @@ def _refresh_pid() -> None:
 os.register_at_fork(after_in_child=_refresh_pid)
 
 
-if TYPE_CHECKING:  # structural types, for annotations only
-
-    class LockLike(Protocol):
-        """A cross-process lock (``_shm.SemLockHandle``). Structurally the same protocol as
-        ``_shm_deque.LockLike``: leaf modules do not import each other."""
-
-        def acquire(self, block: bool = ..., timeout: float | None = ..., /) -> bool: ...
-
-        def release(self) -> None: ...
-
-
-def _round_up(n: int, unit: int) -> int:
-    return -(-n // unit) * unit
-
-
-class Slab:
+class Slab(SlabRepair):
     """Fixed-size blocks in shared memory with a locked free stack."""
-
-    @staticmethod
-    def region_bytes(block_count: int, block_bytes: int = BLOCK_BYTES) -> int:
-        """Size of the slab region in bytes (a multiple of 64)."""
-        return _LINE + _round_up(8 * block_count, _LINE) + block_count * block_bytes
-
-    def __init__(
-        self,
-        buf: memoryview,
-        lock: LockLike,
-        block_count: int,
-        block_bytes: int = BLOCK_BYTES,
-        *,
-        init: bool = False,
-        fill: bool = True,
-    ) -> None:
-        """Attach to (with ``init=True``: format) a slab region.
-
-        Args:
-            buf: a byte view of the region, at least ``region_bytes(...)`` long.
-            lock: the allocator lock, used for nothing else.
-            block_count: N.
-            block_bytes: B, a multiple of 64 larger than the 64-byte header.
-            init: write the header and fill the free stack (the creator, once, before others
-                attach).
-            fill: with ``init``, False leaves the free stack empty (no block is free) for a
-                later ``fill_free_stack``.
-
-        Raises:
-            InternalError: not ``init`` and the header does not match.
-        """
-        if block_count <= 0 or block_bytes <= BLOCK_HEADER_BYTES or block_bytes % _LINE:
-            raise ValueError(f"bad slab geometry: {block_count} blocks of {block_bytes} B")
-        size = self.region_bytes(block_count, block_bytes)
-        if buf.nbytes < size:
-            raise ValueError(f"slab region needs {size} bytes, got {buf.nbytes}")
-        self.capacity = block_count
-        self.block_bytes = block_bytes
-        self.data_capacity = block_bytes - BLOCK_HEADER_BYTES
-        region = buf[:size]
-        self._w = region.cast("q")
-        blocks_at = _LINE + _round_up(8 * block_count, _LINE)
-        self._bytes = region[blocks_at:]  # block i at i * block_bytes
-        region.release()
-        self._stack = self._w[_FREE_STACK : _FREE_STACK + block_count]
-        self._blocks_word = blocks_at // 8
-        self._block_words = block_bytes // 8
-        self._acquire = lock.acquire
-        self._release = lock.release
-        w = self._w
-        if init:
-            w[_S_BLOCK_COUNT] = block_count
-            w[_S_BLOCK_BYTES] = block_bytes
-            w[_HOLDER_PID] = 0
-            w[_PENDING_WORD] = 0
-            w[_FREE_TOP] = 0
-            w[_S_MAGIC] = SLAB_MAGIC
-            if fill:
-                self.fill_free_stack()
-        elif (w[_S_MAGIC], w[_S_BLOCK_COUNT], w[_S_BLOCK_BYTES]) != (
-            SLAB_MAGIC,
-            block_count,
-            block_bytes,
-        ):
-            raise InternalError("slab header mismatch: wrong offset or layout")
-
-    def fill_free_stack(self) -> None:
-        """The creator, once, after ``init`` and before any allocation: every block is free.
-        ~0.5 ms for 4096 blocks (a Python int per word, and the stack's first page faults)."""
-        self._stack[:] = array("q", range(self.capacity - 1, -1, -1))  # alloc() yields 0 first
-        self._w[_FREE_TOP] = self.capacity
 
     # ---- allocation (allocator lock) ----
 
@@ -368,40 +202,6 @@ class Slab:
         finally:
             w[_HOLDER_PID] = 0
             self._release()
-
-    def free_count(self) -> int:
-        """Free blocks. Hint only: racy."""
-        return max(self._w[_FREE_TOP], 0)
-
-    def free_indices(self) -> list[int]:
-        """The free stack's content (racy; exact when no process allocates or frees)."""
-        top = min(max(self._w[_FREE_TOP], 0), self.capacity)
-        return self._stack[:top].tolist()
-
-    def holder_pid(self) -> int:
-        """Pid recorded as holding the allocator lock, 0 if none. Hint only: racy."""
-        return self._w[_HOLDER_PID]
-
-    def break_dead_holder(self, dead_pid: int) -> bool:
-        """The single breaker (coordinator) only: release the allocator lock if ``dead_pid``
-        died holding it; the free stack is consistent by the one-store commit."""
-        w = self._w
-        if dead_pid <= 0 or w[_HOLDER_PID] != dead_pid:
-            return False
-        # A free block's uid is 0 (a child's free clears it; other blocks carry 0), but for one
-        # that ``alloc`` stamped and did not commit: it is on top of the free stack.
-        # Cleared, so that no later block reads as a child of this pid (were it reused).
-        top = w[_FREE_TOP]
-        if 0 < top <= self.capacity:
-            base = self._blocks_word + self._stack[top - 1] * self._block_words
-            w[base + _UID] = 0
-        # A chain op that committed and died before its link store: complete the store.
-        if w[_PENDING_WORD] and w[_PENDING_TOP] == top:
-            w[w[_PENDING_WORD]] = w[_PENDING_VALUE]
-        w[_PENDING_WORD] = 0
-        w[_HOLDER_PID] = 0
-        self._release()
-        return True
 
     # ---- block contents (no lock: the block's holder only) ----
 
@@ -639,87 +439,3 @@ class Slab:
             out += self._bytes[at : at + min(cap, n - len(out))]
             nxt = w[first + nxt * words + link]
         return bytes(out)
-
-    def release(self) -> None:
-        """Release this object's views of the segment (before ``AnonSegment.close``)."""
-        self._stack.release()
-        self._bytes.release()
-        self._w.release()
-
-
-class FunctionTable:
-    """Append-only table of pickled functions; the coordinator writes, workers read."""
-
-    @staticmethod
-    def region_bytes(data_bytes: int = FTAB_DATA_BYTES, max_fids: int = FTAB_MAX_FIDS) -> int:
-        """Size of the function table region in bytes (a multiple of 64)."""
-        return _LINE + _round_up(16 * max_fids, _LINE) + _round_up(data_bytes, _LINE)
-
-    def __init__(
-        self,
-        buf: memoryview,
-        data_bytes: int = FTAB_DATA_BYTES,
-        max_fids: int = FTAB_MAX_FIDS,
-        *,
-        init: bool = False,
-    ) -> None:
-        """Attach to (with ``init=True``: format) a function table region.
-
-        Raises:
-            InternalError: not ``init`` and the header does not match.
-        """
-        size = self.region_bytes(data_bytes, max_fids)
-        if data_bytes <= 0 or max_fids <= 0 or buf.nbytes < size:
-            raise ValueError(f"function table needs {size} bytes and positive sizes")
-        region = buf[:size]
-        self._w = region.cast("q")
-        self._data = region[_LINE + _round_up(16 * max_fids, _LINE) :]
-        region.release()
-        self.max_fids = max_fids
-        self.data_bytes = data_bytes
-        w = self._w
-        if init:
-            w[_F_USED] = 0
-            w[_F_MAX_FIDS] = max_fids
-            w[_F_DATA_BYTES] = data_bytes
-            w[_F_COUNT] = 0
-            w[_F_MAGIC] = FTAB_MAGIC
-        elif (w[_F_MAGIC], w[_F_MAX_FIDS], w[_F_DATA_BYTES]) != (FTAB_MAGIC, max_fids, data_bytes):
-            raise InternalError("function table header mismatch: wrong offset or layout")
-
-    def add(self, data: bytes) -> int:
-        """Coordinator only (single writer): append pickled function bytes.
-
-        Returns:
-            The new fid, or -1 if the table (fids or bytes) is full.
-        """
-        w = self._w
-        fid, used, n = w[_F_COUNT], w[_F_USED], len(data)
-        if fid >= self.max_fids or used + n > self.data_bytes:
-            return -1
-        self._data[used : used + n] = data
-        w[_F_INDEX + 2 * fid] = used
-        w[_F_INDEX + 2 * fid + 1] = n
-        w[_F_USED] = used + n
-        w[_F_COUNT] = fid + 1  # commit
-        return fid
-
-    def get(self, fid: int) -> bytes:
-        """Any process: the bytes of ``fid`` (copied; cache what you load from them).
-
-        Raises:
-            IndexError: ``fid`` was never added (or its add is not visible yet).
-        """
-        w = self._w
-        if not 0 <= fid < w[_F_COUNT]:
-            raise IndexError(f"fid {fid} not in function table of {w[_F_COUNT]}")
-        at, n = w[_F_INDEX + 2 * fid], w[_F_INDEX + 2 * fid + 1]
-        return self._data[at : at + n].tobytes()
-
-    def __len__(self) -> int:
-        return self._w[_F_COUNT]
-
-    def release(self) -> None:
-        """Release this object's views of the segment (before ``AnonSegment.close``)."""
-        self._data.release()
-        self._w.release()

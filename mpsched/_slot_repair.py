@@ -5,7 +5,7 @@ coordinator calls once a worker is known to be dead (or a lock's recorded holder
 stall, ``Coordinator.on_lock_stall``): breaking the dead holder's lock and repairing the half-done
 operation it left (``break_dead_holder``), taking a dead owner's running tasks and clearing its
 slot for a replacement (``take_running``), and claiming or listing everything queued (``drain``).
-The slab's and the global header's repairs are theirs (``_payloads``, ``_layout``).
+The slab's and the global header's repairs are theirs (``_slab_repair``, ``_layout``).
 
 Who calls what, from which process: the coordinator (a thread in the user's process, the single
 breaker) only; never a worker. ``break_dead_holder`` runs on every slot whose lock the dead

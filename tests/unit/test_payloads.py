@@ -1,4 +1,4 @@
-"""Tests of mpsched._payloads (slab, function table) and mpsched._layout (the whole segment).
+"""Tests of mpsched._payloads (slab), mpsched._function_table and mpsched._layout (the segment).
 
 Multi-process tests run under fork, forkserver and spawn and order themselves with pipes only.
 """
@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from mpsched._errors import InternalError
+from mpsched._function_table import FunctionTable
 from mpsched._layout import (
     PAGE,
     GlobalField,
@@ -25,7 +26,7 @@ from mpsched._layout import (
     attach,
     create_locks,
 )
-from mpsched._payloads import BLOCK_HEADER_BYTES, MAX_CHAIN_BLOCKS, BlockField, FunctionTable, Slab
+from mpsched._payloads import BLOCK_HEADER_BYTES, MAX_CHAIN_BLOCKS, BlockField, Slab
 from mpsched._shm import AnonSegment, create_lock
 
 PIPE_TIMEOUT = 30.0  # seconds a child may take to answer
