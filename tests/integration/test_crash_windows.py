@@ -288,12 +288,17 @@ def test_a_worker_killed_after_a_full_deque_refused_a_stashed_child_leaves_no_st
     try:
         with pytest.raises(WorkerCrashedError, match=r"exit code 3\b"):
             pool.submit(wt.die_after_a_full_deque_refused_a_stashed_child, 400_000).result(TIMEOUT)
-        assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
-        wait_all_blocks_free(pool)
-        coordinator = pool._coordinator
-        assert (coordinator.stash, coordinator.unwanted_stash) == ({}, set())
+        assert_recovered_with_no_stash(pool)
     finally:
         shut_down(pool)
+
+
+def assert_recovered_with_no_stash(pool: Pool) -> None:
+    """The pool runs a task again, every block comes free and no stash entry is left."""
+    assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
+    wait_all_blocks_free(pool)
+    coordinator = pool._coordinator
+    assert (coordinator.stash, coordinator.unwanted_stash) == ({}, set())
 
 
 def wait_all_blocks_free(pool: Pool) -> None:
@@ -351,10 +356,7 @@ def test_a_parent_killed_freeing_a_dropped_done_childs_block_leaks_it_not(nbytes
     try:
         with pytest.raises(WorkerCrashedError, match=r"exit code 3\b"):
             pool.submit(wt.die_freeing_a_dropped_done_child, nbytes).result(TIMEOUT)
-        assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
-        wait_all_blocks_free(pool)
-        coordinator = pool._coordinator
-        assert (coordinator.stash, coordinator.unwanted_stash) == ({}, set())
+        assert_recovered_with_no_stash(pool)
     finally:
         shut_down(pool)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, wait
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,6 +139,20 @@ def test_map_keeps_order_with_any_chunksize(pool2: Pool) -> None:
     assert list(pool2.map(tasks.ident, [])) == []
 
 
+class Endless:
+    """An endless input for ``map``: ``make(1)``, ``make(2)``, ...; ``pulled`` counts the
+    items read from it."""
+
+    def __init__(self, make: Callable[[int], Any]) -> None:
+        self.make = make
+        self.pulled = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            self.pulled += 1
+            yield self.make(self.pulled)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("chunksize", "most_pulled"),
@@ -148,17 +164,10 @@ def test_map_keeps_order_with_any_chunksize(pool2: Pool) -> None:
     ],
 )
 def test_map_reads_its_input_lazily(pool2: Pool, chunksize: int | None, most_pulled: int) -> None:
-    pulled = 0
-
-    def numbers():  # infinite
-        nonlocal pulled
-        while True:
-            pulled += 1
-            yield pulled
-
-    results = pool2.map(tasks.ident, numbers(), chunksize=chunksize)
+    numbers = Endless(int)
+    results = pool2.map(tasks.ident, numbers, chunksize=chunksize)
     assert [next(results) for _ in range(5)] == [1, 2, 3, 4, 5]
-    assert pulled <= most_pulled  # bounded read-ahead
+    assert numbers.pulled <= most_pulled  # bounded read-ahead
     results.close()
 
 
@@ -169,20 +178,13 @@ def test_map_bounds_the_read_ahead_of_big_items_by_their_bytes_from_the_first_ch
     """Default chunks hold about ``MAP_CHUNK_BYTES`` pickled, from the bytes of the first
     items: the first window was chunks of ``MAP_FIRST_CHUNK`` items whatever their size, so a
     map of 1 MB items read 512 of them (and stashed them) before its first result."""
-    pulled = 0
     item = 100_000  # bytes: about 5 per chunk
-
-    def blobs():  # infinite
-        nonlocal pulled
-        while True:
-            pulled += 1
-            yield bytes(item)
-
-    results = pool2.map(len, blobs())
+    blobs = Endless(lambda _: bytes(item))  # a new object each: pickle shares repeated ones
+    results = pool2.map(len, blobs)
     assert next(results) == item
     per_chunk = _map.MAP_CHUNK_BYTES // item
     first = _map.MAP_SAMPLE_ITEMS  # the first chunk holds the items its size is read from
-    assert pulled <= first + (_map.MAP_PREFETCH_PER_WORKER * 2 - 1) * per_chunk
+    assert blobs.pulled <= first + (_map.MAP_PREFETCH_PER_WORKER * 2 - 1) * per_chunk
     results.close()
 
 
@@ -196,15 +198,8 @@ def test_map_bounds_its_chunks_by_the_bytes_of_their_results(
     240-320 MB in the caller for 1 MB results)."""
     monkeypatch.setattr(_map, "MAP_CHUNK_BYTES", 64 * 1024)  # small, to keep this test light
     item = 8 * 1024  # bytes per result: about 8 per chunk
-    pulled = 0
-
-    def sizes():  # infinite
-        nonlocal pulled
-        while True:
-            pulled += 1
-            yield item
-
-    results = pool2.map(tasks.make_bytes, sizes())
+    sizes = Endless(lambda _: item)
+    results = pool2.map(tasks.make_bytes, sizes)
     # The first window is sized from the arguments alone (nothing came back yet); every chunk
     # read after it was sized from results.
     first_window = _map.MAP_PREFETCH_PER_WORKER * 2 * _map.MAP_FIRST_CHUNK
@@ -213,7 +208,7 @@ def test_map_bounds_its_chunks_by_the_bytes_of_their_results(
     for _ in range(first_window + _map.MAP_PREFETCH_PER_WORKER * 2 * per_chunk):
         assert len(next(results)) == item
         consumed += 1
-    assert pulled - consumed <= _map.MAP_PREFETCH_PER_WORKER * 2 * per_chunk  # in flight
+    assert sizes.pulled - consumed <= _map.MAP_PREFETCH_PER_WORKER * 2 * per_chunk  # in flight
     results.close()
 
 
@@ -224,17 +219,10 @@ def test_map_sends_one_chunk_per_worker_until_the_size_of_its_results_is_known(
     window of chunks (``MAP_PREFETCH_PER_WORKER`` per worker) of small inputs with 1 MB
     results was 512 MB on its way back before the first result."""
     item = 64 * 1024  # bytes per result
-    pulled = 0
-
-    def sizes():  # infinite
-        nonlocal pulled
-        while True:
-            pulled += 1
-            yield item
-
-    results = pool2.map(tasks.make_bytes, sizes())
+    sizes = Endless(lambda _: item)
+    results = pool2.map(tasks.make_bytes, sizes)
     assert len(next(results)) == item
-    assert pulled <= 2 * _map.MAP_FIRST_CHUNK  # one chunk per worker
+    assert sizes.pulled <= 2 * _map.MAP_FIRST_CHUNK  # one chunk per worker
     results.close()
 
 
