@@ -352,6 +352,10 @@ class Children:
         finally:
             if pushed:
                 contexts.pop()
+            # Counted as a peer's run of a child is (statistics' executed counts every
+            # child): uncounted, a deep chain or a full deque made the per-worker counts
+            # fall short of what ran.
+            self.me.count_inline_run()
         return ChildFuture.settled(self, value, None)
 
     def finish_child(self, handle: int, parent: int) -> None:

@@ -13,7 +13,7 @@ hints), although this deque is lock-based: every operation holds the slot's one 
 
 Who calls what, from which process:
     owner (the worker that owns the slot):  push, pop, take_inbox, pop_or_take,
-        mark_running, finish_running, complete, announce_sleep, bind_owner
+        mark_running, finish_running, count_inline_run, complete, announce_sleep, bind_owner
     coordinator (thread in the user's process): inject, inject_wake, cancel_injected,
         take_done, and after a worker died: break_dead_holder, take_running, drain
         (``_slot_repair``)
@@ -125,6 +125,7 @@ _OWNER_METHODS = (
     "pop_or_take",
     "mark_running",
     "finish_running",
+    "count_inline_run",
     "complete",
 )
 
@@ -254,6 +255,10 @@ class SlotQueues(SlotRepair, BlockHandshake):
     def mark_running(self, handle: int) -> None:
         """Owner only: record a task run without a claim (e.g. inline after a failed push)."""
         _record_running(self._w, handle)
+
+    def count_inline_run(self) -> None:
+        """Owner only: count a child that ran inline, on no run stack (``Worker.run_inline``)."""
+        self._w[EXECUTED] += 1
 
     def finish_running(self) -> int:
         """Owner only: the innermost running task ended; pop its record, count it, return it."""

@@ -23,9 +23,10 @@ class WorkerStatistics:
     """One worker slot's counters (``PoolStatistics.per_worker``).
 
     ``executed`` counts the tasks that ran to their end in this slot: top-level tasks (a
-    ``map`` chunk is one) and children, wherever they were spawned; a run its worker died in is
-    not counted. ``stolen``: tasks it took from a peer's queues. Both add up over every worker
-    that ran in the slot (a replacement after a crash or a recycling goes on counting). A run
+    ``map`` chunk is one) and children, wherever they were spawned (one its spawner ran inline
+    too); a run its worker died in is not counted. ``stolen``: tasks it took from a peer's
+    queues. Both add up over every worker that ran in the slot (a replacement after a crash or
+    a recycling goes on counting). A run
     is counted just before its result is published, so a snapshot taken after a future is
     done counts its run (a worker that dies in between counts a run whose task then fails).
     ``pid`` is 0 while the slot's worker is starting and after the pool ended.

@@ -23,7 +23,7 @@ import mpsched
 from mpsched import Pool, PoolStatistics, TaskPicklingError, TaskState, WorkerCrashedError, _startup
 
 from . import api_edge_tasks as at
-from . import tasks
+from . import edge_tasks, tasks
 from .conditions import Fifos, wait_until
 
 RESULT_TIMEOUT = 20.0  # s; a future of these tests must end within this (a hang fails)
@@ -111,6 +111,19 @@ def test_final_statistics_keep_the_counts_of_a_worker_that_died_in_the_drain(
     final = pool.statistics()
     assert final.completed == _executed(final) == 20
     assert final.per_worker[slot].executed == live.per_worker[slot].executed > 0
+
+
+def test_children_run_inline_count_as_executed() -> None:
+    """A chain nested deeper than the run stack runs its deepest children inline (as with a
+    full deque or slab): they count in ``executed`` like any child. They were not counted, so
+    the per-worker counts fell short of what ran (63 of 101 here)."""
+    depth = 100  # > MAX_NESTING (64): the last ~37 links run inline
+    with Pool(1) as pool:
+        assert pool.submit(edge_tasks.chain, depth).result(RESULT_TIMEOUT) == depth
+        assert _executed(pool.statistics()) == 1 + depth  # the run counted before its result
+    final = pool.statistics()
+    assert final.completed == 1
+    assert _executed(final) == 1 + depth
 
 
 def test_statistics_from_many_threads_across_shutdown() -> None:
