@@ -26,10 +26,11 @@ class WorkerStatistics:
     ``map`` chunk is one) and children, wherever they were spawned (one its spawner ran inline
     too); a run its worker died in is not counted. ``stolen``: tasks it took from a peer's
     queues. Both add up over every worker that ran in the slot (a replacement after a crash or
-    a recycling goes on counting). A run
-    is counted just before its result is published, so a snapshot taken after a future is
-    done counts its run (a worker that dies in between counts a run whose task then fails).
-    ``pid`` is 0 while the slot's worker is starting and after the pool ended.
+    a recycling goes on counting). A run is counted just before its result is published, so a
+    snapshot taken after a future is done counts its run (a worker that dies in between counts
+    a run whose task then fails). ``pid`` is 0 while the slot's worker is starting and after
+    the pool ended. ``inbox_depth`` counts the entries a cancel left (tombstones) until the
+    worker's claims reach them; ``deque_depth``, the children queued in its deque.
     """
 
     slot: int
@@ -56,8 +57,9 @@ class PoolStatistics:
     pending: int  # due, not yet handed to a worker
     scheduled: int  # versions waiting for their run_at (or behind a running version)
     steals: int
-    crashes: int
-    respawns: int
+    crashes: int  # workers that died other than by retiring (killed on purpose too: a forced
+    # cancel, a timeout's grace, an interrupted ``with`` block)
+    respawns: int  # replacements for those (none for a death once the drain's work is done)
     retried: int  # runs started again after their worker died (the retries option)
     recycled: int  # workers replaced after max_tasks_per_worker tasks
     misfires: int  # recurring runs skipped by the misfire policy
