@@ -37,7 +37,9 @@ Region layout (int64 words; one lock per slot, passed in by the caller):
     #                                coordinator clears
     #   96       8   done_capacity   creator, const             C, a power of two (0: no done ring)
     #  104      24   (spare)
-    #  128       8   executed        owner                      tasks finished (finish_running)
+    #  128       8   executed        owner                      tasks finished (complete,
+    #                                                           finish_running, a child's DONE,
+    #                                                           count_inline_run)
     #  136       8   stolen          owner                      handles it stole (steal(into=own))
     #  144       8   pushed          owner                      successful push() calls
     #  152       8   injected_taken  owner                      handles taken from its own inbox
