@@ -59,7 +59,7 @@ from mpsched._errors import (
     PoolClosedError,
     ProtocolError,
 )
-from mpsched._future import Future, defer_callbacks
+from mpsched._future import Future, defer_callbacks, release_if_left
 from mpsched._protocol import (
     Tag,
     decode,
@@ -128,7 +128,11 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
             PoolClosedError, BrokenPoolError: see ``check_usable``.
         """
         lock = self.lock
-        lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+        try:
+            lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+        except BaseException:  # a Ctrl-C may leave it taken: see _future.LEFT_LOCK_WAIT
+            release_if_left(lock)
+            raise
         try:
             if self.broken is not None or self.draining:
                 self.check_usable()
