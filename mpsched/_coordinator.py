@@ -344,10 +344,18 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
             handles.append(future._handle)
         slot = self.slots[k]
         queued_before = slot.inbox_depth()
-        injected, was_sleeping = slot.inject_wake(handles)
-        if injected != len(handles):
-            raise BrokenPoolError("inbox overflow: the dispatch window is broken")
-        self.inbox_low[k] = min(self.inbox_low[k], lowest)
+        try:
+            injected, was_sleeping = slot.inject_wake(handles)
+            if injected != len(handles):
+                raise BrokenPoolError("inbox overflow: the dispatch window is broken")
+            self.inbox_low[k] = min(self.inbox_low[k], lowest)
+        except BaseException:
+            # inject_wake may have cleared the worker's sleep flag: an exception (a Ctrl-C in a
+            # user thread's submit) before the write below left it asleep for ever with tasks
+            # in its inbox, and nothing woke it again (its flag said awake). A spare wake-up
+            # costs a sleeping worker one look at its empty rings.
+            os.eventfd_write(self.wake_fds[k], 1)
+            raise
         if was_sleeping:
             os.eventfd_write(self.wake_fds[k], 1)
         elif (queued_before + injected > 1 or slot.run_depth()) and self.header.sleepers():

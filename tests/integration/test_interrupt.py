@@ -205,3 +205,31 @@ def _poll(condition: Callable[[], Any], what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.002)
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_after_a_submit_cleared_a_workers_sleep_flag_wakes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C in ``submit``'s direct dispatch after ``inject_wake`` cleared a sleeping
+    worker's flag, before the write to its eventfd: the worker slept for ever with the task in
+    its inbox, nothing woke it again (its flag said awake), and the pool and its shutdown hung."""
+    with Pool(1) as pool:
+        assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
+        slot = pool._coordinator.slots[0]
+        _poll(slot.is_sleeping, "the worker never slept")
+        real = type(slot).inject_wake
+        armed = [True]
+
+        def inject_then_interrupt(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = real(self, *args, **kwargs)
+            if armed[0] and threading.current_thread() is threading.main_thread():
+                armed[0] = False
+                raise KeyboardInterrupt
+            return out
+
+        monkeypatch.setattr(type(slot), "inject_wake", inject_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            pool.submit(tasks.ident, 1)
+        monkeypatch.undo()
+        assert pool.submit(tasks.ident, 2).result(timeout=8) == 2
