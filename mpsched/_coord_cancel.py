@@ -37,7 +37,7 @@ from mpsched._coord_state import (
     CoordinatorState,
     WorkerHandle,
 )
-from mpsched._future import FINISHING, Future
+from mpsched._future import FINISHING, Future, release_if_left
 from mpsched._options import TaskOptions
 from mpsched._protocol import TopState
 from mpsched._timed import Recurrence, TaskRun
@@ -146,7 +146,11 @@ class Cancelling(CoordinatorState):
         rec = handed = None
         wake = False
         lock = self.lock
-        lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+        try:
+            lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+        except BaseException:  # a Ctrl-C may leave it taken: see _future.LEFT_LOCK_WAIT
+            release_if_left(lock)
+            raise
         try:
             if recurrence is not None and timetable.recurring.get(task_id) is not recurrence:
                 # Stopped already: by a racing cancel by id, reschedule or shutdown, which mark

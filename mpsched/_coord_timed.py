@@ -32,7 +32,7 @@ from mpsched._coord_state import (
     CoordinatorState,
     logger,
 )
-from mpsched._future import FINISHING, Future
+from mpsched._future import FINISHING, Future, release_if_left
 from mpsched._options import is_misfire, next_run_at
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
@@ -54,7 +54,11 @@ class Timing(CoordinatorState):
         superseded: Sequence[Future] = ()  # no list for a new id (the measured path)
         timetable = self.timetable
         lock = self.lock
-        lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+        try:
+            lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+        except BaseException:  # a Ctrl-C may leave it taken: see _future.LEFT_LOCK_WAIT
+            release_if_left(lock)
+            raise
         try:
             if self.broken is not None or self.draining:
                 self.check_usable()
@@ -63,12 +67,16 @@ class Timing(CoordinatorState):
                 superseded = self.supersede(task_id, recurrence)
             if recurrence is not None:
                 timetable.recurring[task_id] = recurrence
-            timetable.schedule(task_id, run_at, priority, future)
+            # The loop learns the due time before the version enters the heap: an exception
+            # (a Ctrl-C) raised as timetable.schedule returns left a version the loop never
+            # woke for; it never ran, and the drain (a ``with`` block's exit) waited for ever.
+            # Noted for a version that never came, it costs one early wake-up.
             if self.next_due is None or run_at < self.next_due:
                 self.next_due = run_at
             wake = run_at < self.sleep_until
             if wake:
                 self.sleep_until = run_at
+            timetable.schedule(task_id, run_at, priority, future)
         finally:
             lock.release()
         for old_future in superseded:

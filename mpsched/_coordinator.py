@@ -59,7 +59,7 @@ from mpsched._errors import (
     PoolClosedError,
     ProtocolError,
 )
-from mpsched._future import Future, defer_callbacks
+from mpsched._future import Future, defer_callbacks, release_if_left
 from mpsched._protocol import (
     Tag,
     decode,
@@ -128,7 +128,11 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
             PoolClosedError, BrokenPoolError: see ``check_usable``.
         """
         lock = self.lock
-        lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+        try:
+            lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+        except BaseException:  # a Ctrl-C may leave it taken: see _future.LEFT_LOCK_WAIT
+            release_if_left(lock)
+            raise
         try:
             if self.broken is not None or self.draining:
                 self.check_usable()
@@ -340,10 +344,18 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
             handles.append(future._handle)
         slot = self.slots[k]
         queued_before = slot.inbox_depth()
-        injected, was_sleeping = slot.inject_wake(handles)
-        if injected != len(handles):
-            raise BrokenPoolError("inbox overflow: the dispatch window is broken")
-        self.inbox_low[k] = min(self.inbox_low[k], lowest)
+        try:
+            injected, was_sleeping = slot.inject_wake(handles)
+            if injected != len(handles):
+                raise BrokenPoolError("inbox overflow: the dispatch window is broken")
+            self.inbox_low[k] = min(self.inbox_low[k], lowest)
+        except BaseException:
+            # inject_wake may have cleared the worker's sleep flag: an exception (a Ctrl-C in a
+            # user thread's submit) before the write below left it asleep for ever with tasks
+            # in its inbox, and nothing woke it again (its flag said awake). A spare wake-up
+            # costs a sleeping worker one look at its empty rings.
+            os.eventfd_write(self.wake_fds[k], 1)
+            raise
         if was_sleeping:
             os.eventfd_write(self.wake_fds[k], 1)
         elif (queued_before + injected > 1 or slot.run_depth()) and self.header.sleepers():

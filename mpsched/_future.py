@@ -52,6 +52,12 @@ _CONDITION_LOCK = threading.Lock()  # guards the lazy creation of every future's
 # allocates two bound methods, measured at 2-3x the cost of the pair of calls.
 _acquire = _CONDITION_LOCK.acquire
 _release = _CONDITION_LOCK.release
+# An acquire()/release() pair has a window ``with`` has not: the eval loop runs signal handlers
+# after every call, so a Ctrl-C's KeyboardInterrupt can be raised just after ``acquire()``
+# returned, before the ``try`` whose ``finally`` releases (measured: 4% of the interrupts of a
+# loop of such holds left the lock taken). Every such acquire sits alone in a ``try`` whose
+# handler is ``release_if_left`` (no work until an exception).
+LEFT_LOCK_WAIT = 2.0  # seconds; far above any hold of these locks (see release_if_left)
 # Per thread: where a settled future's callbacks go instead of being called (defer_callbacks).
 _local = threading.local()
 _DONE_STATES = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
@@ -201,7 +207,11 @@ class Future(concurrent.futures.Future[Any]):
         """Store the outcome if no condition exists (nobody waits); False: take the stdlib path.
         (Waiters and done-callbacks register under the condition, so without one there is
         nobody to notify and no callback to run.)"""
-        _acquire()
+        try:
+            _acquire()
+        except BaseException:
+            release_if_left(_CONDITION_LOCK)
+            raise
         try:
             if self._cond is not None:
                 return False
@@ -262,7 +272,11 @@ class Future(concurrent.futures.Future[Any]):
         count only CANCELLED_AND_NOTIFIED as done; ProcessPoolExecutor forgets this after
         ``shutdown(cancel_futures=True)``, leaving its waiters blocked)."""
         self._owner = None
-        _acquire()  # as _settle_fast: no condition yet means nobody to notify
+        try:
+            _acquire()  # as _settle_fast: no condition yet means nobody to notify
+        except BaseException:
+            release_if_left(_CONDITION_LOCK)
+            raise
         try:
             if self._cond is None:
                 if self._state != PENDING:
@@ -289,6 +303,21 @@ class Future(concurrent.futures.Future[Any]):
 
 
 Sink = Callable[[Future], None]
+
+
+def release_if_left(lock: Any) -> None:
+    """Exception path of a bare ``lock.acquire()`` of a ``threading.Lock`` (see
+    ``LEFT_LOCK_WAIT``): the exception (a Ctrl-C's KeyboardInterrupt) was raised either inside
+    a wait for the lock while another thread held it (not taken) or just after the acquire
+    returned (taken, and then nothing ever released it: every thread of the pool, the
+    coordinator's too, waited for it for ever). The two leave the same traceback. Another
+    thread lets the lock go within one critical section (the longest, an orphaned shared lock's
+    repair under the coordinator's lock, lasts ``ORPHAN_WAIT``): got back within
+    ``LEFT_LOCK_WAIT``, it was not this thread's; still taken then, it is. Either way this
+    thread now holds it and releases it. A second interrupt during the wait leaves it as it
+    was."""
+    lock.acquire(True, LEFT_LOCK_WAIT)
+    lock.release()
 
 
 def defer_callbacks(sink: Sink | None) -> Sink | None:

@@ -1,6 +1,7 @@
 """Ctrl-C (SIGINT) in the coordinator's process while it waits on a result or inside ``map``:
 the KeyboardInterrupt reaches the caller, no worker prints a traceback, and leaving the ``with``
-block shuts the pool down without hanging (run as a subprocess, like a user's terminal)."""
+block shuts the pool down without hanging (run as a subprocess, like a user's terminal). And a
+KeyboardInterrupt injected at chosen points of a user thread's calls into the pool."""
 
 from __future__ import annotations
 
@@ -9,8 +10,16 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+
+from mpsched import Pool, _future
+
+from . import tasks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXIT_DEADLINE = 20.0  # s from the SIGINT to the process's exit
@@ -63,3 +72,164 @@ def test_ctrl_c_reaches_the_caller_and_the_pool_shuts_down(mode: str, start_meth
     # One traceback: the caller's. A worker printing its own would add another.
     assert err.count("Traceback (most recent call last)") == 1, err
     assert err.rstrip().endswith("KeyboardInterrupt"), err
+
+
+class _AcquireThenInterrupt:
+    """A ``threading.Lock`` whose next blocking ``acquire()`` in the main thread takes it, then
+    raises a Ctrl-C's KeyboardInterrupt: the eval loop runs signal handlers just after a call
+    returns, before the ``try`` that would release the lock."""
+
+    def __init__(self, lock: Any) -> None:
+        self.lock = lock
+        self.armed = True
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        taken: bool = self.lock.acquire(blocking, timeout)
+        if self.armed and blocking and threading.current_thread() is threading.main_thread():
+            self.armed = False
+            raise KeyboardInterrupt
+        return taken
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def locked(self) -> bool:
+        return bool(self.lock.locked())
+
+    def __enter__(self) -> bool:
+        return bool(self.lock.acquire())
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.lock.release()
+
+
+def _interrupt_submit(pool: Pool) -> None:
+    pool.submit(tasks.ident, 1)
+
+
+def _interrupt_schedule(pool: Pool) -> None:
+    pool.schedule("id", time.monotonic(), 0, tasks.ident, 1)
+
+
+def _interrupt_cancel(pool: Pool) -> None:
+    pool.cancel("id")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "call", [_interrupt_submit, _interrupt_schedule, _interrupt_cancel], ids=lambda f: f.__name__
+)
+def test_a_ctrl_c_as_the_coordinators_lock_is_taken_leaves_it_not_taken(
+    call: Callable[[Pool], None],
+) -> None:
+    """A Ctrl-C just after a user thread's ``acquire()`` of the coordinator's lock returned, at
+    the call's signal check before the ``try`` that releases it: the lock stayed taken for ever,
+    so the coordinator thread, every later call and the ``with`` block's exit hung."""
+    with Pool(1) as pool:
+        assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
+        coordinator = pool._coordinator
+        real = coordinator.lock
+        coordinator.lock = _AcquireThenInterrupt(real)  # type: ignore[assignment]
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                call(pool)
+            _poll(lambda: real.acquire(False) and (real.release() or True), "lock left taken")
+        finally:
+            coordinator.lock = real
+            if real.locked() and not _released_within(real, 3.0):
+                real.release()  # the failure above is the finding; let the exit go on
+        assert pool.submit(tasks.ident, 2).result(timeout=20) == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_as_the_condition_lock_is_taken_leaves_it_not_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same window in ``Future.cancel`` (``_mark_cancelled``) on the lock that guards the
+    creation of every future's condition, of every pool: every later settle waited for it."""
+    with Pool(1) as pool:
+        assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
+        future = pool.schedule("later", time.monotonic() + 600, 0, tasks.ident, 1)
+        wrapper = _AcquireThenInterrupt(_future._CONDITION_LOCK)
+        monkeypatch.setattr(_future, "_acquire", wrapper.acquire)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                future.cancel()
+            lock = _future._CONDITION_LOCK
+            _poll(lambda: lock.acquire(False) and (lock.release() or True), "lock left taken")
+        finally:
+            monkeypatch.undo()
+            if _future._CONDITION_LOCK.locked() and not _released_within(
+                _future._CONDITION_LOCK, 3.0
+            ):
+                _future._CONDITION_LOCK.release()
+        assert pool.submit(tasks.ident, 2).result(timeout=20) == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_as_a_version_enters_the_heap_leaves_it_due() -> None:
+    """A Ctrl-C as ``timetable.schedule`` returned inside ``Pool.schedule``: the version was in
+    the heap but the loop's next due time was not noted, so it never ran and the drain (a
+    ``with`` block's exit) waited for it for ever."""
+    pool = Pool(1)
+    assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
+    timetable = pool._coordinator.timetable
+    real = timetable.schedule
+    armed = [True]
+
+    def schedule_then_interrupt(*args: Any) -> None:
+        real(*args)
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    timetable.schedule = schedule_then_interrupt  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        pool.schedule("id", time.monotonic() + 0.05, 0, tasks.ident, 1)
+    timetable.schedule = real  # type: ignore[method-assign]
+    done = threading.Event()
+    threading.Thread(target=lambda: (pool.shutdown(wait=True), done.set()), daemon=True).start()
+    assert done.wait(15), "shutdown hung"
+    assert not timetable.busy()  # the version ran
+
+
+def _released_within(lock: Any, seconds: float) -> bool:
+    if lock.acquire(True, seconds):
+        lock.release()
+        return True
+    return False
+
+
+def _poll(condition: Callable[[], Any], what: str) -> None:
+    deadline = time.monotonic() + 8
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_after_a_submit_cleared_a_workers_sleep_flag_wakes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C in ``submit``'s direct dispatch after ``inject_wake`` cleared a sleeping
+    worker's flag, before the write to its eventfd: the worker slept for ever with the task in
+    its inbox, nothing woke it again (its flag said awake), and the pool and its shutdown hung."""
+    with Pool(1) as pool:
+        assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
+        slot = pool._coordinator.slots[0]
+        _poll(slot.is_sleeping, "the worker never slept")
+        real = type(slot).inject_wake
+        armed = [True]
+
+        def inject_then_interrupt(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = real(self, *args, **kwargs)
+            if armed[0] and threading.current_thread() is threading.main_thread():
+                armed[0] = False
+                raise KeyboardInterrupt
+            return out
+
+        monkeypatch.setattr(type(slot), "inject_wake", inject_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            pool.submit(tasks.ident, 1)
+        monkeypatch.undo()
+        assert pool.submit(tasks.ident, 2).result(timeout=8) == 2
