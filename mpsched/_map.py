@@ -83,7 +83,7 @@ def map_results(
     limit = MAP_PREFETCH_PER_WORKER * pool._workers
     # Until a result came back, a default chunk's results have no known size: one chunk per
     # worker (a full window of 64-item chunks of 1 MB results was 512 MB on the way back).
-    first_limit = pool._workers if chunksize is None else limit
+    window = pool._workers if chunksize is None else limit
     exhausted = False
     # fn travels in each chunk's arguments, not through the function table: a __main__
     # function needs its copy by value there too (see _serialize.portable).
@@ -100,9 +100,7 @@ def map_results(
 
     try:
         while True:
-            while not exhausted and len(in_flight) < (
-                first_limit if out_per_item is None else limit
-            ):
+            while not exhausted and len(in_flight) < window:
                 chunk: list[Any] = []
                 try:
                     if not cap and chunksize is None:
@@ -154,6 +152,7 @@ def map_results(
                 # made chunks of thousands of items, each returning one huge list.
                 sample = nbytes / len(results)
                 out_per_item = sample if out_per_item is None else 0.5 * out_per_item + 0.5 * sample
+                window = limit
                 size = _next_chunksize(per_item, len(results), _bytes_cap(cap, out_per_item))
             done = len(results)
             if done < len(chunk):  # stopped at its budget: the rest goes again, first

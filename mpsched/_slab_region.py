@@ -104,7 +104,6 @@ class BlockField(enum.IntEnum):
     NEXT_RESULT = 7
 
 
-_HEADER_WORDS = BLOCK_HEADER_BYTES // 8
 _UID = int(BlockField.UID)
 _NBYTES = int(BlockField.NBYTES)
 _PARENT = int(BlockField.PARENT)

@@ -156,9 +156,6 @@ def slot_bytes(deque_capacity: int, inbox_capacity: int, done_capacity: int = 0)
     return -(-raw // _LINE) * _LINE
 
 
-SLOT_BYTES = slot_bytes  # the name used in the engine's design notes
-
-
 class SlotRegion:
     """One slot region: the words, the rings' views, the lock's bound methods; hints only.
 

@@ -293,10 +293,15 @@ def test_a_worker_killed_after_a_full_deque_refused_a_stashed_child_leaves_no_st
         shut_down(pool)
 
 
-def assert_recovered_with_no_stash(pool: Pool) -> None:
-    """The pool runs a task again, every block comes free and no stash entry is left."""
+def assert_recovered(pool: Pool) -> None:
+    """The pool runs a task again and every block comes free."""
     assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
     wait_all_blocks_free(pool)
+
+
+def assert_recovered_with_no_stash(pool: Pool) -> None:
+    """``assert_recovered``, and no stash entry is left."""
+    assert_recovered(pool)
     coordinator = pool._coordinator
     assert (coordinator.stash, coordinator.unwanted_stash) == ({}, set())
 
@@ -373,8 +378,7 @@ def test_a_worker_killed_writing_a_childs_long_arguments_leaks_no_block() -> Non
     try:
         with pytest.raises(WorkerCrashedError, match=r"exit code 1\b"):
             pool.submit(wt.die_writing_a_childs_long_arguments, LONG).result(TIMEOUT)
-        assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
-        wait_all_blocks_free(pool)
+        assert_recovered(pool)
     finally:
         shut_down(pool)
 
@@ -389,8 +393,7 @@ def test_a_worker_killed_writing_a_long_result_frees_exactly_its_chain() -> None
     try:
         with pytest.raises(WorkerCrashedError, match=r"exit code 1\b"):
             pool.submit(wt.return_a_long_result_and_die_writing_it, LONG).result(TIMEOUT)
-        assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
-        wait_all_blocks_free(pool)
+        assert_recovered(pool)
     finally:
         shut_down(pool)
 
@@ -405,8 +408,7 @@ def test_a_worker_killed_releasing_a_tasks_long_arguments_leaks_no_block() -> No
         assert pool.submit(wt.die_at_the_next_slab_lock).result(TIMEOUT) is None
         with pytest.raises(WorkerCrashedError, match=r"exit code 3\b"):
             pool.submit(len, bytes(LONG)).result(TIMEOUT)
-        assert pool.submit(tasks.add, 1, 1).result(TIMEOUT) == 2
-        wait_all_blocks_free(pool)
+        assert_recovered(pool)
     finally:
         shut_down(pool)
 

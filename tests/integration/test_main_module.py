@@ -65,6 +65,18 @@ def _run(argv: list[str], cwd: pathlib.Path) -> subprocess.CompletedProcess[str]
     )
 
 
+def _run_main(
+    tmp_path: pathlib.Path, source: str, start_method: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``source`` as a user's script (``user_main.py``) with ``start_method`` as its
+    argument; it must end well."""
+    script = tmp_path / "user_main.py"
+    script.write_text(source)
+    proc = _run([sys.executable, str(script), start_method], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("main", ["script", "dash-c"])
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
@@ -137,10 +149,7 @@ if __name__ == "__main__":
 def test_a_redefined_main_function_runs_its_new_body(
     tmp_path: pathlib.Path, start_method: str
 ) -> None:
-    script = tmp_path / "user_main.py"
-    script.write_text(REDEFINED)
-    proc = _run([sys.executable, str(script), start_method], tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    proc = _run_main(tmp_path, REDEFINED, start_method)
     assert proc.stdout.splitlines() == [
         "seen worker",
         "first 2",
@@ -184,10 +193,7 @@ if __name__ == "__main__":
 def test_an_exception_class_of_the_main_block_reaches_the_caller(
     tmp_path: pathlib.Path, start_method: str
 ) -> None:
-    script = tmp_path / "user_main.py"
-    script.write_text(MAIN_EXCEPTION)
-    proc = _run([sys.executable, str(script), start_method], tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    proc = _run_main(tmp_path, MAIN_EXCEPTION, start_method)
     assert proc.stdout.splitlines() == [
         "BlockError True from the main block",
         "BlockError True from the main block",
