@@ -15,11 +15,16 @@ whatever its length: ``Pool.map`` sends the items it did not run again.
 A chunk pickles its own results (with the worker's ``dumps``) and returns their bytes: ``map``
 reads their size (``len``) to bound the results of later chunks, and unpickles them itself. The
 worker's own pickling of that tuple copies the bytes once more; it needs no size field of the
-pool's result path for every task.
+pool's result path for every task. Given a finite ``max_bytes`` (map does, while its results'
+size is unknown or large), a chunk pickles each run's results as the run ends and stops, as at
+its budget, once they hold ``max_bytes``: it returns one piece per run, and a chunk of 64 small
+arguments with 1 MB results no longer returns 64 MB. Otherwise it pickles them once, at the end
+(one piece: each ``dumps`` costs ~1 us, and a chunk of 4,096 tiny results would run 13 of them).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from itertools import islice, starmap
@@ -31,12 +36,13 @@ from mpsched._serialize import dumps
 
 
 def run_chunk(
-    fn: Callable[..., Any], items: list[Any], star: bool, budget: float
-) -> tuple[bytes, float, bytes | None]:
+    fn: Callable[..., Any], items: list[Any], star: bool, budget: float, max_bytes: float
+) -> tuple[list[bytes], float, bytes | None]:
     """``[fn(x) for x in items]`` (``fn(*x)`` if ``star``), or a prefix of it if ``budget``
-    seconds ran out, pickled (``_serialize.dumps``); the seconds it took (map sizes chunks by
-    it); and None, or the pickled error (``dump_exception``) of the item that raised after the
-    ones in the prefix.
+    seconds ran out or its pickled results reached ``max_bytes``, pickled (``_serialize.dumps``)
+    in pieces, each a list, to be concatenated in order; the seconds it took (map sizes chunks
+    by it); and None, or the pickled error (``dump_exception``) of the item that raised after
+    the ones in the prefix.
 
     An item that raises ends the chunk. If it is the first, the chunk's task fails with its
     error; otherwise the results before it are returned with the error, so that ``map``
@@ -44,30 +50,41 @@ def run_chunk(
     them, and how many items precede the error in the same chunk depends on default chunking,
     i.e. on timing). Results that do not pickle fail the chunk's task, as any task's."""
     try:
-        results, seconds, error = _run(fn, items, star, budget)
-        return dumps(results), seconds, error
+        return _run(fn, items, star, budget, max_bytes)
     finally:
         announce_result()  # map waits for the chunks in order: no batching of this result
 
 
 def _run(
-    fn: Callable[..., Any], items: list[Any], star: bool, budget: float
-) -> tuple[list[Any], float, bytes | None]:
-    """``run_chunk``'s results before pickling."""
+    fn: Callable[..., Any], items: list[Any], star: bool, budget: float, max_bytes: float
+) -> tuple[list[bytes], float, bytes | None]:
     start = time.perf_counter()
     it = iter(items)
     call = starmap(fn, it) if star else map(fn, it)
-    results: list[Any] = []
+    pieces: list[bytes] = []
+    nbytes = 0
+    ran = 0  # items run and pickled into pieces
+    results: list[Any] = []  # items run, not pickled yet
+    by_run = max_bytes != math.inf
     run = 1
     while True:
         try:
             # islice stops at the raise; extend keeps what came before it
             results.extend(islice(call, run))
         except BaseException as exc:  # user code: as the worker reports a task's error
-            if not results:
+            if not results and not pieces:
                 raise
-            return results, time.perf_counter() - start, dump_exception(exc)
+            if results:
+                pieces.append(dumps(results))
+            return pieces, time.perf_counter() - start, dump_exception(exc)
         seconds = time.perf_counter() - start
-        if len(results) == len(items) or seconds >= budget:
-            return results, seconds, None
-        run = len(results)
+        run = ran + len(results)
+        if by_run:
+            piece = dumps(results)
+            pieces.append(piece)
+            nbytes += len(piece)
+            ran, results = run, []
+        if run == len(items) or seconds >= budget or nbytes >= max_bytes:
+            if results:
+                pieces.append(dumps(results))
+            return pieces, seconds, None

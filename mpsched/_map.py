@@ -1,12 +1,13 @@
 """Pool.map: reading the input in chunks, sizing them, and yielding the results in input order.
 
 Owns the map's iterator (``map_results``), the default chunk sizing (``_next_chunksize``,
-``_max_chunk`` from the arguments' bytes, ``_bytes_cap`` from the results', the ``MAP_*``
-constants), the unpickling of the chunks' results (``_load``: ``run_chunk`` returns them
-pickled, so that their size is known) and the failed future that takes the place of an error
-met ahead of the results (``_failed``). The chunks are ordinary top-level tasks
-(``_chunks.run_chunk``), sent through ``Pool.submit``; nothing here touches the coordinator but
-``cancel_later``. The reasons and measurements are in docs/design.md, "Pool.map".
+``_max_chunk`` from the arguments' bytes, ``_bytes_cap`` from the results', ``_stop_bytes``
+for a chunk's own stop, the ``MAP_*`` constants), the unpickling of the chunks' results
+(``_load``: ``run_chunk`` returns them pickled, so that their size is known) and the failed
+future that takes the place of an error met ahead of the results (``_failed``). The chunks are
+ordinary top-level tasks (``_chunks.run_chunk``), sent through ``Pool.submit``; nothing here
+touches the coordinator but ``cancel_later``. The reasons and measurements are in
+docs/design.md, "Pool.map".
 
 Called from: ``Pool.map`` (a user thread), which checks the arguments and the pool, then returns
 ``map_results``' generator. The generator runs in whichever thread iterates it; its cleanup
@@ -50,6 +51,9 @@ MAP_MAX_CHUNK = 4096
 # of 1 KB: 64 ms in 512 KiB chunks, 71 ms in 1 MiB, 128 ms in 4 MiB (the stash through the
 # coordinator's socket) and 134 ms in 128 KiB (hand-offs); medians of 5, interleaved.
 MAP_CHUNK_BYTES = 512 * 1024
+# A default chunk stops once its pickled results hold this much (``run_chunk``, as at its time
+# budget): twice the sizing target, so that a chunk sized by its results' mean does not stop early.
+MAP_CHUNK_STOP_BYTES = 2 * MAP_CHUNK_BYTES
 MAP_SAMPLE_ITEMS = 8  # items of the first chunk pickled to estimate bytes per item
 MAP_PREFETCH_PER_WORKER = 4  # chunks in flight per worker (bounded read-ahead of lazy input)
 MAP_GROWTH = 64  # chunks grow at most this much per measured chunk
@@ -94,7 +98,8 @@ def map_results(
         # not pickle, the pool shut down) takes the place of its items: the results before
         # it come first, as with the builtin map (and ProcessPoolExecutor.map).
         try:
-            return pool.submit(run_chunk, fn, piece, star, budget), True
+            max_bytes = math.inf if chunksize else _stop_bytes(len(piece), out_per_item)
+            return pool.submit(run_chunk, fn, piece, star, budget, max_bytes), True
         except Exception as exc:  # a BaseException (Ctrl-C) goes on at once
             return _failed(exc), False
 
@@ -138,7 +143,7 @@ def map_results(
                 future.cancel()
                 raise
             del future  # holds the pickled results: not again alongside the results
-            nbytes = len(pickled)
+            nbytes = sum(map(len, pickled))
             results = _load(pickled)
             del pickled
             if error is not None:  # an item raised after these: they come first (_chunks)
@@ -193,12 +198,24 @@ def _bytes_cap(cap: int, out_per_item: float) -> int:
     return max(1, min(cap, int(MAP_CHUNK_BYTES / max(1.0, out_per_item))))
 
 
-def _load(pickled: bytes) -> list[Any]:
-    """A chunk's results from their bytes (``run_chunk`` pickled them), in the caller's thread.
+def _stop_bytes(items: int, out_per_item: float | None) -> float:
+    """``max_bytes`` of a default chunk of ``items`` (``run_chunk``): ``MAP_CHUNK_STOP_BYTES``
+    while the results' size is unknown or their bytes can matter, else no limit (a chunk of
+    small results then pickles them once, not once per run)."""
+    if out_per_item is None or items * out_per_item * 8 >= MAP_CHUNK_BYTES:
+        return MAP_CHUNK_STOP_BYTES
+    return math.inf
+
+
+def _load(pieces: list[bytes]) -> list[Any]:
+    """A chunk's results from their pickled pieces (``run_chunk``), in the caller's thread.
     An error (SystemExit included) fails as any task's result that does not unpickle does, with
     a RuntimeError; a KeyboardInterrupt goes on: here it may be the caller's Ctrl-C."""
     try:  # user code runs here (__setstate__, __reduce__)
-        results: list[Any] = pickle.loads(pickled)
+        if len(pieces) == 1:
+            results: list[Any] = pickle.loads(pieces[0])
+        else:
+            results = [result for piece in pieces for result in pickle.loads(piece)]
     except (Exception, SystemExit) as exc:
         raise unpickling_failed(exc) from exc
     return results

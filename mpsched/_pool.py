@@ -332,10 +332,10 @@ class Pool:
         ``chunksize=None`` adapts: chunks of 64 items first, then chunks of about 2 ms of
         work each (at most 4096 items); every chunk holds about 512 KiB of pickled arguments
         at most (but for the first, which holds the first 8 items), and, once results came
-        back, returns about 512 KiB of pickled results at most (one item at least; the chunks
-        sent before the first result can only be sized from their arguments); a chunk that
-        runs longer than 10 ms stops, and the rest of its items go again. The results are
-        unpickled in the thread that iterates.
+        back, returns about 512 KiB of pickled results at most (one item at least); a chunk
+        stops once it ran longer than 10 ms, or once its pickled results passed 1 MiB (the
+        chunks sent before the first result can only be sized from their arguments), and the
+        rest of its items go again. The results are unpickled in the thread that iterates.
 
         Raises:
             TypeError: no iterable (as the builtin ``map``); ``fn`` is not callable;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -14,6 +15,7 @@ import pytest
 
 import mpsched
 from mpsched import BrokenPoolError, Pool, PoolClosedError, _map
+from mpsched._chunks import run_chunk
 
 from . import edge_tasks as et
 from . import tasks
@@ -224,6 +226,30 @@ def test_map_sends_one_chunk_per_worker_until_the_size_of_its_results_is_known(
     assert len(next(results)) == item
     assert sizes.pulled <= 2 * _map.MAP_FIRST_CHUNK  # one chunk per worker
     results.close()
+
+
+@pytest.mark.timeout(60)
+def test_map_stops_a_first_chunk_by_the_bytes_of_its_results(
+    pool2: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first chunk is sized by its small arguments alone (64 items), so 64 KiB results made
+    one list of 4 MiB; the chunk stops once its pickled results pass ``MAP_CHUNK_STOP_BYTES``,
+    and its other items go again."""
+    monkeypatch.setattr(_map, "MAP_CHUNK_BUDGET", math.inf)  # only the bytes may stop a chunk
+    chunks: list[mpsched.Future] = []
+    submit = Pool.submit
+
+    def recording_submit(self: Pool, fn: Any, /, *args: Any, **kwargs: Any) -> mpsched.Future:
+        future = submit(self, fn, *args, **kwargs)
+        if fn is run_chunk:
+            chunks.append(future)
+        return future
+
+    monkeypatch.setattr(Pool, "submit", recording_submit)
+    item = 64 * 1024  # bytes per result
+    assert [len(r) for r in pool2.map(tasks.make_bytes, [item] * 200)] == [item] * 200
+    returned = [sum(map(len, future.result()[0])) for future in chunks]
+    assert max(returned) <= 2 * _map.MAP_CHUNK_STOP_BYTES, returned
 
 
 @pytest.mark.timeout(60)

@@ -59,7 +59,7 @@ def chunks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[mpsched.Future, list[A
     def recording_submit(self: Pool, fn: Any, /, *args: Any, **kwargs: Any) -> mpsched.Future:
         future = original(self, fn, *args, **kwargs)
         if fn is run_chunk:
-            recorded.append((future, args[1]))  # run_chunk(fn, chunk, star, budget)
+            recorded.append((future, args[1]))  # run_chunk(fn, chunk, star, budget, max_bytes)
         return future
 
     monkeypatch.setattr(Pool, "submit", recording_submit)

@@ -14,24 +14,56 @@ from mpsched._chunks import run_chunk
 from mpsched._protocol import load_exception
 
 
-def _results(*args: Any) -> Any:
+def _results(*args: Any) -> list[Any]:
     """``run_chunk``'s results, unpickled (it returns them pickled: map reads their size)."""
-    return pickle.loads(run_chunk(*args)[0])
+    return _load(run_chunk(*args)[0])
+
+
+def _load(pieces: list[bytes]) -> list[Any]:
+    return [result for piece in pieces for result in pickle.loads(piece)]
 
 
 def test_run_chunk_runs_every_item_within_its_budget() -> None:
     items = list(range(1000))
-    assert _results(abs, items, False, math.inf) == items
-    assert _results(operator.add, [(1, 2), (3, 4)], True, math.inf) == [3, 7]
-    assert _results(abs, [], False, math.inf) == []
+    assert _results(abs, items, False, math.inf, math.inf) == items
+    assert _results(operator.add, [(1, 2), (3, 4)], True, math.inf, math.inf) == [3, 7]
+    assert _results(abs, [], False, math.inf, math.inf) == []
 
 
 def test_run_chunk_stops_at_its_budget_after_one_item_at_least() -> None:
-    pickled, seconds, error = run_chunk(abs, list(range(-5, 5)), False, 0.0)
-    assert pickle.loads(pickled) == [5]  # a prefix: map sends the rest again
+    pieces, seconds, error = run_chunk(abs, list(range(-5, 5)), False, 0.0, math.inf)
+    assert _load(pieces) == [5]  # a prefix: map sends the rest again
     assert seconds >= 0.0
     assert error is None
-    assert _results(operator.add, [(1, 2), (3, 4)], True, 0.0) == [3]
+    assert _results(operator.add, [(1, 2), (3, 4)], True, 0.0, math.inf) == [3]
+
+
+def test_run_chunk_pickles_its_results_once_without_a_byte_limit() -> None:
+    pieces, _, _ = run_chunk(abs, list(range(1000)), False, math.inf, math.inf)
+    assert len(pieces) == 1
+
+
+def test_run_chunk_stops_once_its_pickled_results_reach_max_bytes() -> None:
+    """Runs of 1, 1, 2, 4, ... items, each pickled as it ends: 1,000-byte results and a
+    limit of 3,000 bytes stop the chunk after the third run (4 items, ~4,000 bytes)."""
+    pieces, _, error = run_chunk(_kilobytes, list(range(64)), False, math.inf, 3000)
+    assert [len(pickle.loads(piece)) for piece in pieces] == [1, 1, 2]
+    assert _load(pieces) == [_kilobytes(i) for i in range(4)]
+    assert error is None
+    # A limit the whole chunk stays under: every item, one piece per run.
+    pieces, _, _ = run_chunk(_kilobytes, list(range(5)), False, math.inf, 10**6)
+    assert [len(pickle.loads(piece)) for piece in pieces] == [1, 1, 2, 1]
+    assert _load(pieces) == [_kilobytes(i) for i in range(5)]
+
+
+def _kilobytes(i: int) -> bytes:
+    return bytes([i]) * 1000
+
+
+def test_a_chunk_stops_by_bytes_while_its_results_size_is_unknown_or_large() -> None:
+    assert _map._stop_bytes(64, None) == _map.MAP_CHUNK_STOP_BYTES  # nothing came back yet
+    assert _map._stop_bytes(8, 64 * 1024.0) == _map.MAP_CHUNK_STOP_BYTES  # sized by bytes
+    assert _map._stop_bytes(4096, 5.0) == math.inf  # tiny results: pickled once
 
 
 def test_chunk_size_grows_boundedly_up_to_the_cap() -> None:
@@ -64,10 +96,18 @@ def _fail_at_3(x: int) -> int:
 
 
 def test_run_chunk_returns_the_results_before_an_error_with_the_error() -> None:
-    pickled, _, error = run_chunk(_fail_at_3, [1, 2, 3, 4], False, math.inf)
-    assert pickle.loads(pickled) == [1, 2]
+    pieces, _, error = run_chunk(_fail_at_3, [1, 2, 3, 4], False, math.inf, math.inf)
+    assert _load(pieces) == [1, 2]
     assert error is not None
     with pytest.raises(ValueError, match="three"):
         raise load_exception(error)
     with pytest.raises(ValueError, match="three"):  # the first item: the chunk's task fails
-        run_chunk(_fail_at_3, [3, 4], False, math.inf)
+        run_chunk(_fail_at_3, [3, 4], False, math.inf, math.inf)
+
+
+def test_run_chunk_by_pieces_returns_the_results_before_an_error_with_the_error() -> None:
+    pieces, _, error = run_chunk(_fail_at_3, [1, 2, 3, 4], False, math.inf, 10**6)
+    assert _load(pieces) == [1, 2]
+    assert error is not None
+    with pytest.raises(ValueError, match="three"):
+        run_chunk(_fail_at_3, [3, 4], False, math.inf, 10**6)
