@@ -416,6 +416,14 @@ class FunctionCache:
         except Exception:
             return _encode_with_cloudpickle(call)
 
+    def portable(self, fn: Any) -> Any:
+        """``portable(fn)`` for a function that travels as an argument (``map``'s): for a
+        ``__main__`` function, the stand-in of its current copy here, which is by value only
+        once a global it captured was rebound (``_table_main``), as its tasks' is."""
+        if type(fn) is types.FunctionType and fn.__module__ == "__main__" and fn not in self._fids:
+            return self._lookup(fn)[1]
+        return portable(fn)
+
     def _lookup(self, fn: Callable[..., Any]) -> tuple[int, Any]:
         """For a function of a tabled type not in ``_fids``: its fid (tabled now if it can be),
         and what a task sends in its place when that is INLINE."""

@@ -231,11 +231,11 @@ def test_a_main_function_by_value_sees_its_current_globals(
     assert proc.stdout.splitlines() == ["first 1", "submit 2", "map [2]"], proc.stdout
 
 
-# Each way a task reaches a worker sees a global the script rebound: submit, schedule, and a
-# child submitted from a worker (its parent's copy carries the child function's copy, and that
-# one's globals); so does a method of a __main__ class a task uses. At module level, the worker's
-# own __main__ may hold the functions (fork; spawn's run of the script again), with its own,
-# stale, globals: the fresh copy must win over the name. A global rebound in a loop neither
+# Each way a task reaches a worker sees a global the script rebound: submit, schedule, a child
+# submitted from a worker (its parent's copy carries the child function's copy, and that one's
+# globals), and map; so does a method of a __main__ class a task uses. At module level, the
+# worker's own __main__ may hold the functions (fork; spawn's run of the script again), with its
+# own, stale, globals: the fresh copy must win over the name. A global rebound in a loop neither
 # fills the function table nor goes stale.
 REBOUND_GLOBALS = """
 import sys
@@ -266,6 +266,7 @@ if __name__ == "__main__":
                 pool.schedule("s", time.monotonic(), 0, scaled, 1).result(timeout=20),
                 pool.submit(nested, 1).result(timeout=20),
                 pool.submit(method_user, 1).result(timeout=20),
+                *pool.map(scaled, [1]),
             ]
         print("first", *calls(), flush=True)
         factor = 2
@@ -273,7 +274,7 @@ if __name__ == "__main__":
         tabled = len(pool._views.functions)
         for factor in range(3, 43):
             got = calls()
-            if got != [factor] * 4:
+            if got != [factor] * 5:
                 print("stale", factor, got, flush=True)
         grown = len(pool._views.functions) - tabled
         print("table bounded", grown <= 3 * MAIN_RETABLE_MAX, flush=True)
@@ -292,7 +293,7 @@ def test_a_rebound_global_reaches_every_kind_of_task(
         proc = _run([sys.executable, "-c", REBOUND_GLOBALS, start_method], tmp_path)
         assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
-        "first 1 1 1 1",
-        "rebound 2 2 2 2",
+        "first 1 1 1 1 1",
+        "rebound 2 2 2 2 2",
         "table bounded True",
     ], proc.stderr

@@ -238,3 +238,23 @@ def test_without_cloudpickles_private_helpers_a_superset_is_watched(
     main.ns["factor"] = 2
     assert main.run(table, cache.encode(main["parent"], (1,), {})) == 1002
     assert len(table.entries) == 2
+
+
+def test_a_function_sent_as_an_argument_gets_the_current_copy(main: Main) -> None:
+    """``map`` sends its function in its chunks' arguments (``FunctionCache.portable``)."""
+    table = Table()
+    cache = FunctionCache(table.add)
+    worker_ns: dict[str, Any] = {"__name__": "__main__"}
+    exec(MAIN_SOURCE, worker_ns)
+    worker = {"scaled": worker_ns["scaled"]}  # the worker's own, with its own globals
+    worker_ns["factor"] = 5
+
+    def run_map() -> Any:
+        payload = pickle.dumps(cache.portable(main["scaled"]))
+        with main._as_worker(worker):
+            return pickle.loads(payload)(1)
+
+    assert run_map() == 5
+    main.ns["factor"] = 2
+    assert run_map() == 2
+    assert cache.portable(globals_tasks.scaled) is globals_tasks.scaled
