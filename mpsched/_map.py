@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Any
 from mpsched._chunks import run_chunk
 from mpsched._future import Future
 from mpsched._protocol import PICKLE_PROTOCOL, load_exception, unpickling_failed
-from mpsched._serialize import portable
 
 if TYPE_CHECKING:
     from mpsched._pool import Pool
@@ -90,8 +89,9 @@ def map_results(
     window = pool._workers if chunksize is None else limit
     exhausted = False
     # fn travels in each chunk's arguments, not through the function table: a __main__
-    # function needs its copy by value there too (see _serialize.portable).
-    fn = portable(fn)
+    # function needs its copy by value there too (see _serialize.portable), the one the pool's
+    # function cache keeps current (by value only once a global it read was rebound).
+    fn = pool._functions.portable(fn)
 
     def send(piece: list[Any]) -> tuple[Future, bool]:
         # An error met ahead of the results (the input's, a submit's: an item that does

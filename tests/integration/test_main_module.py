@@ -201,11 +201,10 @@ def test_an_exception_class_of_the_main_block_reaches_the_caller(
     ], proc.stderr
 
 
-# A __main__ function the worker cannot name goes by value (_serialize.portable). Its by-value
-# copy is tabled once (function_bytes) and cached by every worker, with the function's globals
-# as they were at its first submit: a later submit runs with those stale values, while map()
-# (which carries a fresh copy per call) and the pool's own process see the current ones. The
-# module docstring's rule is that tabled bytes never go stale (callables with state go inline).
+# A __main__ function the worker cannot name goes by value (_serialize.portable). Its copy by
+# value, tabled and cached by every worker, held the function's globals as they were at its first
+# submit: a later submit ran with those stale values, while map() (which carries a fresh copy per
+# call) and the pool's own process saw the current ones. A rebound global now makes a fresh copy.
 STALE_GLOBALS = """
 import sys
 import mpsched
@@ -222,12 +221,79 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (docs/design.md): a __main__ function tabled by value keeps stale globals",
-)
 @pytest.mark.timeout(60)
-def test_a_main_function_by_value_sees_its_current_globals(tmp_path: pathlib.Path) -> None:
-    proc = _run([sys.executable, "-c", STALE_GLOBALS, "forkserver"], tmp_path)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_a_main_function_by_value_sees_its_current_globals(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    proc = _run([sys.executable, "-c", STALE_GLOBALS, start_method], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["first 1", "submit 2", "map [2]"], proc.stdout
+
+
+# Each way a task reaches a worker sees a global the script rebound: submit, schedule, a child
+# submitted from a worker (its parent's copy carries the child function's copy, and that one's
+# globals), and map; so does a method of a __main__ class a task uses. At module level, the
+# worker's own __main__ may hold the functions (fork; spawn's run of the script again), with its
+# own, stale, globals: the fresh copy must win over the name. A global rebound in a loop neither
+# fills the function table nor goes stale.
+REBOUND_GLOBALS = """
+import sys
+import time
+import mpsched
+from mpsched._serialize import MAIN_RETABLE_MAX
+
+factor = 1
+
+def scaled(x):
+    return x * factor
+
+def nested(x):
+    return mpsched.submit(scaled, x).result()
+
+class Scaler:  # copied by value with its methods, and their globals
+    def run(self, x):
+        return x * factor
+
+def method_user(x):
+    return Scaler().run(x)
+
+if __name__ == "__main__":
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        def calls():
+            return [
+                pool.submit(scaled, 1).result(timeout=20),
+                pool.schedule("s", time.monotonic(), 0, scaled, 1).result(timeout=20),
+                pool.submit(nested, 1).result(timeout=20),
+                pool.submit(method_user, 1).result(timeout=20),
+                *pool.map(scaled, [1]),
+            ]
+        print("first", *calls(), flush=True)
+        factor = 2
+        print("rebound", *calls(), flush=True)
+        tabled = len(pool._views.functions)
+        for factor in range(3, 43):
+            got = calls()
+            if got != [factor] * 5:
+                print("stale", factor, got, flush=True)
+        grown = len(pool._views.functions) - tabled
+        print("table bounded", grown <= 3 * MAIN_RETABLE_MAX, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("main", ["script", "dash-c"])
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_a_rebound_global_reaches_every_kind_of_task(
+    tmp_path: pathlib.Path, main: str, start_method: str
+) -> None:
+    if main == "script":
+        proc = _run_main(tmp_path, REBOUND_GLOBALS, start_method)
+    else:
+        proc = _run([sys.executable, "-c", REBOUND_GLOBALS, start_method], tmp_path)
+        assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "first 1 1 1 1 1",
+        "rebound 2 2 2 2 2",
+        "table bounded True",
+    ], proc.stderr
