@@ -46,7 +46,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from mpsched._coordinator import Coordinator
-from mpsched._serialize import FunctionCache
+from mpsched._function_cache import FunctionCache
 from mpsched._shm import AnonSegment, SharedFd, disown_inherited_process
 from mpsched._wakeup import Wakeup
 from mpsched._zygote import ForkedZygote

@@ -29,13 +29,14 @@ from typing import Any
 
 from mpsched._coordinator import Coordinator
 from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
+from mpsched._function_cache import FunctionCache
 from mpsched._future import Future
 from mpsched._layout import SegmentViews
 from mpsched._lifecycle import PoolResources, live_pools
 from mpsched._map import map_results
 from mpsched._options import TaskOptions, check_seconds
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
-from mpsched._serialize import FunctionCache, dumps, portable
+from mpsched._serialize import dumps, portable
 from mpsched._startup import DISPATCH_WINDOW, DISPATCH_WINDOW_MAX, start
 from mpsched._statistics import PoolStatistics, snapshot
 from mpsched._task import TaskState

@@ -34,9 +34,9 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from mpsched._coordinator import Coordinator
+from mpsched._function_cache import FunctionCache
 from mpsched._layout import SegmentLayout, SegmentLocks, attach, create_locks
 from mpsched._lifecycle import PoolResources, coordinator_fds, live_pools, run_coordinator
-from mpsched._serialize import FunctionCache
 from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
 from mpsched._wakeup import Wakeup
 from mpsched._zygote import ZYGOTE_NAME, ForkedZygote, ZygoteConfig, zygote_main

@@ -241,7 +241,7 @@ REBOUND_GLOBALS = """
 import sys
 import time
 import mpsched
-from mpsched._serialize import MAIN_RETABLE_MAX
+from mpsched._function_cache import MAIN_RETABLE_MAX
 
 factor = 1
 

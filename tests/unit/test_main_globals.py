@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from mpsched._serialize import INLINE, MAIN_RETABLE_MAX, FunctionCache, decode_call
+from mpsched._function_cache import MAIN_RETABLE_MAX, FunctionCache
+from mpsched._serialize import INLINE, decode_call
 from tests.unit import globals_tasks
 
 pytestmark = pytest.mark.timeout(60)
@@ -226,12 +227,12 @@ def test_without_cloudpickles_private_helpers_a_superset_is_watched(
     """``_captured`` uses cloudpickle's own rule, private to it: without it, all names."""
     import cloudpickle
 
-    from mpsched import _serialize
+    from mpsched import _function_cache
 
     public = types.SimpleNamespace(
         cloudpickle=types.SimpleNamespace(), dumps=cloudpickle.dumps, loads=cloudpickle.loads
     )
-    monkeypatch.setattr(_serialize, "_cloudpickle", lambda: public)
+    monkeypatch.setattr(_function_cache, "_cloudpickle", lambda: public)
     table = Table()
     cache = FunctionCache(table.add)
     assert main.run(table, cache.encode(main["parent"], (1,), {})) == 1001

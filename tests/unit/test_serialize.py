@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mpsched._function_cache import FunctionCache
 from mpsched._serialize import (
     INLINE,
-    FunctionCache,
     TaskPicklingError,
     decode_call,
     encode_call,
