@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from mpsched import Pool, _future
+from mpsched import Pool, TaskState, _future
+from mpsched._coordinator import Coordinator
 
 from . import tasks
 
@@ -327,3 +328,46 @@ def test_a_ctrl_c_in_a_direct_submit_leaves_no_block_taken(
         pool.shutdown(wait=False)
         assert coordinator.finished.wait(15), "the drain hung"
         assert slab.free_count() == free  # the drain's end (the memory is released after)
+
+
+def _interrupted_timed_submit(pool: Pool) -> Callable[[], bool]:
+    options = pool.with_options(timeout=0.2, timeout_grace=0.1)
+    with pytest.raises(KeyboardInterrupt):
+        options.submit(tasks.spin, 20.0)
+    return lambda: pool.statistics().crashes >= 1  # its timeout killed its worker
+
+
+def _interrupted_schedule(pool: Pool) -> Callable[[], bool]:
+    with pytest.raises(KeyboardInterrupt):
+        pool.schedule("id", time.monotonic() + 0.05, 0, tasks.ident, 1)
+    return lambda: pool.state("id") is TaskState.COMPLETED
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("method", "call"),
+    [("submit", _interrupted_timed_submit), ("schedule", _interrupted_schedule)],
+    ids=["submit", "schedule"],
+)
+def test_a_ctrl_c_before_the_loop_was_woken_wakes_it(
+    method: str, call: Callable[[Pool], Callable[[], bool]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C after the coordinator took the task and before ``Pool.submit`` (or
+    ``schedule``) woke the loop: the loop, asleep with nothing to do, slept on, so a task
+    with a timeout injected directly ran past its timeout (to its end), and a version of an
+    id was due unnoticed (until something else woke the loop)."""
+    with Pool(1, start_method="fork") as pool:
+        coordinator = pool._coordinator
+        assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
+        _poll(
+            lambda: coordinator.slots[0].is_sleeping() and not coordinator.by_handle,
+            "the worker never slept",
+        )
+        _poll(
+            lambda: sys._current_frames()[coordinator.thread_id].f_code.co_name == "wait",
+            "the loop never went to sleep",
+        )
+        monkeypatch.setattr(Coordinator, method, _sigint_after(getattr(Coordinator, method)))
+        done = call(pool)
+        monkeypatch.undo()
+        _poll(done, "the loop slept on")
