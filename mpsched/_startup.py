@@ -193,7 +193,10 @@ class _HeldInterrupt:
             return
         handler = signal.getsignal(signal.SIGINT)
         if callable(handler):
-            signal.signal(signal.SIGINT, self._note)
+            try:
+                signal.signal(signal.SIGINT, self._note)
+            except ValueError:  # a subinterpreter's main thread: no signal lands there either
+                return
             self.previous = handler
 
     def release(self) -> None:
