@@ -60,6 +60,7 @@ from mpsched._errors import (
     ProtocolError,
 )
 from mpsched._future import Future, defer_callbacks, release_if_left
+from mpsched._payloads import BlockField
 from mpsched._protocol import (
     Tag,
     decode,
@@ -67,11 +68,16 @@ from mpsched._protocol import (
     load_exception,
 )
 from mpsched._serialize import with_version
+from mpsched._slot_region import INBOX_BACK, INBOX_FRONT
 
 _UID_COUNTER_MASK = (1 << _UID_PID_SHIFT) - 1  # counters wrap: see _children.UID_COUNTER_MASK
 # A top-level task's block: the uid names no process, so orphan_children never takes it for a
 # dead worker's child (the block's handle identifies the task; no per-task number is needed).
 TOP_LEVEL_UID = 0
+# A block the coordinator allocated for one task and has not written yet (see inject): the uid
+# names no process either (pid 0), and no live block keeps it past the write.
+IN_HAND_UID = 1
+_UID = int(BlockField.UID)
 RESULT_SWEEP_INTERVAL = 0.005  # seconds between done-ring sweeps while tasks are in flight
 # While draining with nothing in flight, the loop re-checks the drain condition this often: the
 # last children may finish without waking it (a child's DONE wakes its parent, not the loop).
@@ -134,19 +140,24 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
             release_if_left(lock)
             raise
         try:
-            if self.broken is not None or self.draining:
-                self.check_usable()
-            self.submitted += 1
-            if self.aging is not None:
-                # Before the direct dispatch too: a task injected here may be taken back to the
-                # ready queue (take_back_lower), whose aging reads this; left at 0.0 it read as
-                # waiting since the clock's epoch and jumped above every priority.
-                future._due_at = time.monotonic()
-            if not self.ready and not self.by_handle and self.dispatch_one(future):
-                return future._run is not None  # a timeout needs the loop's watch
-            self.ready.append(future, future._priority)
-        finally:
-            lock.release()
+            try:
+                if self.broken is not None or self.draining:
+                    self.check_usable()
+                self.submitted += 1
+                if self.aging is not None:
+                    # Before the direct dispatch too: a task injected here may be taken back to
+                    # the ready queue (take_back_lower), whose aging reads this; left at 0.0 it
+                    # read as waiting since the clock's epoch and jumped above every priority.
+                    future._due_at = time.monotonic()
+                if not self.ready and not self.by_handle and self.dispatch_one(future):
+                    return future._run is not None  # a timeout needs the loop's watch
+                self.ready.append(future, future._priority)
+            finally:
+                lock.release()
+        except BaseException:
+            if future._withdrawn:  # an interrupted direct dispatch withdrew it: see inject
+                future._mark_cancelled()
+            raise
         return True
 
     def dispatch_one(self, future: Future) -> bool:
@@ -307,54 +318,57 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
             return 0
         slab = self.slab
         new = [f for f in batch if f._handle < 0]
-        if new:
-            handles = slab.alloc_many(len(new)) if len(new) > 1 else [slab.alloc()]
-            if not handles or handles[0] < 0:
-                handles = []
-            if len(handles) < len(new):
-                # Slab short: only the tasks before the first new one left without a block go
-                # (those taken back keep theirs); the caller puts the rest back in order. (A
-                # batch cut only when no block at all was free injected the rest as handle -1:
-                # lost futures, and a worker claiming block -1.)
-                batch = batch[: batch.index(new[len(handles)])]
-                if not batch:
-                    return 0
-                new = new[: len(handles)]
-            for future, handle in zip(new, handles, strict=False):
-                payload = future._payload
-                due = future._due
-                if due is not None:  # a version of an id: its number follows the call
-                    payload = with_version(payload, due.version)
-                if not slab.write(handle, payload, uid=TOP_LEVEL_UID, state=0):
-                    slab.write(handle, b"", uid=TOP_LEVEL_UID, state=0)
-                    slab.set_word(handle, _NBYTES, -self.stash_put(payload))
-                run = future._run
-                if run is None:
-                    future._payload = b""
-                else:  # a task taken back keeps its watch: only new ones are registered
-                    if not run.retries_left:
-                        future._payload = b""  # kept only to run the task again after a crash
-                    if run.options.timeout is not None:
-                        self.watched[handle] = future
-                future._handle = handle
-                self.by_handle[handle] = future  # before the inject: a result may come at once
-        handles = []
-        for future in batch:
-            future._slot = k
-            handles.append(future._handle)
-        slot = self.slots[k]
-        queued_before = slot.inbox_depth()
+        handles: list[int] = []
+        back = -1  # the inbox's back before the inject: did an interrupted one commit?
         try:
-            injected, was_sleeping = slot.inject_wake(handles)
-            if injected != len(handles):
+            if new:
+                # A single block is stamped IN_HAND_UID until written: an exception just after
+                # alloc() committed it (a Ctrl-C at its lock's release) loses the index, and
+                # the stamp is how inject_interrupted finds the block.
+                handles = slab.alloc_many(len(new)) if len(new) > 1 else [slab.alloc(IN_HAND_UID)]
+                if not handles or handles[0] < 0:
+                    handles = []
+                if len(handles) < len(new):
+                    # Slab short: only the tasks before the first new one left without a block
+                    # go (those taken back keep theirs); the caller puts the rest back in
+                    # order. (A batch cut only when no block at all was free injected the rest
+                    # as handle -1: lost futures, and a worker claiming block -1.)
+                    batch = batch[: batch.index(new[len(handles)])]
+                    if not batch:
+                        return 0
+                    new = new[: len(handles)]
+                for future, handle in zip(new, handles, strict=False):
+                    payload = future._payload
+                    due = future._due
+                    if due is not None:  # a version of an id: its number follows the call
+                        payload = with_version(payload, due.version)
+                    if not slab.write(handle, payload, uid=TOP_LEVEL_UID, state=0):
+                        slab.write(handle, b"", uid=TOP_LEVEL_UID, state=0)
+                        slab.set_word(handle, _NBYTES, -self.stash_put(payload))
+                    run = future._run
+                    if run is None:
+                        future._payload = b""
+                    else:  # a task taken back keeps its watch: only new ones are registered
+                        if not run.retries_left:
+                            future._payload = b""  # kept only to run the task again after a crash
+                        if run.options.timeout is not None:
+                            self.watched[handle] = future
+                    future._handle = handle
+                    self.by_handle[handle] = future  # before the inject: a result may come at once
+            queued = []
+            for future in batch:
+                future._slot = k
+                queued.append(future._handle)
+            slot = self.slots[k]
+            w = slot._w  # the inbox's back is written only under self.lock, which we hold
+            back = w[INBOX_BACK]
+            queued_before = back - w[INBOX_FRONT]  # inbox_depth(), with the back kept
+            injected, was_sleeping = slot.inject_wake(queued)
+            if injected != len(queued):
                 raise BrokenPoolError("inbox overflow: the dispatch window is broken")
             self.inbox_low[k] = min(self.inbox_low[k], lowest)
         except BaseException:
-            # inject_wake may have cleared the worker's sleep flag: an exception (a Ctrl-C in a
-            # user thread's submit) before the write below left it asleep for ever with tasks
-            # in its inbox, and nothing woke it again (its flag said awake). A spare wake-up
-            # costs a sleeping worker one look at its empty rings.
-            os.eventfd_write(self.wake_fds[k], 1)
+            self.inject_interrupted(k, new, handles, back)
             raise
         if was_sleeping:
             os.eventfd_write(self.wake_fds[k], 1)
@@ -363,7 +377,70 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
             # (One task handed to an idle, awake worker needs no help: a woken peer would find
             # nothing, and its wake-up costs a CPU that the round trip needs.)
             self.wake_sleepers()
-        return len(handles)
+        return len(queued)
+
+    def inject_interrupted(self, k: int, new: list[Future], handles: list[int], back: int) -> None:
+        """Under ``self.lock``: an exception hit ``inject`` (in a user thread, a Ctrl-C's
+        KeyboardInterrupt in ``submit``'s direct dispatch; in the coordinator thread an
+        internal error, which breaks the pool: its sweep of ``by_handle`` ends the tasks).
+
+        Committed (the inbox's back moved: only a holder of ``self.lock`` moves it), the tasks
+        are the workers': ``inject_wake`` may have cleared the worker's sleep flag, and a
+        wake-up not written then left it asleep for ever with tasks in its inbox (nothing
+        woke it again: its flag said awake); a spare one costs a sleeping worker one look.
+        Not committed (hit before, or inside ``inject_wake`` before its commit), in a user
+        thread: the new tasks are withdrawn and their blocks freed, as by a cancel (their
+        futures are then cancelled: ``submit`` raises, the caller never had them). Left
+        recorded, such a task waited for the drain's ``cancel_lost``, its block taken, the
+        direct dispatch off (``by_handle`` not empty) and the loop sweeping every 5 ms; a
+        block allocated and not yet recorded leaked for the pool's life. A slot lock taken
+        by the interrupted call before it recorded its holder is released as an orphan: the
+        workers wait for it unguarded, and no thread of this process waited for it, so the
+        pool, and its drain, hung."""
+        slot = self.slots[k]
+        if back >= 0 and slot._w[INBOX_BACK] != back:
+            os.eventfd_write(self.wake_fds[k], 1)
+            return
+        if threading.get_ident() == self.thread_id:
+            return
+        locks = self.locks
+        if back >= 0 and locks is not None:
+            # Hit inside inject_wake, maybe between its acquire and its holder store: a guarded
+            # acquire repairs such an orphan (on_lock_stall, after ORPHAN_WAIT).
+            lock = locks.slots[k]
+            lock.acquire()
+            lock.release()
+        slab = self.slab
+        if new and self.stash:  # hit between the stash of the arguments and its key's store
+            key = (os.getpid() << _UID_PID_SHIFT) | self.stash_counter
+            if any(self.stash.get(key) is future._payload for future in new):
+                del self.stash[key]
+        recorded = []
+        for future in new:
+            handle = future._handle
+            if handle >= 0 and self.by_handle.get(handle) is future:
+                del self.by_handle[handle]
+                self.watched.pop(handle, None)
+                recorded.append(handle)
+            future._handle = -1
+            future._slot = -1
+            future._withdrawn = True
+            future._payload = b""
+        # Allocated and not recorded yet (maybe written, its arguments stashed); or allocated
+        # inside alloc(), the index lost. (An unwritten block's byte count is its previous
+        # task's: a key that left the stash with that task, dropped again for nothing.)
+        lost = [h for h in handles if h >= 0 and h not in recorded]
+        if not handles and new:
+            free = set(slab.free_indices())
+            lost = [
+                h
+                for h in range(slab.capacity)
+                if slab.get_word(h, _UID) == IN_HAND_UID and h not in free
+            ]
+        for handle in lost:
+            slab.set_uid(handle, TOP_LEVEL_UID)
+        self.drop_stashed(recorded + lost)
+        slab.free_tasks(recorded + lost)
 
     def wake_sleepers(self, every: bool = False) -> None:
         """Wake one sleeping worker, or with ``every`` all of them (after a death: the dead

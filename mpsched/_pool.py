@@ -196,8 +196,15 @@ class Pool:
         future = Future(self._coordinator, payload)
         if options is not None and not options.is_plain:
             future._run = TaskRun(options)
-        if self._coordinator.submit(future):
+        try:
+            if self._coordinator.submit(future):
+                self._wakeup.wakeup()
+        except BaseException:
+            # A Ctrl-C after submit() took the task (queued, or injected with a timeout to
+            # watch) and before the wake-up: the loop slept on (the task waited, or ran past its
+            # timeout) until something else woke it. A spare wake-up costs the loop one pass.
             self._wakeup.wakeup()
+            raise
         return future
 
     def schedule(
@@ -274,8 +281,12 @@ class Pool:
                 # dropped the first run.
                 grid_start = max(run_at, time.monotonic())
             future._run = TaskRun(options, recurrence, grid_start)
-        if coordinator.schedule(task_id, run_at, priority, future, recurrence):
+        try:
+            if coordinator.schedule(task_id, run_at, priority, future, recurrence):
+                self._wakeup.wakeup()
+        except BaseException:  # as in _submit: the version's due time may be the loop's next
             self._wakeup.wakeup()
+            raise
         return future if recurrence is None else recurrence.future
 
     def with_options(self, options: TaskOptions | None = None, /, **fields: Any) -> TaskSubmitter:

@@ -20,6 +20,11 @@ Start-up, in order (the reasons are in docs/design.md, section 2):
      coordinator thread registers each as its SPAWNED comes. A task submitted before may wait
      in a starting worker's inbox.
 
+Ctrl-C: SIGINT is held (noted, not raised) from step 1 to the end, but for the wait for
+READY in step 4 (``_HeldInterrupt``): there every resource is in ``PoolResources``, which
+``abort_start`` undoes; a Ctrl-C held elsewhere is raised at the wait, or, after READY, once
+the pool is whole and registered (the caller never gets it: it ends as a dropped pool does).
+
 Invariants: once ``start`` returned or raised, nothing of the pool has a name (the locks'
 names are unlinked in its ``finally``); a pool is in ``_lifecycle.live_pools``, and its
 resources are watched for its drop, only once it started.
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import threading
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -55,7 +61,17 @@ _MAX_SEGMENT_BYTES = 1 << 63  # off_t: ftruncate's limit
 
 def start(pool: Pool) -> None:
     """``Pool.__init__``, once the arguments are checked: start the pool (see above); on
-    failure, undo what was made and raise."""
+    failure, undo what was made and raise. A Ctrl-C is held while anything is made (see
+    ``_HeldInterrupt``) and goes through only during the wait for READY."""
+    held = _HeldInterrupt()
+    held.hold()
+    try:
+        _start(pool, held)
+    finally:
+        held.release()  # a Ctrl-C held since the wait for READY is raised here: the pool is whole
+
+
+def _start(pool: Pool, held: _HeldInterrupt) -> None:
     sweep_stale_names()
     n = pool._workers
     layout = SegmentLayout(
@@ -71,9 +87,17 @@ def start(pool: Pool) -> None:
             f"{layout.total_bytes:.3e} bytes"
         )
     segment = AnonSegment.create(layout.total_bytes)
-    pool._wakeup = Wakeup()
+    try:
+        pool._wakeup = Wakeup()
+    except BaseException:  # EMFILE: the segment's fd went with it
+        segment.close()
+        raise
     res = pool._resources = PoolResources(segment, pool._wakeup)
-    locks = create_locks(n)
+    try:
+        locks = create_locks(n)
+    except BaseException:
+        res.teardown()
+        raise
     try:
         res.wake_fds = [SharedFd(create_eventfd()) for _ in range(n)]
         # The stall callback is the resources' (not a method of the Pool: the locks are
@@ -113,8 +137,15 @@ def start(pool: Pool) -> None:
         pool._thread.start()
         # READY: the zygote opened the locks, so their names can go. The workers are not
         # waited for: a first task waits in a starting worker's inbox (see dispatch_one).
-        pool._coordinator.wait_ready(STARTUP_TIMEOUT)
+        # A Ctrl-C goes through during the wait (long under spawn: the zygote imports the main
+        # module), everything made being in ``res`` by now; one held so far is raised here.
+        held.release()
+        try:
+            pool._coordinator.wait_ready(STARTUP_TIMEOUT)
+        finally:
+            held.hold()
     except BaseException:
+        held.hold()  # a Ctrl-C that came through the wait: a second one waits for the undoing
         abort_start(res)
         raise
     finally:
@@ -134,6 +165,54 @@ def abort_start(res: PoolResources) -> None:
     if res.thread is not None and res.thread.ident is not None:
         res.thread.join()
     res.teardown()
+
+
+class _HeldInterrupt:
+    """Holds a Ctrl-C (SIGINT) during the start-up, then raises it where nothing is half made.
+
+    A KeyboardInterrupt lands after any C call of the main thread: between a call that made
+    an fd, a semaphore name or a process and the store that records it (``os.memfd_create``,
+    ``os.pipe2``, a ``SemLock``, ``os.fork``), so that no handler could undo it, or inside the
+    ``finally`` that unlinks the names, or after the start-up and before the pool was
+    registered; each left fds, names in /dev/shm, or the whole pool (zygote, workers, the
+    waiting thread) behind. While held, SIGINT's Python handler only notes the signal;
+    ``release`` puts the previous handler back and calls it with a noted signal (the default
+    one raises KeyboardInterrupt there). Python runs signal handlers in the main thread only,
+    so elsewhere (and for a handler that is not a Python callable: ignored, or the default
+    action) there is nothing to hold. Costs two ``signal.signal`` calls (a few us) a hold.
+    """
+
+    __slots__ = ("pending", "previous")
+
+    def __init__(self) -> None:
+        self.previous: Any = None  # the handler to put back; None while not held
+        self.pending: tuple[int, Any] | None = None  # (signum, frame) of a noted SIGINT
+
+    def hold(self) -> None:
+        if self.previous is not None or threading.current_thread() is not threading.main_thread():
+            return
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            try:
+                signal.signal(signal.SIGINT, self._note)
+            except ValueError:  # a subinterpreter's main thread: no signal lands there either
+                return
+            self.previous = handler
+
+    def release(self) -> None:
+        """Put the previous handler back; call it with a SIGINT noted meanwhile (may raise)."""
+        handler, self.previous = self.previous, None
+        if handler is None:
+            return
+        signal.signal(signal.SIGINT, handler)
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            handler(*pending)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        # Not the frame (None is a handler's documented "no frame"): it kept the views made in
+        # it alive, and the undoing's unmapping of the segment raised BufferError instead.
+        self.pending = (signum, None)
 
 
 def _start_zygote(pool: Pool, layout: SegmentLayout, locks: SegmentLocks) -> Connection:

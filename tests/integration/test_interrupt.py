@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from mpsched import Pool, _future
+from mpsched import Pool, TaskState, _future
+from mpsched._coordinator import Coordinator
 
 from . import tasks
 
@@ -233,3 +234,140 @@ def test_a_ctrl_c_after_a_submit_cleared_a_workers_sleep_flag_wakes_it(
             pool.submit(tasks.ident, 1)
         monkeypatch.undo()
         assert pool.submit(tasks.ident, 2).result(timeout=8) == 2
+
+
+def _sigint_after(real: Callable[..., Any]) -> Callable[..., Any]:
+    """``real``, then a SIGINT, once, in the main thread: a Ctrl-C at the eval loop's check
+    after that call returned."""
+    armed = [True]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        if armed[0] and threading.current_thread() is threading.main_thread():
+            armed[0] = False
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    return wrapper
+
+
+def _sigint_before(real: Callable[..., Any]) -> Callable[..., Any]:
+    armed = [True]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if armed[0] and threading.current_thread() is threading.main_thread():
+            armed[0] = False
+            signal.raise_signal(signal.SIGINT)
+        return real(*args, **kwargs)
+
+    return wrapper
+
+
+def _sigint_with_the_lock_taken(real: Callable[..., Any]) -> Callable[..., Any]:
+    """``inject_wake`` hit between its acquire of the slot lock and its holder store."""
+    armed = [True]
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if armed[0] and threading.current_thread() is threading.main_thread():
+            armed[0] = False
+            assert self._acquire(False)
+            signal.raise_signal(signal.SIGINT)
+        return real(self, *args, **kwargs)
+
+    return wrapper
+
+
+# step -> (the part, the method, the wrap): where submit's direct dispatch is hit.
+_SUBMIT_STEPS: dict[str, tuple[str, str, Callable[[Callable[..., Any]], Callable[..., Any]]]] = {
+    "alloc": ("slab", "alloc", _sigint_after),  # the block committed, its index not returned
+    "write": ("slab", "write", _sigint_after),  # written, not yet recorded in by_handle
+    "inject": ("slot", "inject_wake", _sigint_before),  # recorded, not injected
+    "lock": ("slot", "inject_wake", _sigint_with_the_lock_taken),  # and a slot lock orphaned
+    # Arguments too long for the slab's chains go to the stash: stashed, the key not yet in
+    # the block (its bytes stayed in the stash for the pool's life).
+    "stash": ("slab", "set_word", _sigint_before),
+}
+_STASHED = b"x" * 400_000  # more than a chain of blocks holds
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("step", list(_SUBMIT_STEPS))
+def test_a_ctrl_c_in_a_direct_submit_leaves_no_block_taken(
+    step: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C in ``submit``'s direct dispatch (the pool idle) after a block was allocated for
+    the task and before the task reached an inbox: before, a block not yet recorded leaked for
+    the pool's life (the free count stayed one short, after the drain too), and a recorded one
+    stayed taken until the drain's ``cancel_lost``, the direct dispatch off meanwhile; with the
+    slot lock taken before its holder was recorded, the worker waited for it for ever and the
+    drain hung. Now the task is withdrawn and its block freed at once."""
+    with Pool(2, start_method="fork") as pool:
+        coordinator = pool._coordinator
+        slab = pool._views.slab
+        assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
+        _poll(
+            lambda: (
+                all(w is not None for w in coordinator.workers)
+                and all(s.is_sleeping() for s in coordinator.slots)
+                and not coordinator.by_handle
+            ),
+            "the workers never slept",
+        )
+        free = slab.free_count()
+        part, name, wrap = _SUBMIT_STEPS[step]
+        target = type(slab) if part == "slab" else type(coordinator.slots[0])
+        monkeypatch.setattr(target, name, wrap(getattr(target, name)))
+        with pytest.raises(KeyboardInterrupt):
+            pool.submit(tasks.ident, _STASHED if step == "stash" else 1)
+        monkeypatch.undo()
+        assert not coordinator.by_handle  # the direct dispatch is on again
+        assert not coordinator.stash
+        assert pool.submit(tasks.ident, 2).result(timeout=8) == 2
+        _poll(lambda: not coordinator.by_handle and slab.free_count() == free, "a block left")
+        assert pool.statistics().pending == 0
+        pool.shutdown(wait=False)
+        assert coordinator.finished.wait(15), "the drain hung"
+        assert slab.free_count() == free  # the drain's end (the memory is released after)
+
+
+def _interrupted_timed_submit(pool: Pool) -> Callable[[], bool]:
+    options = pool.with_options(timeout=0.2, timeout_grace=0.1)
+    with pytest.raises(KeyboardInterrupt):
+        options.submit(tasks.spin, 20.0)
+    return lambda: pool.statistics().crashes >= 1  # its timeout killed its worker
+
+
+def _interrupted_schedule(pool: Pool) -> Callable[[], bool]:
+    with pytest.raises(KeyboardInterrupt):
+        pool.schedule("id", time.monotonic() + 0.05, 0, tasks.ident, 1)
+    return lambda: pool.state("id") is TaskState.COMPLETED
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("method", "call"),
+    [("submit", _interrupted_timed_submit), ("schedule", _interrupted_schedule)],
+    ids=["submit", "schedule"],
+)
+def test_a_ctrl_c_before_the_loop_was_woken_wakes_it(
+    method: str, call: Callable[[Pool], Callable[[], bool]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C after the coordinator took the task and before ``Pool.submit`` (or
+    ``schedule``) woke the loop: the loop, asleep with nothing to do, slept on, so a task
+    with a timeout injected directly ran past its timeout (to its end), and a version of an
+    id was due unnoticed (until something else woke the loop)."""
+    with Pool(1, start_method="fork") as pool:
+        coordinator = pool._coordinator
+        assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
+        _poll(
+            lambda: coordinator.slots[0].is_sleeping() and not coordinator.by_handle,
+            "the worker never slept",
+        )
+        _poll(
+            lambda: sys._current_frames()[coordinator.thread_id].f_code.co_name == "wait",
+            "the loop never went to sleep",
+        )
+        monkeypatch.setattr(Coordinator, method, _sigint_after(getattr(Coordinator, method)))
+        done = call(pool)
+        monkeypatch.undo()
+        _poll(done, "the loop slept on")
