@@ -262,12 +262,17 @@ class SegmentLocks:
 
 
 def create_locks(n_slots: int) -> SegmentLocks:
-    """Coordinator only: create the named locks of a pool (unlink them after start-up)."""
-    return SegmentLocks(
-        slots=tuple(create_lock() for _ in range(n_slots)),
-        slab=create_lock(),
-        global_=create_lock(),
-    )
+    """Coordinator only: create the named locks of a pool (unlink them after start-up). If one
+    cannot be made (no room in /dev/shm, no fd left), those made already are unlinked: their
+    names stayed in /dev/shm until a later pool's sweep, after this process ended."""
+    made: list[SemLockHandle] = []
+    try:
+        made.extend(create_lock() for _ in range(n_slots + 2))  # keeps those made before a raise
+    except BaseException:
+        for lock in made:
+            lock.unlink()
+        raise
+    return SegmentLocks(slots=tuple(made[:n_slots]), slab=made[n_slots], global_=made[n_slots + 1])
 
 
 _pid = os.getpid()

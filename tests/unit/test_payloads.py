@@ -27,7 +27,7 @@ from mpsched._layout import (
     create_locks,
 )
 from mpsched._payloads import BLOCK_HEADER_BYTES, MAX_CHAIN_BLOCKS, BlockField, Slab
-from mpsched._shm import AnonSegment, create_lock
+from mpsched._shm import AnonSegment, SemLockHandle, create_lock
 
 PIPE_TIMEOUT = 30.0  # seconds a child may take to answer
 SLAB_CHILDREN = 2
@@ -427,6 +427,29 @@ def test_segments_released() -> None:
     with open("/proc/self/maps") as maps:
         assert "memfd:mpsched" not in maps.read()
     assert set(os.listdir("/proc/self/fd")) <= fds_before
+    assert not [n for n in os.listdir("/dev/shm") if f"mpsched-{os.getpid()}-" in n]
+
+
+def test_a_lock_that_cannot_be_made_leaves_no_name_of_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``create_locks`` failing partway (no room in /dev/shm, no fd left): the names of the
+    locks made before stayed until a later pool's sweep, after this process ended."""
+    from mpsched import _layout
+
+    made = 0
+
+    def third_fails() -> SemLockHandle:
+        nonlocal made
+        made += 1
+        if made == 3:
+            raise OSError(28, "No space left on device")
+        return create_lock()
+
+    monkeypatch.setattr(_layout, "create_lock", third_fails)
+    with pytest.raises(OSError, match="No space"):
+        create_locks(4)
+    assert made == 3
     assert not [n for n in os.listdir("/dev/shm") if f"mpsched-{os.getpid()}-" in n]
 
 
