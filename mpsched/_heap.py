@@ -51,9 +51,25 @@ the id is RUNNING, the new version is *deferred*: it is not in the heap (so it c
 of ``pop_due``) and enters the heap, with the ``seq`` of its ``schedule`` call, when ``finish()``
 ends the running one. Two versions of one id therefore never run at once.
 
-Not handled here: validation of arguments (``Scheduler``), thread safety (callers serialize), and
-forgetting: a record stays after its id reaches a terminal state so that ``state()`` can answer,
-until ``discard()`` drops it.
+The ended-id memory (``remember`` > 0; the pool's): the records of the last ``remember`` ids
+that ended are kept for ``state()``, and the id whose latest end is the oldest is forgotten first
+(as ``discard`` does). It counts ids, not ends: a recurrence ending a million times is one id.
+``_finished`` holds the record of each end, in the order of the ends (one ``append`` per end, the
+whole cost on ``withdraw``'s path, Pool.cancel's). An entry is *live* iff it is still its id's
+record (``records[id] is entry``): those are exactly the remembered ids, one each. It goes
+*stale* when its id is scheduled again or discarded; ``_stale`` counts those (one increment per
+reschedule of an ended id, off the per-end path), so ``len(_finished) - _stale`` is the number
+of ids remembered, checked only when the deque holds more than ``remember`` entries, as the
+forgetting was before. Then one live entry too many forgets the oldest id (stale entries on the
+way out go with it), and otherwise, past ``COMPACT_FACTOR * remember`` entries, one pass drops
+every stale entry: it removes more entries than it keeps, so its cost is O(1) amortized per
+stale entry. The deque never holds more than ``COMPACT_FACTOR * remember`` entries. (An
+``OrderedDict`` keyed by id would count ids too, at a dict operation per end: ~+180 ns on
+Pool.cancel's path.)
+
+Not handled here: validation of arguments (``Scheduler``) and thread safety (callers
+serialize). Without ``remember`` (``Scheduler``'s heap), a record stays after its id reaches a
+terminal state so that ``state()`` can answer, until ``discard()`` drops it.
 """
 
 from __future__ import annotations
@@ -106,6 +122,11 @@ RECORD_VERSION: Final = _R_VERSION
 PRUNE_FACTOR = 2
 PRUNE_SLACK = 64
 
+# The ended-id memory's deque is compacted past COMPACT_FACTOR x remember entries: it then holds at
+# most remember live ones, so a pass drops at least as many stale entries as it keeps (time), and
+# the deque stays within twice the cap (memory: a reference and an old record per stale entry).
+COMPACT_FACTOR = 2
+
 NOT_IN_HEAP = -1  # record seq once its version left the heap to run (never a key of _items)
 _NO_ITEM: Final = object()  # withdraw's "no pending version" (an item may be any object)
 
@@ -141,12 +162,15 @@ class VersionedHeap:
     """
 
     def __init__(self, remember: int = 0) -> None:
-        """``remember``: if > 0, keep the records of at most this many ids that reached a
-        terminal state (oldest forgotten first, as ``discard`` does); 0 keeps them all."""
+        """``remember``: if > 0, keep the records of the last this many ids that reached a
+        terminal state (the id whose latest end is the oldest forgotten first, as ``discard``
+        does); 0 keeps them all."""
         self._remember = remember
-        # The record each id had when it ended, in the order of the ends: an entry forgets its
-        # id only while the id has no newer version (see _forget_oldest).
+        # The record of each end, in the order of the ends (the module doc, "ended-id memory"):
+        # live while it is its id's record; ``_stale`` counts the others (schedule counts them
+        # even without ``remember``, unread then: one test less on its path).
         self._finished: collections.deque[Record] = collections.deque()
+        self._stale = 0
         # Invariant: every live version's record is once in _heap (stale entries may be too).
         self._heap: list[Record] = []
         # Invariant: the one record of every id seen and not discarded; see the module doc.
@@ -237,6 +261,8 @@ class VersionedHeap:
                 self._deferred -= 1
             else:
                 self._in_heap -= 1
+        elif not running:  # an ended id: its entry in the ended-id memory goes stale
+            self._stale += 1
         version += 1
         rec = records[task_id] = (run_at, neg, seq, task_id, version, _PENDING, running,
                                   cancel_requested, priority)  # fmt: skip
@@ -290,7 +316,7 @@ class VersionedHeap:
             finished = self._finished
             finished.append(rec)  # the record stays: its version reads CANCELLED
             if len(finished) > self._remember:
-                self._forget_oldest()
+                self._trim_finished()
         return item
 
     def pop_due(self, now: float) -> Due | Wait | None:
@@ -369,6 +395,8 @@ class VersionedHeap:
         if rec is None or rec[_R_RUNNING] or rec[_R_SEQ] in self._items:
             return False  # unknown, running, or pending (every other state is terminal)
         del self._records[task_id]
+        if self._remember:  # its end's entry in the ended-id memory goes stale
+            self._stale += 1
         return True
 
     # ----------------------------------------------------------------- internals
@@ -381,21 +409,30 @@ class VersionedHeap:
         finished = self._finished
         finished.append(rec)
         if len(finished) > self._remember:
-            self._forget_oldest()
+            self._trim_finished()
 
-    def _forget_oldest(self) -> None:
-        """Drop the oldest ends beyond ``remember``. An end forgets its id only if the id's
-        latest version is still the one that ended: an id scheduled again since (pending,
-        running, or ended again: a newer entry) stays. (Forgetting by id, an id that ended a
-        moment ago answered None in ``state()`` once an older end of it left the window.)"""
+    def _trim_finished(self) -> None:
+        """After an end, with more than ``remember`` entries: forget the oldest id if that end
+        made one id too many, else compact past ``COMPACT_FACTOR * remember`` entries."""
         finished = self._finished
         records = self._records
-        while len(finished) > self._remember:
-            ended = finished.popleft()
-            task_id = ended[_R_TASK_ID]
-            rec = records.get(task_id)
-            if rec is not None and rec[_R_VERSION] == ended[_R_VERSION]:
-                self.discard(task_id)  # no-op if that version runs again (a deferred one)
+        if len(finished) - self._stale > self._remember:  # (one end adds at most one id)
+            while True:
+                ended = finished.popleft()
+                task_id = ended[_R_TASK_ID]
+                if records.get(task_id) is ended:  # live: the id ended last with this end
+                    del records[task_id]
+                    return
+                self._stale -= 1
+        elif len(finished) > COMPACT_FACTOR * self._remember:
+            # In place, oldest first: the live entries keep their order.
+            entries = len(finished)
+            for _ in range(entries):
+                ended = finished.popleft()
+                if records.get(ended[_R_TASK_ID]) is ended:
+                    finished.append(ended)
+            assert len(finished) == entries - self._stale, "the stale count is wrong"
+            self._stale = 0
 
     def _prune(self) -> None:
         items = self._items

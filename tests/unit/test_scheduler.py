@@ -19,7 +19,7 @@ from mpsched import (
     TaskState,
     Wait,
 )
-from mpsched._heap import PRUNE_FACTOR, PRUNE_SLACK, VersionedHeap
+from mpsched._heap import COMPACT_FACTOR, PRUNE_FACTOR, PRUNE_SLACK, VersionedHeap
 from mpsched.testing import FakeClock
 
 
@@ -359,8 +359,8 @@ def test_an_id_cancelled_while_an_older_version_ran_is_forgotten_in_turn() -> No
 
 
 def test_an_id_that_ended_again_is_not_forgotten_by_its_older_end() -> None:
-    """The ended-id memory forgets its oldest end first; an older end of an id that has ended
-    again since must not take the id with it (its latest end is among the kept ones)."""
+    """The ended-id memory forgets the id whose latest end is the oldest; an older end of an id
+    that has ended again since must not take the id with it (its latest end is a kept one)."""
     heap = VersionedHeap(remember=2)
     for task_id in ("r", "x", "r"):  # ends: r (v1), x, r (v2); room for two
         heap.schedule(task_id, 0.0, 0, noop)
@@ -375,11 +375,6 @@ def test_an_id_that_ended_again_is_not_forgotten_by_its_older_end() -> None:
     assert heap.state("r") is TaskState.COMPLETED
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (docs/design.md, section 3 'Memory'): the ended-id memory counts ends, "
-    "not ids, so an id that ends again and again (a recurrence) pushes others out early",
-)
 def test_an_id_that_ends_again_and_again_counts_once_in_the_ended_ids_kept() -> None:
     heap = VersionedHeap(remember=2)  # the pool keeps the last 100,000 ended ids
     heap.schedule("a", 0.0, 0, noop)
@@ -390,6 +385,91 @@ def test_an_id_that_ends_again_and_again_counts_once_in_the_ended_ids_kept() -> 
         assert isinstance(due, Due)
         heap.finish(due)
     assert heap.state("a") is TaskState.CANCELLED
+
+
+def _run_once(heap: VersionedHeap, task_id: str) -> None:
+    heap.schedule(task_id, 0.0, 0, noop)
+    due = heap.pop_due(0.0)
+    assert isinstance(due, Due)
+    heap.finish(due)
+
+
+def test_ended_ids_beyond_remember_are_forgotten_oldest_first_between_repeated_ends() -> None:
+    """The memory keeps the ids with the latest ends: an id's older ends neither keep it nor
+    push another out, however many there are (each run of "r" below is three ends)."""
+    heap = VersionedHeap(remember=3)
+
+    def remembered() -> set[str]:
+        return {i for i in ("a", "b", "c", "d", "e", "r") if heap.state(i) is not None}
+
+    def ends_of_r() -> None:
+        for _ in range(3):
+            _run_once(heap, "r")
+
+    for task_id in ("a", "b"):
+        heap.schedule(task_id, 0.0, 0, noop)
+        heap.cancel(task_id)
+        ends_of_r()
+    assert remembered() == {"a", "b", "r"}
+    _run_once(heap, "c")  # latest ends: a, b, r, c: the oldest, a, goes
+    assert remembered() == {"b", "r", "c"}
+    ends_of_r()  # b, c, r: r's new ends forget nothing
+    assert remembered() == {"b", "c", "r"}
+    _run_once(heap, "d")  # b goes, not r (whose first ends were older than b's end)
+    assert remembered() == {"c", "r", "d"}
+    _run_once(heap, "e")
+    assert remembered() == {"r", "d", "e"}
+    assert heap.state("r") is TaskState.COMPLETED
+
+
+def test_the_ended_id_memory_holds_at_most_compact_factor_times_remember_entries() -> None:
+    """One entry per end, whatever its id: repeated ends leave stale entries, and reschedules
+    and discards make more; the deque stays within COMPACT_FACTOR x remember after every call,
+    while the remembered ids stay exactly the last ``remember`` ones."""
+    remember = 4
+    heap = VersionedHeap(remember=remember)
+    ended: list[str] = []  # the ids that ended, oldest latest end first (the rule, by hand)
+
+    def end(task_id: str) -> None:
+        if task_id in ended:  # an id scheduled and ended again at once (the others, below)
+            ended.remove(task_id)
+        ended.append(task_id)
+        del ended[:-remember]
+
+    def check() -> None:
+        assert len(heap._finished) <= COMPACT_FACTOR * remember
+        ids = [f"x{j}" for j in range(5)] + ["r", "w"]
+        kept = [i for i in ids if heap.state(i) is not None and not heap.running_version(i)]
+        assert sorted(kept) == sorted(ended)
+
+    most = 0
+    for step in range(300):
+        _run_once(heap, "r")  # a recurrence: most of the ends
+        end("r")
+        check()
+        if step % 3 == 0:  # a few other ids end now and then: some of them are forgotten
+            other = f"x{step % 5}"
+            heap.schedule(other, 0.0, 0, noop)
+            heap.withdraw(other)
+            end(other)
+            check()
+        if step % 7 == 0:  # an id cancelled while an older version runs ends with it
+            if "w" in ended:
+                ended.remove("w")
+            heap.schedule("w", 0.0, 0, noop)
+            running = heap.pop_due(0.0)
+            assert isinstance(running, Due)
+            heap.schedule("w", 0.0, 0, noop)
+            assert heap.cancel("w")
+            check()
+            heap.finish(running)
+            end("w")
+            check()
+        if step % 11 == 0 and heap.discard("r"):  # a discard leaves a stale entry too
+            ended.remove("r")
+            check()
+        most = max(most, len(heap._finished))
+    assert most == COMPACT_FACTOR * remember  # the bound was reached: it was compacted
 
 
 # ---------------------------------------------------------------- bad input

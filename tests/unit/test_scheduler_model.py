@@ -1,7 +1,8 @@
 """Model test: random schedule / reschedule / cancel / advance / next / finish sequences drive
 mpsched.Scheduler and a plain sorted-list reference side by side; every answer must agree. A
 second machine drives the VersionedHeap underneath as the pool does (withdraw by version, finish
-of a withdrawn version, forgetting ended ids) and checks every query against the same model."""
+of a withdrawn version, discard, the memory of the last ``remember`` ended ids) and checks every
+query against the same model."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from mpsched import Due, Scheduler, TaskCancelled, TaskState, Wait
 from mpsched._heap import (
+    COMPACT_FACTOR,
     PRUNE_FACTOR,
     PRUNE_SLACK,
     RECORD_TASK_ID,
@@ -42,14 +44,27 @@ class Pending:
 
 @dataclass
 class Model:
-    """The obvious, slow scheduler: a list scanned in full on every call."""
+    """The obvious, slow scheduler: a list scanned in full on every call.
 
+    With ``remember``, the ended-id memory as the rule states it: an id whose latest version
+    ended (not running, nothing pending) is remembered; past ``remember`` such ids, the one
+    whose latest end is the oldest is forgotten."""
+
+    remember: int = 0
     now: float = 0.0
     seq: int = 0
     pending: dict[int, Pending] = field(default_factory=dict)  # one live version per id
     running: dict[int, tuple[int, bool]] = field(default_factory=dict)  # id -> (version, cancel?)
     versions: dict[int, int] = field(default_factory=dict)
     states: dict[int, TaskState] = field(default_factory=dict)
+    ended: dict[int, None] = field(default_factory=dict)  # remembered ids, oldest end first
+
+    def _end(self, task_id: int) -> None:
+        if self.remember:
+            assert task_id not in self.ended  # it was pending or running: no end is remembered
+            self.ended[task_id] = None
+            if len(self.ended) > self.remember:
+                self.forget(next(iter(self.ended)))
 
     def schedule(self, task_id: int, run_at: float, priority: int) -> int:
         version = self.versions.get(task_id, 0) + 1
@@ -57,6 +72,7 @@ class Model:
         self.pending[task_id] = Pending(task_id, version, run_at, priority, self.seq)
         self.seq += 1
         self.states[task_id] = TaskState.PENDING
+        self.ended.pop(task_id, None)
         return version
 
     def withdraw(self, task_id: int, version: int) -> bool:
@@ -65,18 +81,30 @@ class Model:
             return False
         del self.pending[task_id]
         self.states[task_id] = TaskState.CANCELLED
+        if task_id not in self.running:  # else the id ends when its running version does
+            self._end(task_id)
         return True
 
     def forget(self, task_id: int) -> None:
         assert self.states[task_id].is_terminal
         assert task_id not in self.running
         del self.states[task_id], self.versions[task_id]
+        self.ended.pop(task_id, None)
+
+    def discard(self, task_id: int) -> bool:
+        state = self.states.get(task_id)
+        if state is None or not state.is_terminal or task_id in self.running:
+            return False
+        self.forget(task_id)
+        return True
 
     def cancel(self, task_id: int) -> bool:
         found = False
         if task_id in self.pending:
             del self.pending[task_id]
             self.states[task_id] = TaskState.CANCELLED
+            if task_id not in self.running:
+                self._end(task_id)
             found = True
         if task_id in self.running:
             self.running[task_id] = (self.running[task_id][0], True)
@@ -111,6 +139,8 @@ class Model:
             outcome = TaskState.FAILED
         if self.versions[task_id] == version:
             self.states[task_id] = outcome
+        if task_id not in self.pending:  # else a newer version waited behind this one
+            self._end(task_id)
         return outcome
 
 
@@ -216,7 +246,7 @@ class HeapMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.heap = VersionedHeap(remember=REMEMBER)
-        self.model = Model()
+        self.model = Model(remember=REMEMBER)
         self.items: dict[int, object] = {}  # the item of each id's latest version
         self.handed_out: list[Due] = []
 
@@ -236,6 +266,10 @@ class HeapMachine(RuleBasedStateMachine):
         item = self.items.get(task_id)
         got = self.heap.withdraw(task_id, version)
         assert got is (item if self.model.withdraw(task_id, version) else None)
+
+    @rule(task_id=IDS)
+    def discard(self, task_id: int) -> None:
+        assert self.heap.discard(task_id) == self.model.discard(task_id)
 
     @rule(dt=st.sampled_from([0.0, 0.5, 5.0]))
     def advance(self, dt: float) -> None:
@@ -270,8 +304,6 @@ class HeapMachine(RuleBasedStateMachine):
         assert len(heap) == len(model.pending)
         assert sorted(heap.pending_ids()) == sorted(model.pending)  # type: ignore[type-var]
         for task_id in range(8):
-            if heap.state(task_id) is None and task_id in model.states:
-                model.forget(task_id)  # an ended id, forgotten: allowed beyond REMEMBER
             assert heap.state(task_id) == model.states.get(task_id)
             assert heap.version(task_id) == model.versions.get(task_id, 0)
             running = model.running.get(task_id, (0, False))
@@ -281,16 +313,11 @@ class HeapMachine(RuleBasedStateMachine):
             assert heap.pending_item(task_id) is (self.items[task_id] if pending else None)
 
     @invariant()
-    def forgets_ended_ids_beyond_remember(self) -> None:
+    def memory_is_bounded(self) -> None:
         heap = self.heap
-        ended = [
-            task_id
-            for task_id in range(8)
-            if (state := heap.state(task_id)) is not None
-            and state.is_terminal
-            and not heap.running_version(task_id)
-        ]
-        assert len(ended) <= REMEMBER, ended
+        assert len(heap._finished) <= COMPACT_FACTOR * REMEMBER
+        # the remembered ids are the deque's live entries (in end order: agrees checks which)
+        assert len(heap._finished) - heap._stale == len(self.model.ended) <= REMEMBER
         assert heap.heap_size <= PRUNE_FACTOR * len(heap) + PRUNE_SLACK
 
 
