@@ -30,7 +30,9 @@ from mpsched._heap import RECORD_TASK_ID, RECORD_VERSION, VersionedHeap
 from mpsched._options import TaskOptions
 from mpsched._task import Due, TaskState
 
-FINISHED_IDS_KEPT = 100_000  # ids whose state() still answers after they end (~200 B each)
+# Ids whose state() still answers after they end (~200 B each; as many again at most for the
+# ends of ids that ran again since, until the memory compacts: _heap, "ended-id memory").
+FINISHED_IDS_KEPT = 100_000
 
 _BROKEN = RuntimeError("the pool broke")  # stands for the error in heap.finish (fail_all)
 _RUNNING = TaskState.RUNNING
