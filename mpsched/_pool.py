@@ -16,6 +16,7 @@ coordinator thread releases (docs/design.md, "Lifecycle").
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -51,8 +52,11 @@ def _default_start_method() -> str:
     return "forkserver" if sys.platform.startswith("linux") else "spawn"
 
 
-class Pool:
+class Pool(concurrent.futures.Executor):
     """A pool of worker processes with work stealing and nested tasks.
+
+    A ``concurrent.futures.Executor``: code written for one (``asyncio``'s
+    ``loop.run_in_executor``, libraries that take an executor) takes a pool.
 
     Args:
         workers: number of worker processes (default ``os.cpu_count()``).

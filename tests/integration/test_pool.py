@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import math
 import os
 import sys
@@ -270,6 +272,19 @@ def test_map_raises_the_task_error_in_order(pool2: Pool) -> None:
     results = pool2.map(tasks.boom, ["first", "second"], chunksize=1)
     with pytest.raises(ValueError, match="first"):
         next(results)
+
+
+@pytest.mark.timeout(60)
+def test_a_pool_is_an_executor_that_asyncio_can_run_in(pool2: Pool) -> None:
+    assert isinstance(pool2, concurrent.futures.Executor)
+
+    async def run_all() -> list[int]:
+        loop = asyncio.get_running_loop()
+        return list(
+            await asyncio.gather(*(loop.run_in_executor(pool2, tasks.add, i, 1) for i in range(5)))
+        )
+
+    assert asyncio.run(run_all()) == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.timeout(60)
