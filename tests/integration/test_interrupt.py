@@ -21,6 +21,7 @@ from mpsched import Pool, TaskState, _future
 from mpsched._coordinator import Coordinator
 
 from . import tasks
+from .interrupts import sigint_after, sigint_before
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXIT_DEADLINE = 20.0  # s from the SIGINT to the process's exit
@@ -236,33 +237,6 @@ def test_a_ctrl_c_after_a_submit_cleared_a_workers_sleep_flag_wakes_it(
         assert pool.submit(tasks.ident, 2).result(timeout=8) == 2
 
 
-def _sigint_after(real: Callable[..., Any]) -> Callable[..., Any]:
-    """``real``, then a SIGINT, once, in the main thread: a Ctrl-C at the eval loop's check
-    after that call returned."""
-    armed = [True]
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        out = real(*args, **kwargs)
-        if armed[0] and threading.current_thread() is threading.main_thread():
-            armed[0] = False
-            signal.raise_signal(signal.SIGINT)
-        return out
-
-    return wrapper
-
-
-def _sigint_before(real: Callable[..., Any]) -> Callable[..., Any]:
-    armed = [True]
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if armed[0] and threading.current_thread() is threading.main_thread():
-            armed[0] = False
-            signal.raise_signal(signal.SIGINT)
-        return real(*args, **kwargs)
-
-    return wrapper
-
-
 def _sigint_with_the_lock_taken(real: Callable[..., Any]) -> Callable[..., Any]:
     """``inject_wake`` hit between its acquire of the slot lock and its holder store."""
     armed = [True]
@@ -279,13 +253,13 @@ def _sigint_with_the_lock_taken(real: Callable[..., Any]) -> Callable[..., Any]:
 
 # step -> (the part, the method, the wrap): where submit's direct dispatch is hit.
 _SUBMIT_STEPS: dict[str, tuple[str, str, Callable[[Callable[..., Any]], Callable[..., Any]]]] = {
-    "alloc": ("slab", "alloc", _sigint_after),  # the block committed, its index not returned
-    "write": ("slab", "write", _sigint_after),  # written, not yet recorded in by_handle
-    "inject": ("slot", "inject_wake", _sigint_before),  # recorded, not injected
+    "alloc": ("slab", "alloc", sigint_after),  # the block committed, its index not returned
+    "write": ("slab", "write", sigint_after),  # written, not yet recorded in by_handle
+    "inject": ("slot", "inject_wake", sigint_before),  # recorded, not injected
     "lock": ("slot", "inject_wake", _sigint_with_the_lock_taken),  # and a slot lock orphaned
     # Arguments too long for the slab's chains go to the stash: stashed, the key not yet in
     # the block (its bytes stayed in the stash for the pool's life).
-    "stash": ("slab", "set_word", _sigint_before),
+    "stash": ("slab", "set_word", sigint_before),
 }
 _STASHED = b"x" * 400_000  # more than a chain of blocks holds
 
@@ -367,7 +341,7 @@ def test_a_ctrl_c_before_the_loop_was_woken_wakes_it(
             lambda: sys._current_frames()[coordinator.thread_id].f_code.co_name == "wait",
             "the loop never went to sleep",
         )
-        monkeypatch.setattr(Coordinator, method, _sigint_after(getattr(Coordinator, method)))
+        monkeypatch.setattr(Coordinator, method, sigint_after(getattr(Coordinator, method)))
         done = call(pool)
         monkeypatch.undo()
         _poll(done, "the loop slept on")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -21,52 +20,25 @@ import pytest
 from mpsched import Pool, _layout, _lifecycle, _slab_region
 
 from . import tasks
+from .interrupts import sigint_after, sigint_before
 
 NOTHING_LEFT_WITHIN = 8.0  # s for a pool the caller never got (dropped) to end by itself
-
-
-def _after(real: Callable[..., Any]) -> Callable[..., Any]:
-    """``real``, then a SIGINT, once, in the main thread of this process (the zygote and the
-    workers forked by ``os.fork`` run the wrapper too)."""
-    pid = os.getpid()
-    armed = [True]
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        out = real(*args, **kwargs)
-        main = threading.current_thread() is threading.main_thread()
-        if armed[0] and main and os.getpid() == pid:
-            armed[0] = False
-            signal.raise_signal(signal.SIGINT)
-        return out
-
-    return wrapper
-
-
-def _before(real: Callable[..., Any]) -> Callable[..., Any]:
-    armed = [True]
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if armed[0]:
-            armed[0] = False
-            signal.raise_signal(signal.SIGINT)
-        return real(*args, **kwargs)
-
-    return wrapper
 
 
 # step -> (object, attribute, wrap): the call after (or before) which the SIGINT comes, and
 # what the start-up left behind there before the fix.
 STEPS: dict[str, tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]] = {
-    "segment": (os, "memfd_create", _after),  # the memfd, made before the try that undoes
-    "wakeup": (os, "pipe2", _after),  # the wake-up pipe, made before the PoolResources
-    "lock": (_layout, "create_lock", _after),  # semaphore names in /dev/shm
-    "eventfd": (os, "eventfd", _after),  # the eventfd, not yet in res.wake_fds
+    "segment": (os, "memfd_create", sigint_after),  # the memfd, made before the try that undoes
+    "wakeup": (os, "pipe2", sigint_after),  # the wake-up pipe, made before the PoolResources
+    "lock": (_layout, "create_lock", sigint_after),  # semaphore names in /dev/shm
+    "eventfd": (os, "eventfd", sigint_after),  # the eventfd, not yet in res.wake_fds
     # Inside the making of the views: the traceback kept views alive, and the undoing's
     # unmapping of the segment raised BufferError instead of the KeyboardInterrupt.
-    "views": (_slab_region.SlabRegion, "__init__", _after),
-    "zygote": (os, "fork", _after),  # fork: the zygote, not yet res.zygote (a zombie)
-    "unlink": (_layout.SegmentLocks, "unlink_names", _after),  # in the finally: the whole pool
-    "watch": (_lifecycle.PoolResources, "watch", _before),  # started, never watched: all of it
+    "views": (_slab_region.SlabRegion, "__init__", sigint_after),
+    "zygote": (os, "fork", sigint_after),  # fork: the zygote, not yet res.zygote (a zombie)
+    # In the finally that unlinks the names, and before the pool was watched: the whole pool.
+    "unlink": (_layout.SegmentLocks, "unlink_names", sigint_after),
+    "watch": (_lifecycle.PoolResources, "watch", sigint_before),  # started, never watched
 }
 
 
