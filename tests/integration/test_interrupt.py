@@ -233,3 +233,75 @@ def test_a_ctrl_c_after_a_submit_cleared_a_workers_sleep_flag_wakes_it(
             pool.submit(tasks.ident, 1)
         monkeypatch.undo()
         assert pool.submit(tasks.ident, 2).result(timeout=8) == 2
+
+
+class _SlotAcquireThenInterrupt:
+    """A slot's ``_acquire`` whose next successful call in the main thread raises a Ctrl-C's
+    KeyboardInterrupt with the lock taken: the window between a slot operation's acquire and
+    its ``holder_pid`` store (the eval loop runs signal handlers just after a call returns)."""
+
+    def __init__(self, slot: Any) -> None:
+        self.slot = slot
+        self.real = slot._acquire
+        slot._acquire = self
+
+    def __call__(self, *args: Any) -> bool:
+        taken: bool = self.real(*args)
+        if taken and threading.current_thread() is threading.main_thread():
+            self.slot._acquire = self.real
+            raise KeyboardInterrupt
+        return taken
+
+
+def _exit_seconds(pool: Pool, lock: Any) -> float:
+    """How long the ``with`` block's exit on a caught interrupt (``shutdown(wait=True)``) takes,
+    run in a thread; past the bound, ``lock`` (the orphan) is released here so that the pool
+    still ends (the test then fails on the time)."""
+    done = threading.Event()
+    started = time.monotonic()
+    threading.Thread(target=lambda: (pool.shutdown(wait=True), done.set()), daemon=True).start()
+    if not done.wait(ORPHANED_EXIT_BOUND):
+        lock.release()
+        assert done.wait(15), "shutdown hung with the lock released"
+    return time.monotonic() - started
+
+
+# A lock is released as an orphan after ORPHAN_WAIT (1 s) without a holder; the drain gave a
+# worker waiting for it DRAIN_TIMEOUT (10 s), or waited for ever for a task behind it.
+ORPHANED_EXIT_BOUND = 3.0
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_holding_a_slot_lock_in_submit_does_not_hold_up_the_exit() -> None:
+    """A Ctrl-C caught in ``submit``'s direct dispatch just after ``inject_wake`` took the slot
+    lock, before it recorded its holder: the lock stayed taken with no holder. The task, in
+    no inbox, was cancelled as lost, the drain ended, and the worker (woken, waiting for its
+    lock) never answered DRAIN: the exit waited ``DRAIN_TIMEOUT`` and killed it."""
+    pool = Pool(1)
+    assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
+    slot = pool._coordinator.slots[0]
+    _poll(slot.is_sleeping, "the worker never slept")
+    _SlotAcquireThenInterrupt(slot)
+    with pytest.raises(KeyboardInterrupt):
+        pool.submit(tasks.ident, 1)
+    assert _exit_seconds(pool, pool._coordinator.locks.slots[0]) < ORPHANED_EXIT_BOUND
+    assert pool.statistics().completed == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_holding_a_slot_lock_in_cancel_does_not_hold_up_the_exit(fifos: Any) -> None:
+    """A Ctrl-C caught in ``Future.cancel`` of an injected task just after ``cancel_injected``
+    took the slot lock: the worker, at the end of the task ahead of it, waited for ever for the
+    lock (to report it, and to claim the next), nothing in the pool's process waited on it
+    (the only guarded waits that release an orphan), and the drain waited for ever."""
+    pool = Pool(1)
+    ahead = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
+    tasks.wait_started(fifos.started)
+    behind = pool.submit(tasks.ident, 1)
+    _poll(lambda: behind._slot >= 0, "never injected")
+    _SlotAcquireThenInterrupt(pool._coordinator.slots[0])
+    with pytest.raises(KeyboardInterrupt):
+        behind.cancel()
+    tasks.open_gate(fifos.gate)
+    assert _exit_seconds(pool, pool._coordinator.locks.slots[0]) < ORPHANED_EXIT_BOUND
+    assert (ahead.result(timeout=0), behind.result(timeout=0)) == (0, 1)  # nothing lost
