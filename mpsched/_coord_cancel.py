@@ -63,10 +63,14 @@ class Cancelling(CoordinatorState):
         if self.disowned:  # a fork child's copy: the task is the parent's (see __init__)
             return False
         with self.lock:
-            if not self.withdraw(future):
-                return False
-            if future._due is None or not self.timetable.withdrawn(future):
-                return True
+            try:
+                if not self.withdraw(future):
+                    return False
+                if future._due is None or not self.timetable.withdrawn(future):
+                    return True
+            except BaseException:
+                self.end_withdrawn(future)
+                raise
             # It ended a retry with a newer version of its id waiting behind it: that one
             # entered the heap, and the loop must learn its due time (else it stayed there,
             # its future never settled and the drain waited for it for ever).
@@ -79,6 +83,16 @@ class Cancelling(CoordinatorState):
         if wake:
             self.wakeup()
         return True
+
+    def end_withdrawn(self, future: Future) -> None:
+        """Under ``self.lock``, in the handler of an exception (a Ctrl-C's KeyboardInterrupt)
+        that hit a withdrawal: if ``future`` was withdrawn (it never runs; its caller marks it
+        cancelled), take its version out of the timetable as the withdrawal would have. A
+        handed-out version left there kept ``busy()`` true, and the drain waited for ever."""
+        if not future._withdrawn or future._due is None:
+            return  # not withdrawn, or its version has ended (or it has none)
+        if self.timetable.withdrawn(future):  # idempotent for a version still in the heap
+            self.note_heap_due()
 
     def cancel_later(self, futures: Iterable[Future]) -> None:
         """Any thread, in any context: have the loop cancel ``futures`` (``Future.cancel``) on
@@ -119,16 +133,21 @@ class Cancelling(CoordinatorState):
             # cancel_injected below would tombstone that one. (While this lock is held, no
             # block is injected, so the check stays true until the cancel is decided.)
             return False
-        if future._slot >= 0 and not self.slots[future._slot].cancel_injected(future._handle):
+        handle = future._handle
+        if future._slot >= 0 and not self.slots[future._slot].cancel_injected(handle):
             return False  # a worker claimed it first
-        # Withdrawn from its inbox, or taken back (queued here with its block): free the block.
-        self.by_handle.pop(future._handle, None)
-        self.watched.pop(future._handle, None)
-        self.drop_stashed([future._handle])
-        self.slab.free_tasks([future._handle])
-        future._handle = -1
+        # Withdrawn from its inbox, or taken back (queued here with its block): said first (no
+        # call before), so that an exception (a Ctrl-C) in the bookkeeping below leaves a
+        # future that its caller ends cancelled (it stayed pending, out of by_handle, where
+        # cancel_lost would have found it); the block is freed last (at worst never: a
+        # second free would corrupt the free stack).
         future._withdrawn = True
         future._payload = b""
+        future._handle = -1
+        self.by_handle.pop(handle, None)
+        self.watched.pop(handle, None)
+        self.drop_stashed([handle])
+        self.slab.free_tasks([handle])
         return True
 
     def cancel_id(
@@ -143,7 +162,7 @@ class Cancelling(CoordinatorState):
         if self.disowned:  # a fork child's copy: the versions are the parent's (see __init__)
             return False
         timetable = self.timetable
-        rec = handed = None
+        pending = rec = handed = candidate = None
         wake = False
         lock = self.lock
         try:
@@ -152,38 +171,67 @@ class Cancelling(CoordinatorState):
             release_if_left(lock)
             raise
         try:
-            if recurrence is not None and timetable.recurring.get(task_id) is not recurrence:
-                # Stopped already: by a racing cancel by id, reschedule or shutdown, which mark
-                # its future cancelled after releasing the lock (so True, as they will), or by a
-                # run's error (its future's owner is FINISHING then: False). Going on would
-                # cancel the id's versions, which may belong to the schedule that replaced it.
-                return recurrence.future._owner is not FINISHING
-            pending = timetable.cancel_pending(task_id)
-            if timetable.recurring:
-                rec = timetable.recurring.pop(task_id, None)
-                if rec is not None:
-                    rec.active = False
-            if timetable.handed:
-                handed = timetable.handed.get(task_id)
-                if handed is not None and self.withdraw(handed):
-                    timetable.end(handed, None, cancelled=True)
-                elif handed is not None:  # claimed: running (or finished, not collected yet)
-                    if handed._run is not None:  # if its worker dies, it is not retried
-                        handed._run.cancel_requested = True
-                    self.requests.append((handed, force))
-                    wake = True
-                    handed = None
-        finally:
-            lock.release()
+            try:
+                if recurrence is not None and timetable.recurring.get(task_id) is not recurrence:
+                    # Stopped already: by a racing cancel by id, reschedule or shutdown, which
+                    # mark its future cancelled after releasing the lock (so True, as they
+                    # will), or by a run's error (its future's owner is FINISHING then: False).
+                    # Going on would cancel the id's versions, which may belong to the schedule
+                    # that replaced it.
+                    return recurrence.future._owner is not FINISHING
+                pending = timetable.cancel_pending(task_id)
+                if timetable.recurring:
+                    rec = timetable.recurring.get(task_id)
+                    if rec is not None:  # no call in between: stopped and out at once
+                        rec.active = False
+                        del timetable.recurring[task_id]
+                if timetable.handed:
+                    candidate = timetable.handed.get(task_id)
+                    if candidate is not None and self.withdraw(candidate):
+                        handed = candidate
+                        timetable.end(handed, None, cancelled=True)
+                    elif candidate is not None:  # claimed: running (or finished, not collected)
+                        if candidate._run is not None:  # if its worker dies, it is not retried
+                            candidate._run.cancel_requested = True
+                        self.requests.append((candidate, force))
+                        wake = True
+            except BaseException:
+                # An exception (a Ctrl-C's KeyboardInterrupt) between a withdrawal and its
+                # bookkeeping: end what was withdrawn, and mark it below (a withdrawn version
+                # left handed out kept the drain waiting for ever, and its future pending).
+                if candidate is not None and candidate._withdrawn:
+                    self.end_withdrawn(candidate)
+                    handed = candidate
+                raise
+            finally:
+                lock.release()
+            if pending is not None:
+                pending._mark_cancelled()
+            if rec is not None:
+                rec.future._mark_cancelled()
+            if handed is not None:
+                handed._mark_cancelled()
+        except BaseException:
+            # Before, or during, the marks: every future withdrawn above is marked (a mark
+            # done already is a no-op), or it stayed pending for ever with its waiters.
+            self.mark_cancelled(pending, rec, handed)
+            raise
+        if wake:  # only this thread may touch a running task's block: see apply_requests
+            self.wakeup()
+        return pending is not None or rec is not None or handed is not None or wake
+
+    @staticmethod
+    def mark_cancelled(
+        pending: Future | None, rec: Recurrence | None, handed: Future | None
+    ) -> None:
+        """``cancel_id``'s marks again, in its exception handler (``_mark_cancelled`` is a
+        no-op for a future marked already)."""
         if pending is not None:
             pending._mark_cancelled()
         if rec is not None:
             rec.future._mark_cancelled()
         if handed is not None:
             handed._mark_cancelled()
-        if wake:  # only this thread may touch a running task's block: see apply_requests
-            self.wakeup()
-        return pending is not None or rec is not None or handed is not None or wake
 
     def apply_requests(self) -> None:
         """Cancel requests for running tasks: set the flag the task polls, or kill its worker

@@ -24,6 +24,7 @@ import signal
 import time
 
 from mpsched._coord_cancel import send_signal
+from mpsched._coord_recovery import release_orphaned_locks
 from mpsched._coord_state import (
     CoordinatorState,
     WorkerHandle,
@@ -38,9 +39,15 @@ from mpsched._protocol import (
 
 _DRAIN = encode(Tag.DRAIN)
 DRAIN_TIMEOUT = 10.0  # seconds a worker gets to answer DRAIN before it is killed
+# While draining, locks left taken with no holder recorded are looked for this often (a
+# try-lock of each lock seen without a holder); see Draining.poll_orphans.
+ORPHAN_POLL_INTERVAL = 0.25  # seconds
 
 
 class Draining(CoordinatorState):
+    # When poll_orphans last looked (the coordinator thread's only; not per task).
+    orphans_polled_at = -ORPHAN_POLL_INTERVAL
+
     def drained(self) -> bool:
         """Draining: has all work ended? Decided under ``collect_lock``: a user thread that
         collects in ``help_wait`` pops a task from ``by_handle`` before it frees the task's
@@ -49,7 +56,25 @@ class Draining(CoordinatorState):
         whose ``free_tasks`` then raised and whose future never settled
         (tests/stress/test_lifecycle_races.py, the waiting thread's collection)."""
         with self.collect_lock:
-            return self.all_done()
+            if self.all_done():
+                return True
+        self.poll_orphans()
+        return False
+
+    def poll_orphans(self) -> None:
+        """Draining, at most every ``ORPHAN_POLL_INTERVAL``: release a cross-process lock left
+        taken with no holder recorded (``release_orphaned_locks``). A Ctrl-C's
+        KeyboardInterrupt that hits a user thread between a slot's (or the slab's, or the
+        global) lock acquire and its pid store leaves such a lock; a worker then waits for it
+        for ever (unguarded), and only a guarded wait of this process released it: with none
+        coming (the interrupt caught, then the ``with`` block left), the drain waited for
+        ever for a task queued behind it, or ``drain_workers`` for the worker's answer to
+        DRAIN until ``DRAIN_TIMEOUT``. Not on the loop's per-task paths: only while draining."""
+        now = time.monotonic()
+        if now - self.orphans_polled_at < ORPHAN_POLL_INTERVAL:
+            return
+        release_orphaned_locks(self, suspects_only=True)
+        self.orphans_polled_at = time.monotonic()
 
     def all_done(self) -> bool:
         return (
@@ -188,10 +213,11 @@ class Draining(CoordinatorState):
                             send_signal(worker, signal.SIGKILL)
             if not self.starting and not any(self.workers[w.slot] is w for w in live):
                 break
+            self.poll_orphans()  # a worker waiting for an orphaned lock never answers DRAIN
             timeout = deadline - time.monotonic()
             if timeout <= 0:
                 break
-            for fd, _ in self.epoll.poll(timeout):
+            for fd, _ in self.epoll.poll(min(timeout, ORPHAN_POLL_INTERVAL)):
                 if fd == self.zygote.fileno():
                     try:
                         self.on_zygote_message(block=False)

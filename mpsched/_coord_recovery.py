@@ -302,17 +302,7 @@ class Recovering(CoordinatorState):
 
     def release_orphans(self) -> None:
         """After a death: free locks the dead worker took but died before recording."""
-        locks = self.locks
-        if locks is None:
-            return
-        holders = [
-            *(s.holder_pid for s in self.slots),
-            self.slab.holder_pid,
-            self.header.holder_pid,
-        ]
-        for lock, holder_pid in zip(locks.all(), holders, strict=True):
-            if release_if_orphaned(lock, holder_pid, ORPHAN_WAIT):
-                logger.warning("mpsched: released a lock left taken by a dead worker")
+        release_orphaned_locks(self, suspects_only=False)
 
     def on_lock_stall(self, kind: str, index: int, lock: Any, waited: float) -> None:
         """Any thread of this process, while a guarded lock stays taken (``GuardedLock``): if
@@ -371,6 +361,28 @@ class Recovering(CoordinatorState):
             slab.free_children([handle])
         elif self.slots[parent].clear_sleeping():
             os.eventfd_write(self.wake_fds[parent], 1)
+
+
+def release_orphaned_locks(state: CoordinatorState, suspects_only: bool) -> None:
+    """Coordinator thread: release every cross-process lock left taken with no holder recorded
+    for ``ORPHAN_WAIT`` (``_shm.release_if_orphaned``). ``suspects_only``: wait only on a lock
+    seen taken with no holder recorded (a free lock, or one whose holder is recorded, costs a
+    try-lock, or nothing), so that the drain may poll for orphans: a user thread's Ctrl-C
+    between its acquire and its pid store leaves one that no worker repairs (workers wait
+    unguarded), and only a guarded wait of this process would find it."""
+    locks = state.locks
+    if locks is None:
+        return
+    structures: list[Any] = [*state.slots, state.slab, state.header]
+    for lock, structure in zip(locks.all(), structures, strict=True):
+        if suspects_only:
+            if structure.holder_pid() != 0:
+                continue
+            if lock.acquire(False):
+                lock.release()
+                continue
+        if release_if_orphaned(lock, structure.holder_pid, ORPHAN_WAIT):
+            logger.warning("mpsched: released a lock left taken by a dead worker")
 
 
 def crash_message(worker: WorkerHandle, code: int | None) -> str:

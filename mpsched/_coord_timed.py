@@ -60,47 +60,88 @@ class Timing(CoordinatorState):
             release_if_left(lock)
             raise
         try:
-            if self.broken is not None or self.draining:
-                self.check_usable()
-            self.submitted += 1
-            if timetable.known(task_id):  # an id seen before: supersede what it has
-                superseded = self.supersede(task_id, recurrence)
-            if recurrence is not None:
-                timetable.recurring[task_id] = recurrence
-            # The loop learns the due time before the version enters the heap: an exception
-            # (a Ctrl-C) raised as timetable.schedule returns left a version the loop never
-            # woke for; it never ran, and the drain (a ``with`` block's exit) waited for ever.
-            # Noted for a version that never came, it costs one early wake-up.
-            if self.next_due is None or run_at < self.next_due:
-                self.next_due = run_at
-            wake = run_at < self.sleep_until
-            if wake:
-                self.sleep_until = run_at
-            timetable.schedule(task_id, run_at, priority, future)
-        finally:
-            lock.release()
-        for old_future in superseded:
-            old_future._mark_cancelled()
+            try:
+                if self.broken is not None or self.draining:
+                    self.check_usable()
+                self.submitted += 1
+                if timetable.known(task_id):  # an id seen before: supersede what it has
+                    superseded = []
+                    self.supersede(task_id, recurrence, superseded)
+                if recurrence is not None:
+                    timetable.recurring[task_id] = recurrence
+                # The loop learns the due time before the version enters the heap: an
+                # exception (a Ctrl-C) raised as timetable.schedule returns left a version the
+                # loop never woke for; it never ran, and the drain (a ``with`` block's exit)
+                # waited for ever. Noted for a version that never came, it costs one early
+                # wake-up.
+                if self.next_due is None or run_at < self.next_due:
+                    self.next_due = run_at
+                wake = run_at < self.sleep_until
+                if wake:
+                    self.sleep_until = run_at
+                timetable.schedule(task_id, run_at, priority, future)
+            except BaseException:
+                # An exception (a Ctrl-C's KeyboardInterrupt) part of the way: mark what was
+                # superseded by then, and only that (a version still pending will run).
+                superseded = self.superseded_so_far(task_id, superseded)
+                raise
+            finally:
+                lock.release()
+            for old_future in superseded:
+                old_future._mark_cancelled()
+        except BaseException:
+            # Before, or during, the marks: each superseded future is marked (a mark done
+            # already is a no-op), or it stayed pending for ever with its waiters.
+            for old_future in superseded:
+                old_future._mark_cancelled()
+            raise
         return wake
 
-    def supersede(self, task_id: Hashable, recurrence: Recurrence | None) -> list[Future]:
+    def supersede(
+        self, task_id: Hashable, recurrence: Recurrence | None, superseded: list[Future]
+    ) -> None:
         """Under ``self.lock``: a new version of ``task_id`` comes; cancel the handed-out version
         if no worker claimed it, the pending one, and a recurrence other than ``recurrence``.
-        Returns their futures, to be marked cancelled once the lock is released."""
+        Appends their futures to ``superseded``, to be marked cancelled once the lock is
+        released; each before it is withdrawn, so that an exception on the way finds it there
+        (``superseded_so_far``)."""
         timetable = self.timetable
-        superseded = []
-        handed = self.withdraw_handed(task_id)
+        handed = timetable.handed.get(task_id)
         if handed is not None:
             superseded.append(handed)
+            if self.withdraw(handed):
+                timetable.end(handed, None, cancelled=True)
+            else:  # claimed: it runs on
+                superseded.pop()
         pending = timetable.pending_future(task_id)
         if pending is not None:
             superseded.append(pending)  # the heap drops it when the new version comes
         old = timetable.recurring.get(task_id)
         if old is not None and old is not recurrence:
-            del timetable.recurring[task_id]
-            old.active = False
             superseded.append(old.future)
-        return superseded
+            old.active = False
+            del timetable.recurring[task_id]
+
+    def superseded_so_far(self, task_id: Hashable, candidates: Sequence[Future]) -> list[Future]:
+        """Under ``self.lock``, in ``schedule``'s exception handler: which of ``candidates``
+        (``supersede``'s list, each added before its withdrawal) were superseded: a handed-out
+        version withdrawn (ended here if the exception came before its end: left handed out,
+        it kept the drain waiting for ever), a pending version no longer pending (the heap
+        dropped it), a recurrence stopped."""
+        done = []
+        for future in candidates:
+            owner = future._owner
+            if isinstance(owner, Recurrence):  # a stopped recurrence's future
+                if not owner.active:
+                    done.append(future)
+            elif type(future._due) is tuple:  # a pending version's heap record
+                if self.timetable.pending_future(task_id) is not future:
+                    done.append(future)
+            elif future._withdrawn:
+                if future._due is not None and self.timetable.withdrawn(future):
+                    self.note_heap_due()  # as Coordinator.end_withdrawn
+                done.append(future)
+        return done
 
     def state(self, task_id: Hashable) -> TaskState | None:
         with self.lock:

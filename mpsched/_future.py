@@ -247,8 +247,16 @@ class Future(concurrent.futures.Future[Any]):
         if self.done():
             return self.cancelled()
         owner = self._owner
-        if owner is not None and not owner.cancel(self):
-            return False
+        try:
+            if owner is not None and not owner.cancel(self):
+                return False
+        except BaseException:
+            # An exception (a Ctrl-C's KeyboardInterrupt) after the owner withdrew the task
+            # and before it said so: the task never runs, and its future stayed pending for
+            # ever (its waiters with it). (A recurrence's owner marks it itself.)
+            if self._withdrawn:
+                self._mark_cancelled()
+            raise
         return self._mark_cancelled()
 
     def set_running_or_notify_cancel(self) -> bool:
@@ -273,31 +281,45 @@ class Future(concurrent.futures.Future[Any]):
         ``shutdown(cancel_futures=True)``, leaving its waiters blocked)."""
         self._owner = None
         try:
-            _acquire()  # as _settle_fast: no condition yet means nobody to notify
-        except BaseException:
-            release_if_left(_CONDITION_LOCK)
-            raise
-        try:
-            if self._cond is None:
+            try:
+                _acquire()  # as _settle_fast: no condition yet means nobody to notify
+            except BaseException:
+                release_if_left(_CONDITION_LOCK)
+                raise
+            try:
+                if self._cond is None:
+                    if self._state != PENDING:
+                        return self._state in _CANCELLED_STATES
+                    self._state = CANCELLED_AND_NOTIFIED
+                    return True
+            finally:
+                _release()
+            # One hold of the condition from PENDING to CANCELLED_AND_NOTIFIED: two threads may
+            # both get here (a Future.cancel() racing another, or shutdown(cancel_futures=True)),
+            # and with the stdlib's cancel() then set_running_or_notify_cancel() (two holds) the
+            # second one's notify finds the state moved on and raises RuntimeError.
+            with self._condition:
+                if self._state in _CANCELLED_STATES:  # cancelled twice (e.g. by id, then here)
+                    return True
                 if self._state != PENDING:
-                    return self._state in _CANCELLED_STATES
+                    return False
                 self._state = CANCELLED_AND_NOTIFIED
-                return True
-        finally:
-            _release()
-        # One hold of the condition from PENDING to CANCELLED_AND_NOTIFIED: two threads may
-        # both get here (a Future.cancel() racing another, or shutdown(cancel_futures=True)),
-        # and with the stdlib's cancel() then set_running_or_notify_cancel() (two holds) the
-        # second one's notify finds the state moved on and raises RuntimeError.
-        with self._condition:
-            if self._state in _CANCELLED_STATES:  # cancelled twice (e.g. by id, then here)
-                return True
-            if self._state != PENDING:
-                return False
-            self._state = CANCELLED_AND_NOTIFIED
-            for waiter in self._waiters:
-                waiter.add_cancelled(self)
-            self._condition.notify_all()
+                try:
+                    for waiter in self._waiters:
+                        waiter.add_cancelled(self)
+                finally:  # a waiter in result() must wake whatever happened to the others
+                    self._condition.notify_all()
+        except BaseException:
+            # An exception (a Ctrl-C's KeyboardInterrupt) on the way: the caller withdrew the
+            # task, which never runs, so the future must end cancelled all the same (it stayed
+            # pending, and its waiters waited for ever). Once moved, waiters in result() are
+            # woken again (a wake-up too many costs them one look at the state).
+            if self._state == PENDING:
+                self._mark_cancelled()
+            elif self._cond is not None:
+                with self._condition:
+                    self._condition.notify_all()
+            raise
         self._invoke_callbacks()  # once: only the thread that moved the state gets here
         return True
 

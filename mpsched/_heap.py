@@ -128,7 +128,6 @@ PRUNE_SLACK = 64
 COMPACT_FACTOR = 2
 
 NOT_IN_HEAP = -1  # record seq once its version left the heap to run (never a key of _items)
-_NO_ITEM: Final = object()  # withdraw's "no pending version" (an item may be any object)
 
 # -priority as one shared int object per priority level: CPython caches only -5..256, so every
 # heap key would otherwise hold its own 28-byte int (8% of a pending task's memory).
@@ -241,18 +240,24 @@ class VersionedHeap:
     def schedule(self, task_id: Hashable, run_at: float, priority: int, item: Any) -> Record:
         """Make a new version of ``task_id`` pending; supersede any pending one. Returns its
         record (immutable; ``[RECORD_VERSION]`` is the new version's number)."""
+        # Order: every call (a point where the eval loop may raise a Ctrl-C's
+        # KeyboardInterrupt) comes before the first store or after the last one that the
+        # invariants tie together (record, item, counters, heap entry), so an exception leaves
+        # the version scheduled or not at all (not an item with no record, or an entry in the
+        # heap that ``_in_heap`` does not count: len() then said 0 and the drain ended with the
+        # version pending, and the next prune failed its assertion).
         records = self._records
         old = records.get(task_id)
         seq = next(self._seq)
         items = self._items
-        items[seq] = item
         neg = _negated_get(priority)
         if neg is None:
             neg = -priority
         if old is None:  # fast path: a new id (no pending, no running version)
             rec = records[task_id] = (run_at, neg, seq, task_id, 1, _PENDING, 0, False, priority)
-            heapq.heappush(self._heap, rec)
+            items[seq] = item
             self._in_heap += 1
+            heapq.heappush(self._heap, rec)
             return rec
         _, _, old_seq, _, version, _, running, cancel_requested, _ = old
         if old_seq in items:  # a pending version, superseded: its heap entry goes stale
@@ -266,11 +271,12 @@ class VersionedHeap:
         version += 1
         rec = records[task_id] = (run_at, neg, seq, task_id, version, _PENDING, running,
                                   cancel_requested, priority)  # fmt: skip
+        items[seq] = item
         if running:  # deferred: it enters the heap when the running version finishes
             self._deferred += 1
         else:
-            heapq.heappush(self._heap, rec)
             self._in_heap += 1
+            heapq.heappush(self._heap, rec)
         if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
             self._prune()
         return rec
@@ -301,10 +307,16 @@ class VersionedHeap:
         # stays: without its item, its version reads CANCELLED (see the module doc).
         if version and rec[_R_VERSION] != version:
             return None
-        # One probe; first: the prune below keeps the entries that have an item.
-        item = self._items.pop(rec[_R_SEQ], _NO_ITEM)
-        if item is _NO_ITEM:
+        # No call from the check to the removal, which comes first (the prune below keeps the
+        # entries that have an item): an exception (a Ctrl-C's KeyboardInterrupt, raised only
+        # as a call returns) cannot come between the removal and the count it changes (the
+        # count stayed one too high: len() never fell to 0 and the drain waited for ever).
+        items = self._items
+        seq = rec[_R_SEQ]
+        if seq not in items:
             return None
+        item = items[seq]
+        del items[seq]
         if rec[_R_RUNNING]:  # it was deferred
             self._deferred -= 1
         else:

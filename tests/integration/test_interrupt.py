@@ -13,10 +13,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import CancelledError
 from typing import Any
 
 import pytest
 
+import mpsched
 from mpsched import Pool, TaskState, _future
 from mpsched._coordinator import Coordinator
 
@@ -317,6 +319,212 @@ def _interrupted_schedule(pool: Pool) -> Callable[[], bool]:
     return lambda: pool.state("id") is TaskState.COMPLETED
 
 
+class _SlotAcquireThenInterrupt:
+    """A slot's ``_acquire`` whose next successful call in the main thread raises a Ctrl-C's
+    KeyboardInterrupt with the lock taken: the window between a slot operation's acquire and
+    its ``holder_pid`` store (the eval loop runs signal handlers just after a call returns)."""
+
+    def __init__(self, slot: Any) -> None:
+        self.slot = slot
+        self.real = slot._acquire
+        slot._acquire = self
+
+    def __call__(self, *args: Any) -> bool:
+        taken: bool = self.real(*args)
+        if taken and threading.current_thread() is threading.main_thread():
+            self.slot._acquire = self.real
+            raise KeyboardInterrupt
+        return taken
+
+
+def _exit_seconds(pool: Pool, lock: Any) -> float:
+    """How long the ``with`` block's exit on a caught interrupt (``shutdown(wait=True)``) takes,
+    run in a thread; past the bound, ``lock`` (the orphan) is released here so that the pool
+    still ends (the test then fails on the time)."""
+    done = threading.Event()
+    started = time.monotonic()
+    threading.Thread(target=lambda: (pool.shutdown(wait=True), done.set()), daemon=True).start()
+    if not done.wait(ORPHANED_EXIT_BOUND):
+        lock.release()
+        assert done.wait(15), "shutdown hung with the lock released"
+    return time.monotonic() - started
+
+
+# A lock is released as an orphan after ORPHAN_WAIT (1 s) without a holder; the drain gave a
+# worker waiting for it DRAIN_TIMEOUT (10 s), or waited for ever for a task behind it.
+ORPHANED_EXIT_BOUND = 3.0
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_holding_a_slot_lock_in_submit_does_not_hold_up_the_exit() -> None:
+    """A Ctrl-C caught in ``submit``'s direct dispatch just after ``inject_wake`` took the slot
+    lock, before it recorded its holder: the lock stayed taken with no holder. The task, in
+    no inbox, was cancelled as lost, the drain ended, and the worker (woken, waiting for its
+    lock) never answered DRAIN: the exit waited ``DRAIN_TIMEOUT`` and killed it."""
+    pool = Pool(1)
+    assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
+    slot = pool._coordinator.slots[0]
+    _poll(slot.is_sleeping, "the worker never slept")
+    _SlotAcquireThenInterrupt(slot)
+    with pytest.raises(KeyboardInterrupt):
+        pool.submit(tasks.ident, 1)
+    assert _exit_seconds(pool, pool._coordinator.locks.slots[0]) < ORPHANED_EXIT_BOUND
+    assert pool.statistics().completed == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_holding_a_slot_lock_in_cancel_does_not_hold_up_the_exit(fifos: Any) -> None:
+    """A Ctrl-C caught in ``Future.cancel`` of an injected task just after ``cancel_injected``
+    took the slot lock: the worker, at the end of the task ahead of it, waited for ever for the
+    lock (to report it, and to claim the next), nothing in the pool's process waited on it
+    (the only guarded waits that release an orphan), and the drain waited for ever."""
+    pool = Pool(1)
+    ahead = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
+    tasks.wait_started(fifos.started)
+    behind = pool.submit(tasks.ident, 1)
+    _poll(lambda: behind._slot >= 0, "never injected")
+    _SlotAcquireThenInterrupt(pool._coordinator.slots[0])
+    with pytest.raises(KeyboardInterrupt):
+        behind.cancel()
+    tasks.open_gate(fifos.gate)
+    assert _exit_seconds(pool, pool._coordinator.locks.slots[0]) < ORPHANED_EXIT_BOUND
+    assert (ahead.result(timeout=0), behind.result(timeout=0)) == (0, 1)  # nothing lost
+
+
+class _ReleaseThenInterrupt(_AcquireThenInterrupt):
+    """A lock whose next ``release()`` in the main thread releases it, then raises a Ctrl-C's
+    KeyboardInterrupt: the signal check just after the call returned, before what follows the
+    critical section (marking the withdrawn versions' futures cancelled)."""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return bool(self.lock.acquire(blocking, timeout))
+
+    def release(self) -> None:
+        self.lock.release()
+        if self.armed and threading.current_thread() is threading.main_thread():
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+def _cancel_by_id(pool: Pool) -> None:
+    pool.cancel("id")
+
+
+def _reschedule(pool: Pool) -> None:
+    pool.schedule("id", time.monotonic() + 600, 0, tasks.ident, 2)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("call", [_cancel_by_id, _reschedule], ids=lambda f: f.__name__)
+def test_a_ctrl_c_as_a_cancel_by_id_or_a_supersede_releases_the_lock_ends_the_future(
+    call: Callable[[Pool], None],
+) -> None:
+    """A Ctrl-C as ``cancel_id`` (or ``schedule``, superseding) released the coordinator's
+    lock, after it took the pending version out of the heap and before it marked its future:
+    the future stayed pending for ever (its version never runs), and its waiters with it."""
+    with Pool(1) as pool:
+        future = pool.schedule("id", time.monotonic() + 600, 0, tasks.ident, 1)
+        coordinator = pool._coordinator
+        real = coordinator.lock
+        coordinator.lock = _ReleaseThenInterrupt(real)  # type: ignore[assignment]
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                call(pool)
+        finally:
+            coordinator.lock = real
+        assert future.cancelled()
+        pool.cancel("id")
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_after_a_cancel_withdrew_the_task_ends_its_future(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C in ``Future.cancel`` after the coordinator withdrew the task (``cancel``
+    returned, or was about to: it wakes the loop after the lock) and before ``_mark_cancelled``:
+    the task never runs, and its future stayed pending for ever."""
+    with Pool(1) as pool:
+        future = pool.schedule("later", time.monotonic() + 600, 0, tasks.ident, 1)
+        real = type(pool._coordinator).cancel
+
+        def cancel_then_interrupt(self: Any, future: Any) -> bool:
+            real(self, future)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(type(pool._coordinator), "cancel", cancel_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            future.cancel()
+        monkeypatch.undo()
+        assert future.cancelled()
+        assert pool.state("later") is mpsched.TaskState.CANCELLED
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_as_a_cancel_takes_the_condition_lock_still_ends_the_future(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C in ``_mark_cancelled`` just after it took ``_CONDITION_LOCK``: the lock was let
+    go (``release_if_left``), but the future, withdrawn already, stayed pending for ever."""
+    with Pool(1) as pool:
+        future = pool.schedule("later", time.monotonic() + 600, 0, tasks.ident, 1)
+        wrapper = _AcquireThenInterrupt(_future._CONDITION_LOCK)
+        monkeypatch.setattr(_future, "_acquire", wrapper.acquire)
+        with pytest.raises(KeyboardInterrupt):
+            future.cancel()
+        monkeypatch.undo()
+        assert future.cancelled()
+
+
+class _InterruptingWaiter:
+    """A ``concurrent.futures`` waiter whose notification raises a Ctrl-C's
+    KeyboardInterrupt, as one landing in ``_mark_cancelled``'s loop over the waiters."""
+
+    def add_cancelled(self, future: Any) -> None:
+        raise KeyboardInterrupt
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_as_a_cancel_notifies_the_waiters_still_wakes_a_thread_in_result() -> None:
+    """A Ctrl-C in ``_mark_cancelled`` after the state moved to CANCELLED_AND_NOTIFIED and
+    before ``notify_all``: a thread waiting in ``result()`` was not woken (only its own
+    timeout ended its wait)."""
+    with Pool(1) as pool:
+        future = pool.schedule("later", time.monotonic() + 600, 0, tasks.ident, 1)
+        outcome: list[str] = []
+
+        def wait() -> None:
+            try:
+                future.result(timeout=8)
+            except CancelledError:
+                outcome.append("cancelled")
+            except TimeoutError:
+                outcome.append("not woken")
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        _poll(lambda: future._cond is not None and future._cond._waiters, "never waited")
+        future._waiters.append(_InterruptingWaiter())
+        with pytest.raises(KeyboardInterrupt):
+            future.cancel()
+        waiter.join(3)  # far below its result()'s own timeout
+        woken = not waiter.is_alive()
+        waiter.join()
+        assert woken, "the thread in result() was not woken"
+        assert outcome == ["cancelled"]
+
+
+def _cancel_future(pool: Pool, future: Any) -> None:
+    future.cancel()
+
+
+def _cancel_id_of(pool: Pool, future: Any) -> None:
+    pool.cancel("id")
+
+
+def _supersede(pool: Pool, future: Any) -> None:
+    pool.schedule("id", time.monotonic() + 600, 0, tasks.ident, 2)
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     ("method", "call"),
@@ -345,3 +553,71 @@ def test_a_ctrl_c_before_the_loop_was_woken_wakes_it(
         done = call(pool)
         monkeypatch.undo()
         _poll(done, "the loop slept on")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "call", [_cancel_future, _cancel_id_of, _supersede], ids=lambda f: f.__name__
+)
+def test_a_ctrl_c_after_a_handed_out_version_was_withdrawn_ends_it(
+    call: Callable[[Pool, Any], None], fifos: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C as ``withdraw`` returned, for a version handed out to an inbox and not
+    claimed, before the timetable ended it: the version stayed handed out for ever, so
+    ``busy()`` stayed true and the drain (the exit) waited for ever; its future stayed
+    pending."""
+    pool = Pool(1)
+    blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
+    tasks.wait_started(fifos.started)
+    future = pool.schedule("id", time.monotonic(), 0, tasks.ident, 1)
+    _poll(lambda: future._slot >= 0, "never handed out")
+    real = type(pool._coordinator).withdraw
+    armed = [True]
+
+    def withdraw_then_interrupt(self: Any, withdrawn: Any) -> bool:
+        out: bool = real(self, withdrawn)
+        if armed[0] and withdrawn is future:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(type(pool._coordinator), "withdraw", withdraw_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        call(pool, future)
+    monkeypatch.undo()
+    assert future.cancelled()
+    tasks.open_gate(fifos.gate)
+    assert blocker.result(timeout=20) == 0
+    done = threading.Event()
+    threading.Thread(target=lambda: (pool.shutdown(wait=True, cancel_futures=True), done.set()),
+                     daemon=True).start()  # fmt: skip
+    assert done.wait(8), "shutdown hung: the withdrawn version was still handed out"
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_in_the_bookkeeping_of_an_injected_tasks_cancel_ends_its_future(
+    fifos: Any,
+) -> None:
+    """A Ctrl-C in ``withdraw`` after the task's inbox entry became a TOMBSTONE and it left
+    ``by_handle``, before it was marked withdrawn: its future stayed pending for ever (the
+    task never runs, and ``cancel_lost`` looks in ``by_handle`` only)."""
+    with Pool(1) as pool:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
+        tasks.wait_started(fifos.started)
+        future = pool.submit(tasks.ident, 1)
+        _poll(lambda: future._slot >= 0, "never injected")
+        coordinator = pool._coordinator
+        real = coordinator.drop_stashed
+
+        def interrupt(*args: Any) -> None:
+            raise KeyboardInterrupt
+
+        coordinator.drop_stashed = interrupt  # type: ignore[method-assign]
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                future.cancel()
+        finally:
+            coordinator.drop_stashed = real  # type: ignore[method-assign]
+        assert future.cancelled()
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=20) == 0

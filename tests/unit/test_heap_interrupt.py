@@ -1,0 +1,73 @@
+"""A Ctrl-C's KeyboardInterrupt inside ``VersionedHeap.schedule`` or ``withdraw``: the eval
+loop raises it only as a call returns (or at a function's entry, or a loop's head), so each
+step's stores are ordered for every such point to leave the heap consistent: the version is
+in, counted, or not at all."""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+from typing import Any
+
+import pytest
+
+from mpsched import _heap
+from mpsched._heap import VersionedHeap
+from mpsched._task import Due
+
+
+def _interrupt_after_push(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = heapq.heappush
+
+    def push_then_interrupt(heap: list[Any], entry: Any) -> None:
+        real(heap, entry)
+        monkeypatch.undo()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_heap.heapq, "heappush", push_then_interrupt)
+
+
+@pytest.mark.parametrize("known", [False, True], ids=["new id", "superseding"])
+def test_an_interrupt_as_a_version_enters_the_heap_leaves_it_counted(
+    known: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Interrupted as ``heappush`` returned, ``_in_heap`` missed the entry: ``len()`` said 0
+    with the version pending (the pool's drain ended without it, and a later prune failed its
+    assertion)."""
+    heap = VersionedHeap()
+    if known:
+        heap.schedule("a", 5.0, 0, "old")
+    _interrupt_after_push(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        heap.schedule("a", 1.0, 0, "new")
+    assert len(heap) == 1
+    due = heap.pop_due(2.0)
+    assert isinstance(due, Due)
+    assert due.fn == "new"
+    assert len(heap) == 0
+    assert heap.pop_due(10.0) is None
+
+
+class _PopThenInterrupt(dict[int, Any]):
+    """The heap's items, whose ``pop`` is interrupted as it returns."""
+
+    def pop(self, *args: Any) -> Any:
+        super().pop(*args)
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["in the heap", "deferred"])
+def test_an_interrupt_as_a_version_is_withdrawn_leaves_the_counts_right(deferred: bool) -> None:
+    """Interrupted as the pending version's item was taken out, the live count kept it:
+    ``len()`` never fell back to 0 (the pool's drain waited for ever)."""
+    heap = VersionedHeap()
+    if deferred:
+        heap.schedule("a", 0.0, 0, "running")
+        heap.pop_due(0.0)
+    heap.schedule("a", 1.0, 0, "pending")
+    heap._items = _PopThenInterrupt(heap._items)
+    with contextlib.suppress(KeyboardInterrupt):
+        heap.withdraw("a")
+    pending = heap.pending_item("a") is not None
+    assert len(heap) == int(pending)
+    assert heap.pop_due(10.0) is None or pending
