@@ -45,9 +45,6 @@ ORPHAN_POLL_INTERVAL = 0.25  # seconds
 
 
 class Draining(CoordinatorState):
-    # When poll_orphans last looked (the coordinator thread's only; not per task).
-    orphans_polled_at = -ORPHAN_POLL_INTERVAL
-
     def drained(self) -> bool:
         """Draining: has all work ended? Decided under ``collect_lock``: a user thread that
         collects in ``help_wait`` pops a task from ``by_handle`` before it frees the task's
@@ -62,14 +59,17 @@ class Draining(CoordinatorState):
         return False
 
     def poll_orphans(self) -> None:
-        """Draining, at most every ``ORPHAN_POLL_INTERVAL``: release a cross-process lock left
+        """Coordinator thread, while tasks are in flight (the loop) or draining, at most every
+        ``ORPHAN_POLL_INTERVAL``: release a cross-process lock left
         taken with no holder recorded (``release_orphaned_locks``). A Ctrl-C's
         KeyboardInterrupt that hits a user thread between a slot's (or the slab's, or the
         global) lock acquire and its pid store leaves such a lock; a worker then waits for it
         for ever (unguarded), and only a guarded wait of this process released it: with none
         coming (the interrupt caught, then the ``with`` block left), the drain waited for
         ever for a task queued behind it, or ``drain_workers`` for the worker's answer to
-        DRAIN until ``DRAIN_TIMEOUT``. Not on the loop's per-task paths: only while draining."""
+        DRAIN until ``DRAIN_TIMEOUT``; and before, a task queued behind it waited as long
+        (a notebook's interrupted cell went on with a worker stuck). A clock read per pass of
+        the loop otherwise, nothing per task."""
         now = time.monotonic()
         if now - self.orphans_polled_at < ORPHAN_POLL_INTERVAL:
             return

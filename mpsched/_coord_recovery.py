@@ -325,7 +325,7 @@ class Recovering(CoordinatorState):
                     lock.release()
                     return
                 lock.release()
-                logger.warning("mpsched: released a lock left taken by a dead worker")
+                logger.warning(ORPHAN_RELEASED)
             return
         if holder <= 0 or holder == os.getpid() or not pid_is_dead(holder):
             return
@@ -363,6 +363,11 @@ class Recovering(CoordinatorState):
             os.eventfd_write(self.wake_fds[parent], 1)
 
 
+# A lock taken with no holder recorded: a worker that died between its acquire and its pid
+# store, or a thread of this process that an exception (a Ctrl-C) hit there.
+ORPHAN_RELEASED = "mpsched: released a shared lock left taken with no holder recorded"
+
+
 def release_orphaned_locks(state: CoordinatorState, suspects_only: bool) -> None:
     """Coordinator thread: release every cross-process lock left taken with no holder recorded
     for ``ORPHAN_WAIT`` (``_shm.release_if_orphaned``). ``suspects_only``: wait only on a lock
@@ -382,7 +387,7 @@ def release_orphaned_locks(state: CoordinatorState, suspects_only: bool) -> None
                 lock.release()
                 continue
         if release_if_orphaned(lock, structure.holder_pid, ORPHAN_WAIT):
-            logger.warning("mpsched: released a lock left taken by a dead worker")
+            logger.warning(ORPHAN_RELEASED)
 
 
 def crash_message(worker: WorkerHandle, code: int | None) -> str:

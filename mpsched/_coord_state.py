@@ -154,6 +154,8 @@ class CoordinatorState:
         self.draining = False  # set once shutdown began: no task may come in after it
         # Set by abort_running ("stop now"): the drain waits for no child, and stops every worker.
         self.aborted = False
+        # When Draining.poll_orphans last looked for orphaned locks (coordinator thread only).
+        self.orphans_polled_at = -math.inf
         # The Pool was garbage-collected: the loop begins a shutdown(wait=False) itself.
         # Written by: the drop callback (_lifecycle; takes no lock). Read by: the loop.
         self.owner_dropped = False

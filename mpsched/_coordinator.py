@@ -215,6 +215,10 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
             if self.deferred_cancels:  # before dispatch: a cancelled chunk is never injected
                 self.cancel_deferred()
             self.collect()
+            if self.by_handle:
+                # A shared lock that a user thread's Ctrl-C left taken with no holder recorded
+                # stops the workers that wait for it (unguarded) until this process waits too.
+                self.poll_orphans()
             if self.requests:
                 self.apply_requests()
             due = self.next_due

@@ -140,11 +140,16 @@ class Timetable:
     def end(self, future: Future, error: BaseException | None, *, cancelled: bool) -> None:
         """A handed-out version ended (ran, or was withdrawn before it started)."""
         due = future._due
-        future._due = None
-        task_id = due.task_id
-        if self.handed.get(task_id) is future:
-            del self.handed[task_id]
-        self.heap.finish(due, error, cancelled=cancelled)
+        future._due = None  # ended from here on (``Cancelling.end_withdrawn`` reads it)
+        try:
+            task_id = due.task_id
+            if self.handed.get(task_id) is future:
+                del self.handed[task_id]
+        finally:
+            # Even after an exception as get() returned (a Ctrl-C's KeyboardInterrupt): the
+            # version stayed RUNNING in the heap for ever, with no future to end it, and the
+            # drain waited for it.
+            self.heap.finish(due, error, cancelled=cancelled)
 
     def state(self, task_id: Hashable, claimed: Callable[[Future], bool]) -> TaskState | None:
         state = self.heap.state(task_id)

@@ -391,6 +391,28 @@ def test_a_ctrl_c_holding_a_slot_lock_in_cancel_does_not_hold_up_the_exit(fifos:
     assert (ahead.result(timeout=0), behind.result(timeout=0)) == (0, 1)  # nothing lost
 
 
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_holding_a_slot_lock_does_not_stop_the_pool_that_goes_on(fifos: Any) -> None:
+    """As above, but the program goes on with the pool (a notebook's interrupted cell): the
+    task queued behind the orphaned lock waited for ever, with its worker, since only a drain
+    looked for orphans; the loop now does while tasks are in flight."""
+    with Pool(1) as pool:
+        ahead = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
+        tasks.wait_started(fifos.started)
+        behind = pool.submit(tasks.ident, 1)
+        _poll(lambda: behind._slot >= 0, "never injected")
+        _SlotAcquireThenInterrupt(pool._coordinator.slots[0])
+        with pytest.raises(KeyboardInterrupt):
+            behind.cancel()
+        tasks.open_gate(fifos.gate)
+        try:
+            assert (ahead.result(timeout=8), behind.result(timeout=8)) == (0, 1)
+        finally:
+            lock = pool._coordinator.locks.slots[0]
+            if not behind.done():  # the orphan, released here so that the pool still ends
+                lock.release()
+
+
 class _ReleaseThenInterrupt(_AcquireThenInterrupt):
     """A lock whose next ``release()`` in the main thread releases it, then raises a Ctrl-C's
     KeyboardInterrupt: the signal check just after the call returned, before what follows the

@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 
 from mpsched import _heap
+from mpsched._future import Future
 from mpsched._heap import VersionedHeap
-from mpsched._task import Due
+from mpsched._task import Due, TaskState
+from mpsched._timed import Timetable
 
 
 def _interrupt_after_push(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,3 +73,27 @@ def test_an_interrupt_as_a_version_is_withdrawn_leaves_the_counts_right(deferred
     pending = heap.pending_item("a") is not None
     assert len(heap) == int(pending)
     assert heap.pop_due(10.0) is None or pending
+
+
+class _GetThenInterrupt(dict[Any, Any]):
+    """The timetable's handed-out versions, whose ``get`` is interrupted as it returns."""
+
+    def get(self, *args: Any) -> Any:
+        super().get(*args)
+        raise KeyboardInterrupt
+
+
+def test_an_interrupt_as_a_handed_out_version_ends_still_ends_it_in_the_heap() -> None:
+    """Interrupted after ``Timetable.end`` cleared the future's due, before ``heap.finish``:
+    the version stayed RUNNING for ever, and nothing could end it again (the pool's drain
+    waited for it)."""
+    timetable = Timetable()
+    future = Future()
+    timetable.schedule("a", 0.0, 0, future)
+    timetable.release_due(1.0, lambda f, priority: None)
+    assert timetable.handed["a"] is future
+    timetable.handed = _GetThenInterrupt(timetable.handed)
+    with pytest.raises(KeyboardInterrupt):
+        timetable.end(future, None, cancelled=True)
+    assert future._due is None
+    assert timetable.heap.state("a") is TaskState.CANCELLED
