@@ -170,13 +170,21 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
         # An awake worker first (it may still be spinning after its last task: no wake-up), then
         # any worker, then a worker still starting: it finds the task when it starts (right
         # after the pool's creation, the first task does not wait for the SPAWNED round trip).
+        # A worker running the pool's initializer (registered, its slot not yet bound) counts
+        # as starting: it looks awake, and a task handed to it waited for its initializer's end
+        # while a ready peer slept.
+        initializer = self.has_initializer
         for rank in (0, 1, 2):
             for i in range(n):
                 k = (self.next_slot + i) % n
-                if (
-                    (workers[k] is not None if rank < 2 else k in self.starting)
-                    and slots[k].inbox_depth() < self.window
-                    and not (rank == 0 and slots[k].is_sleeping())
+                worker = workers[k]
+                if rank < 2:
+                    if worker is None or (initializer and slots[k].owner_pid() != worker.pid):
+                        continue
+                elif worker is None and k not in self.starting:
+                    continue
+                if slots[k].inbox_depth() < self.window and not (
+                    rank == 0 and slots[k].is_sleeping()
                 ):
                     self.next_slot = (k + 1) % n
                     return self.inject(k, [future], future._priority) == 1

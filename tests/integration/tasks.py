@@ -235,6 +235,15 @@ def initializer_failing_at_gate(directory: str, gate_path: str) -> None:
         raise OSError("initializer failed at the gate") from None
 
 
+def initializer_waiting_at_gate(directory: str, gate_path: str) -> None:
+    """A pool initializer that returns at once in the first worker to get here; every other
+    worker returns only once the test opens the gate ``gate_path``."""
+    try:
+        os.close(os.open(os.path.join(directory, "first"), os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        gate(gate_path)
+
+
 def die_holding_lock(which: str, record_pid: bool) -> None:
     """Take one of the pool's cross-process locks and die with it held, with or without the
     holder pid recorded (the second is the window between acquire and the pid store)."""

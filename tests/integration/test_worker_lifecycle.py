@@ -12,6 +12,7 @@ import pytest
 from mpsched import BrokenPoolError, Pool
 
 from . import tasks
+from .conditions import wait_until
 
 START_METHODS = ["forkserver", "spawn", "fork"]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -223,6 +224,33 @@ def test_a_worker_whose_task_ends_after_the_pool_broke_prints_no_traceback(
 ) -> None:
     # was: the poke's BrokenPipeError, reported as "an mpsched bug"
     run_quietly(TASK_ENDS_AFTER_THE_POOL_BROKE, start_method, tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_a_task_goes_to_a_ready_worker_not_to_one_still_in_its_initializer(
+    tmp_path: pathlib.Path,
+) -> None:
+    """One worker's initializer is done and the worker sleeps; its peer's still runs: the
+    task went to the peer, which looked awake, and waited for the end of its initializer
+    while the ready worker slept (the test that gated that initializer hung)."""
+    gate = str(tmp_path / "gate")
+    os.mkfifo(gate)
+    pool = Pool(2, initializer=tasks.initializer_waiting_at_gate, initargs=(str(tmp_path), gate))
+    try:
+        coordinator = pool._coordinator
+
+        def one_ready_and_asleep() -> bool:
+            workers, slots = coordinator.workers, coordinator.slots
+            if any(w is None for w in workers):
+                return False
+            ready = [w is not None and slots[k].owner_pid() == w.pid for k, w in enumerate(workers)]
+            return sorted(ready) == [False, True] and slots[ready.index(True)].is_sleeping()
+
+        wait_until(one_ready_and_asleep, "one worker ready and asleep, its peer initializing")
+        assert pool.submit(tasks.ident, 1).result(timeout=10) == 1
+    finally:
+        tasks.open_gate(gate)
+        pool.shutdown()
 
 
 @pytest.mark.timeout(60)
