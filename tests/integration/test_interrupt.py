@@ -379,6 +379,14 @@ def test_a_ctrl_c_holding_a_slot_lock_in_cancel_does_not_hold_up_the_exit(fifos:
     lock (to report it, and to claim the next), nothing in the pool's process waited on it
     (the only guarded waits that release an orphan), and the drain waited for ever."""
     pool = Pool(1)
+    ahead, behind = _cancel_behind_a_task_with_the_slot_lock_orphaned(pool, fifos)
+    assert _exit_seconds(pool, pool._coordinator.locks.slots[0]) < ORPHANED_EXIT_BOUND
+    assert (ahead.result(timeout=0), behind.result(timeout=0)) == (0, 1)  # nothing lost
+
+
+def _cancel_behind_a_task_with_the_slot_lock_orphaned(pool: Pool, fifos: Any) -> tuple[Any, Any]:
+    """A task running, one queued behind it in the same inbox, whose ``cancel()`` is hit by a
+    Ctrl-C just after it took the slot lock (caught here); then the running task ends."""
     ahead = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
     tasks.wait_started(fifos.started)
     behind = pool.submit(tasks.ident, 1)
@@ -387,8 +395,7 @@ def test_a_ctrl_c_holding_a_slot_lock_in_cancel_does_not_hold_up_the_exit(fifos:
     with pytest.raises(KeyboardInterrupt):
         behind.cancel()
     tasks.open_gate(fifos.gate)
-    assert _exit_seconds(pool, pool._coordinator.locks.slots[0]) < ORPHANED_EXIT_BOUND
-    assert (ahead.result(timeout=0), behind.result(timeout=0)) == (0, 1)  # nothing lost
+    return ahead, behind
 
 
 @pytest.mark.timeout(60)
@@ -397,14 +404,7 @@ def test_a_ctrl_c_holding_a_slot_lock_does_not_stop_the_pool_that_goes_on(fifos:
     task queued behind the orphaned lock waited for ever, with its worker, since only a drain
     looked for orphans; the loop now does while tasks are in flight."""
     with Pool(1) as pool:
-        ahead = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
-        tasks.wait_started(fifos.started)
-        behind = pool.submit(tasks.ident, 1)
-        _poll(lambda: behind._slot >= 0, "never injected")
-        _SlotAcquireThenInterrupt(pool._coordinator.slots[0])
-        with pytest.raises(KeyboardInterrupt):
-            behind.cancel()
-        tasks.open_gate(fifos.gate)
+        ahead, behind = _cancel_behind_a_task_with_the_slot_lock_orphaned(pool, fifos)
         try:
             assert (ahead.result(timeout=8), behind.result(timeout=8)) == (0, 1)
         finally:
