@@ -62,29 +62,28 @@ def _run(
     it = iter(items)
     call = starmap(fn, it) if star else map(fn, it)
     pieces: list[bytes] = []
-    nbytes = 0
-    ran = 0  # items run and pickled into pieces
-    results: list[Any] = []  # items run, not pickled yet
+    nbytes = 0  # in pieces
+    in_pieces = 0  # items whose results are in pieces
+    results: list[Any] = []  # the results not pickled yet
     by_run = max_bytes != math.inf
-    run = 1
+    done = 0  # items run
+    error = None
     while True:
         try:
-            # islice stops at the raise; extend keeps what came before it
-            results.extend(islice(call, run))
+            # Runs of 1, 1, 2, 4, ...; islice stops at the raise, extend keeps what came before
+            results.extend(islice(call, done or 1))
         except BaseException as exc:  # user code: as the worker reports a task's error
             if not results and not pieces:
                 raise
-            if results:
-                pieces.append(dumps(results))
-            return pieces, time.perf_counter() - start, dump_exception(exc)
+            error = dump_exception(exc)
         seconds = time.perf_counter() - start
-        run = ran + len(results)
-        if by_run:
+        done = in_pieces + len(results)
+        if by_run and error is None:
             piece = dumps(results)
             pieces.append(piece)
             nbytes += len(piece)
-            ran, results = run, []
-        if run == len(items) or seconds >= budget or nbytes >= max_bytes:
+            in_pieces, results = done, []
+        if error is not None or done == len(items) or seconds >= budget or nbytes >= max_bytes:
             if results:
                 pieces.append(dumps(results))
-            return pieces, seconds, None
+            return pieces, seconds, error

@@ -53,10 +53,7 @@ class Draining(CoordinatorState):
         whose ``free_tasks`` then raised and whose future never settled
         (tests/stress/test_lifecycle_races.py, the waiting thread's collection)."""
         with self.collect_lock:
-            if self.all_done():
-                return True
-        self.poll_orphans()
-        return False
+            return self.all_done()
 
     def poll_orphans(self) -> None:
         """Coordinator thread, while tasks are in flight (the loop) or draining, at most every

@@ -223,7 +223,7 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
             if self.deferred_cancels:  # before dispatch: a cancelled chunk is never injected
                 self.cancel_deferred()
             self.collect()
-            if self.by_handle:
+            if self.by_handle or self.draining:
                 # A shared lock that a user thread's Ctrl-C left taken with no holder recorded
                 # stops the workers that wait for it (unguarded) until this process waits too.
                 self.poll_orphans()
