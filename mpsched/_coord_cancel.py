@@ -40,6 +40,7 @@ from mpsched._coord_state import (
 from mpsched._future import FINISHING, Future, release_if_left
 from mpsched._options import TaskOptions
 from mpsched._protocol import TopState
+from mpsched._scheduler import check_task_id
 from mpsched._timed import Recurrence, TaskRun
 
 _CANCEL_REQUESTED = int(TopState.CANCEL_REQUESTED)
@@ -151,14 +152,14 @@ class Cancelling(CoordinatorState):
         return True
 
     def cancel_id(
-        self, task_id: Hashable, force: bool, recurrence: Recurrence | None = None
+        self, task_id: Hashable, *, force: bool = False, recurrence: Recurrence | None = None
     ) -> bool:
-        """Any thread (``Pool.cancel``): cancel every version of ``task_id`` that has not
+        """Any thread: ``Pool.cancel`` (each pool binds it as its ``cancel``: see there), and
+        a recurrence's future's ``cancel()``. Cancel every version of ``task_id`` that has not
         started, stop its recurrence, and ask a running version to stop (cooperatively, or by
         killing its worker with ``force``). True if anything was cancelled or asked to stop.
 
-        With ``recurrence`` (its future's ``cancel()``): only while it is still the id's
-        recurrence."""
+        With ``recurrence``: only while it is still the id's recurrence."""
         if self.disowned:  # a fork child's copy: the versions are the parent's (see __init__)
             return False
         timetable = self.timetable
@@ -211,10 +212,12 @@ class Cancelling(CoordinatorState):
                 rec.future._mark_cancelled()
             if handed is not None:
                 handed._mark_cancelled()
-        except BaseException:
+        except BaseException as exc:
             # Before, or during, the marks: every future withdrawn above is marked (a mark
             # done already is a no-op), or it stayed pending for ever with its waiters.
             self.mark_cancelled(pending, rec, handed)
+            if isinstance(exc, TypeError):
+                check_task_id(task_id)  # unhashable: say so, as Pool.state does
             raise
         if wake:  # only this thread may touch a running task's block: see apply_requests
             self.wakeup()

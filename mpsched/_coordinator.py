@@ -55,6 +55,7 @@ from mpsched._coord_state import (
 from mpsched._coord_timed import Timing
 from mpsched._errors import (
     POOL_CLOSED_MESSAGE,
+    POOL_NOT_PICKLABLE_MESSAGE,
     BrokenPoolError,
     PoolClosedError,
     ProtocolError,
@@ -88,6 +89,11 @@ FINE_WAIT = 0.002  # seconds
 
 
 class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
+    def __reduce__(self) -> Any:
+        # A pool's bound ``cancel`` is this object's (see Pool.__init__): sent to a task, it
+        # fails as the pool would, not on whichever lock the pickler meets first.
+        raise TypeError(POOL_NOT_PICKLABLE_MESSAGE)
+
     # ------------------------------------------------------------------ start-up
     def mark_all_starting(self) -> None:
         """Before the loop runs: every worker is starting (the zygote forks the initial ones

@@ -19,6 +19,11 @@ class PoolClosedError(MpschedError, RuntimeError):
 
 
 POOL_CLOSED_MESSAGE = "the pool is shutting down or shut down: it takes no new tasks"
+POOL_NOT_PICKLABLE_MESSAGE = (
+    "an mpsched.Pool cannot be pickled: it belongs to the process that created it. A task "
+    "cannot use the pool; inside a task, use mpsched.submit() for child tasks and return what "
+    "the caller should do with the pool"
+)
 
 
 class BrokenPoolError(MpschedError, RuntimeError):

@@ -29,7 +29,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 from mpsched._coordinator import Coordinator
-from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
+from mpsched._errors import POOL_CLOSED_MESSAGE, POOL_NOT_PICKLABLE_MESSAGE, PoolClosedError
 from mpsched._function_cache import FunctionCache
 from mpsched._future import Future
 from mpsched._layout import SegmentViews
@@ -166,6 +166,11 @@ class Pool(concurrent.futures.Executor):
         self._closed_message = POOL_CLOSED_MESSAGE  # another one in a forked child
         self._started = False
         start(self)
+        if type(self).cancel is Pool.cancel:  # never over a subclass's own cancel
+            # A Python frame less on a measured path (cancel 10,000 pending tasks no slower
+            # than the fastest peer): ~0.1-0.3 us of a ~1.3-2.5 us cancel. The same signature
+            # and behaviour as the method, which documents it.
+            self.cancel = self._coordinator.cancel_id  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ start-up (_startup)
     @property
@@ -276,7 +281,7 @@ class Pool(concurrent.futures.Executor):
                     priority,
                     call,
                     options,
-                    functools.partial(coordinator.cancel_id, task_id, False),
+                    functools.partial(coordinator.cancel_id, task_id),
                 )
                 # Due in the past is due at once: the grid (and the first run's misfire grace)
                 # starts now. From the run_at given, the time since then was a backlog of due
@@ -322,11 +327,7 @@ class Pool(concurrent.futures.Executor):
             True if a version was cancelled or asked to stop; False for an id with nothing
             pending or running.
         """
-        try:  # no check before: in 3.11 a try costs nothing until it catches
-            return self._coordinator.cancel_id(task_id, force)
-        except TypeError:
-            check_task_id(task_id)  # unhashable: say so, as state() does
-            raise
+        return self._coordinator.cancel_id(task_id, force=force)
 
     def state(self, task_id: Hashable) -> TaskState | None:
         """The state of the latest version of ``task_id``: PENDING until a worker claims it,
@@ -487,11 +488,7 @@ class Pool(concurrent.futures.Executor):
         # What a task would get is a copy of the object in another process, without the
         # coordinator, its thread or its memory: say so at submit (the TaskPicklingError then
         # names this), rather than fail on whichever lock the pickler meets first.
-        raise TypeError(
-            "an mpsched.Pool cannot be pickled: it belongs to the process that created it. A "
-            "task cannot use the pool; inside a task, use mpsched.submit() for child tasks and "
-            "return what the caller should do with the pool"
-        )
+        raise TypeError(POOL_NOT_PICKLABLE_MESSAGE)
 
 
 class TaskSubmitter:

@@ -63,7 +63,7 @@ class Recurrence:
         priority: int,
         call: bytes,
         options: TaskOptions,
-        stop: Callable[[Recurrence], bool],
+        stop: Callable[..., bool],  # stop(recurrence=self)
     ) -> None:
         self.task_id = task_id
         self.priority = priority
@@ -74,7 +74,7 @@ class Recurrence:
         self.active = True  # shutdown)
 
     def cancel(self, future: Future) -> bool:
-        return self.stop(self)
+        return self.stop(recurrence=self)
 
     def help_wait(self, future: Future) -> None:
         return None  # no task behind this future to collect

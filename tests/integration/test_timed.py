@@ -544,6 +544,30 @@ def test_an_unhashable_id_is_named_by_cancel_and_state() -> None:
         assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
 
 
+def test_cancel_keeps_its_signature_and_a_subclass_keeps_its_override() -> None:
+    """A pool binds its coordinator's cancel as ``cancel`` (a frame less per call): ``force``
+    stays keyword-only, and a subclass's own ``cancel`` is the one called."""
+    calls = []
+
+    class Tracing(Pool):
+        def cancel(self, task_id: object, *, force: bool = False) -> bool:  # type: ignore[override]
+            calls.append(task_id)
+            return super().cancel(task_id, force=force)  # type: ignore[arg-type]
+
+    with Pool(1) as pool:
+        pool.schedule("t", time.monotonic() + 3600, 0, tasks.ident, 1)
+        with pytest.raises(TypeError):
+            pool.cancel("t", True)  # type: ignore[misc]
+        assert pool.state("t") is TaskState.PENDING
+        assert pool.cancel("t", force=False)
+        assert pool.state("t") is TaskState.CANCELLED
+    with Tracing(1) as traced:
+        traced.schedule("t", time.monotonic() + 3600, 0, tasks.ident, 1)
+        assert traced.cancel("t")
+        assert calls == ["t"]
+        assert traced.state("t") is TaskState.CANCELLED
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [
