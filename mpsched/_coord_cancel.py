@@ -127,6 +127,7 @@ class Cancelling(CoordinatorState):
                 return future._withdrawn or future.cancelled()
             future._withdrawn = True
             future._payload = b""
+            self.ready.note_withdrawn(future)  # (one still in the heap is not queued)
             return True
         if self.by_handle.get(future._handle) is not future:
             # Collected (collect pops it, then frees its block, without this lock): it ran. Its
@@ -145,6 +146,7 @@ class Cancelling(CoordinatorState):
         future._withdrawn = True
         future._payload = b""
         future._handle = -1
+        self.ready.note_withdrawn(future)  # taken back, it is queued with its block
         self.by_handle.pop(handle, None)
         self.watched.pop(handle, None)
         self.drop_stashed([handle])

@@ -112,6 +112,7 @@ class Draining(CoordinatorState):
                 self.watched.pop(handle, None)
                 future._handle = -1
                 future._withdrawn = True
+                self.ready.note_withdrawn(future)
             self.drop_stashed([h for h, _ in lost])
             self.slab.free_tasks([h for h, _ in lost])
         logger.warning("mpsched: cancelled %d task(s) lost by an interrupt", len(lost))

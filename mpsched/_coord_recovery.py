@@ -186,9 +186,8 @@ class Recovering(CoordinatorState):
                         self.retried += 1
                         self.watched.pop(handle, None)
                         future._handle = -1
-                        future._slot = -1
                         run.started_at = None
-                        self.ready.putback([future])
+                        self.ready.putback([future])  # (which marks it queued)
                 if retry:
                     continue
                 if run is not None and run.forced and not run.timed_out:

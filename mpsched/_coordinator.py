@@ -317,9 +317,7 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
                 continue
             self.inbox_low[k] = _NO_LOW
             futures = [self.by_handle[h] for h in self.slots[k].drain(include_deque=False)]
-            for future in futures:
-                future._slot = -1
-            self.ready.putback(futures)
+            self.ready.putback(futures)  # (which marks them queued: out of the inbox)
 
     def take_ready(self, n: int) -> tuple[list[Future], int]:
         """Under ``self.lock``: up to ``n`` due tasks, minus recurring runs that misfired."""

@@ -138,7 +138,7 @@ class Future(concurrent.futures.Future[Any]):
         self._owner = owner  # None once the outcome is known
         self._payload = payload  # dropped once written to shared memory (unless retried)
         self._handle = -1  # slab block once dispatched
-        self._slot = -1  # the inbox it waits in; -1 while queued in the coordinator
+        self._slot = -1  # the inbox it waits in; < 0 in the coordinator (_ready.QUEUED...)
         self._withdrawn = False  # cancelled before dispatch: dispatch skips it
         self._priority = priority  # base priority (due tasks run highest first)
         self._due_at = 0.0  # when the task became due (aging measures from here)

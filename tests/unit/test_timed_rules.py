@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mpsched import TaskOptions
 from mpsched._future import Future
@@ -172,3 +174,55 @@ def test_without_enough_wait_aging_changes_nothing() -> None:
     q.append(_future(1, due_at=0.0, name="b"), 1)
     assert q.age(now=0.9, aging=1.0) == 0
     assert _names(q.take(10)[0]) == ["b", "a"]
+
+
+_QUEUE_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.integers(-2, 2)),
+        st.tuples(st.just("take"), st.integers(0, 4)),
+        st.tuples(st.just("putback"), st.integers(0, 4)),
+        st.tuples(st.just("withdraw_queued"), st.integers(0, 50)),
+        st.tuples(st.just("withdraw_taken"), st.integers(0, 50)),
+        st.tuples(st.just("age"), st.floats(0.0, 10.0)),
+        st.tuples(st.just("drain"), st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_QUEUE_OPS)
+def test_live_count_matches_a_scan_of_the_queue(ops: list[tuple[str, float]]) -> None:
+    """``live()`` (``statistics().pending``) is a count kept by append, putback, take, drain
+    and ``note_withdrawn``: after every operation it equals a scan of the deques (what it was
+    before), whatever the mix of withdrawals of queued and of taken (in-flight) items."""
+    q = ReadyQueue()
+    taken: list[Future] = []  # popped by take (live), as the coordinator's in-flight batch
+
+    def in_queue() -> list[Future]:
+        return [f for level in q._levels.values() for f in level]
+
+    for op, arg in ops:
+        if op == "append":
+            q.append(_future(int(arg), due_at=0.0), int(arg))
+        elif op == "take":
+            batch, _ = q.take(int(arg))
+            assert not any(f._withdrawn for f in batch)
+            taken.extend(batch)
+        elif op == "putback":
+            back, taken = taken[: int(arg)], taken[int(arg) :]
+            q.putback(back)
+        elif op in ("withdraw_queued", "withdraw_taken"):
+            pick = in_queue() if op == "withdraw_queued" else taken
+            if pick:
+                f = pick[int(arg) % len(pick)]
+                f._withdrawn = True  # as Cancelling.withdraw does, then the note
+                q.note_withdrawn(f)
+        elif op == "age":
+            q.age(now=arg, aging=1.0)
+        else:
+            q.drain()
+        queued = in_queue()
+        assert len(q) == len(queued)
+        assert q.live() == sum(not f._withdrawn for f in queued)
+        assert all(f._slot < -1 for f in queued)  # marked queued: never read as an inbox
