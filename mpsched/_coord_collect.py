@@ -21,7 +21,6 @@ done-callbacks of what it settled only after it released ``collect_lock``.
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import threading
 import time
@@ -354,17 +353,25 @@ def unpickle_result(data: bytes) -> tuple[bool, Any]:
         return False, unpickling_failed(exc)
 
 
+# settle_loaded and resolve run once per task, on the coordinator's GIL time: ``try``/``except``
+# rather than ``contextlib.suppress`` (three Python frames per use: ~0.6 us of ~1.5 us a task).
+
+
 def settle_loaded(future: Future, ok: bool, value: Any) -> None:
     """Settle a task's future with an unpickled result (``unpickle_result``'s pair)."""
     future._owner = FINISHING
     if future.done():  # cancelled meanwhile: a race the claim decided; nothing to report
         return
     if ok:
-        with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+        try:  # noqa: SIM105  (see above)
             future.set_result(value)
+        except InvalidStateError:  # cancelled meanwhile
+            pass
     else:
-        with contextlib.suppress(Exception):
+        try:  # noqa: SIM105
             future.set_exception(value)
+        except Exception:  # cancelled meanwhile
+            pass
 
 
 def resolve(future: Future, status: int, data: bytes) -> None:
@@ -377,5 +384,7 @@ def resolve(future: Future, status: int, data: bytes) -> None:
     elif status == _CANCELLED:
         future._mark_cancelled()
     else:
-        with contextlib.suppress(InvalidStateError):
+        try:  # noqa: SIM105
             future.set_exception(load_exception(data))
+        except InvalidStateError:  # cancelled meanwhile
+            pass
