@@ -138,8 +138,7 @@ class Timing(CoordinatorState):
                 if self.timetable.pending_future(task_id) is not future:
                     done.append(future)
             elif future._withdrawn:
-                if future._due is not None and self.timetable.withdrawn(future):
-                    self.note_heap_due()  # as Coordinator.end_withdrawn
+                self.end_withdrawn(future)
                 done.append(future)
         return done
 

@@ -5,6 +5,7 @@ KeyboardInterrupt injected at chosen points of a user thread's calls into the po
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 from typing import Any
 
@@ -78,6 +79,19 @@ def test_ctrl_c_reaches_the_caller_and_the_pool_shuts_down(mode: str, start_meth
     assert err.rstrip().endswith("KeyboardInterrupt"), err
 
 
+@contextlib.contextmanager
+def _coordinator_lock_wrapped(pool: Pool, wrapper: type[_AcquireThenInterrupt]) -> Iterator[Any]:
+    """The pool's coordinator lock replaced by ``wrapper`` around it for the block; yields the
+    real lock."""
+    coordinator = pool._coordinator
+    real = coordinator.lock
+    coordinator.lock = wrapper(real)  # type: ignore[assignment]
+    try:
+        yield real
+    finally:
+        coordinator.lock = real
+
+
 class _AcquireThenInterrupt:
     """A ``threading.Lock`` whose next blocking ``acquire()`` in the main thread takes it, then
     raises a Ctrl-C's KeyboardInterrupt: the eval loop runs signal handlers just after a call
@@ -131,15 +145,10 @@ def test_a_ctrl_c_as_the_coordinators_lock_is_taken_leaves_it_not_taken(
     so the coordinator thread, every later call and the ``with`` block's exit hung."""
     with Pool(1) as pool:
         assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
-        coordinator = pool._coordinator
-        real = coordinator.lock
-        coordinator.lock = _AcquireThenInterrupt(real)  # type: ignore[assignment]
-        try:
+        with _coordinator_lock_wrapped(pool, _AcquireThenInterrupt) as real:
             with pytest.raises(KeyboardInterrupt):
                 call(pool)
             _poll(lambda: real.acquire(False) and (real.release() or True), "lock left taken")
-        finally:
-            coordinator.lock = real
             if real.locked() and not _released_within(real, 3.0):
                 real.release()  # the failure above is the finding; let the exit go on
         assert pool.submit(tasks.ident, 2).result(timeout=20) == 2
@@ -446,14 +455,11 @@ def test_a_ctrl_c_as_a_cancel_by_id_or_a_supersede_releases_the_lock_ends_the_fu
     the future stayed pending for ever (its version never runs), and its waiters with it."""
     with Pool(1) as pool:
         future = pool.schedule("id", time.monotonic() + 600, 0, tasks.ident, 1)
-        coordinator = pool._coordinator
-        real = coordinator.lock
-        coordinator.lock = _ReleaseThenInterrupt(real)  # type: ignore[assignment]
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                call(pool)
-        finally:
-            coordinator.lock = real
+        with (
+            _coordinator_lock_wrapped(pool, _ReleaseThenInterrupt),
+            pytest.raises(KeyboardInterrupt),
+        ):
+            call(pool)
         assert future.cancelled()
         pool.cancel("id")
 

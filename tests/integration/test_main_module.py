@@ -66,13 +66,18 @@ def _run(argv: list[str], cwd: pathlib.Path) -> subprocess.CompletedProcess[str]
 
 
 def _run_main(
-    tmp_path: pathlib.Path, source: str, start_method: str
+    tmp_path: pathlib.Path, source: str, start_method: str, main: str = "script"
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``source`` as a user's script (``user_main.py``) with ``start_method`` as its
-    argument; it must end well."""
-    script = tmp_path / "user_main.py"
-    script.write_text(source)
-    proc = _run([sys.executable, str(script), start_method], tmp_path)
+    """Run ``source`` as a user's script (``user_main.py``), or with ``main="dash-c"`` as
+    ``python -c`` (no file to run again: what a notebook gives a spawned process), with
+    ``start_method`` as its argument; it must end well."""
+    if main == "script":
+        script = tmp_path / "user_main.py"
+        script.write_text(source)
+        argv = [sys.executable, str(script), start_method]
+    else:
+        argv = [sys.executable, "-c", source, start_method]
+    proc = _run(argv, tmp_path)
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -83,14 +88,7 @@ def _run_main(
 def test_functions_defined_in_main_run_under_each_start_method(
     tmp_path: pathlib.Path, main: str, start_method: str
 ) -> None:
-    if main == "script":
-        script = tmp_path / "user_main.py"
-        script.write_text(SCRIPT)
-        argv = [sys.executable, str(script), start_method]
-    else:  # no file to run again: what a notebook or `python -c` gives a spawned process
-        argv = [sys.executable, "-c", SCRIPT, start_method]
-    proc = _run(argv, tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    proc = _run_main(tmp_path, SCRIPT, start_method, main)
     assert proc.stdout.splitlines() == EXPECTED, proc.stderr
     assert "leaked" not in proc.stderr, proc.stderr
 
@@ -287,11 +285,7 @@ if __name__ == "__main__":
 def test_a_rebound_global_reaches_every_kind_of_task(
     tmp_path: pathlib.Path, main: str, start_method: str
 ) -> None:
-    if main == "script":
-        proc = _run_main(tmp_path, REBOUND_GLOBALS, start_method)
-    else:
-        proc = _run([sys.executable, "-c", REBOUND_GLOBALS, start_method], tmp_path)
-        assert proc.returncode == 0, proc.stderr
+    proc = _run_main(tmp_path, REBOUND_GLOBALS, start_method, main)
     assert proc.stdout.splitlines() == [
         "first 1 1 1 1 1",
         "rebound 2 2 2 2 2",
