@@ -78,6 +78,7 @@ import collections
 import heapq
 import itertools
 import math
+import operator
 from collections.abc import Callable, Hashable
 from typing import Any, Final
 
@@ -133,6 +134,7 @@ NOT_IN_HEAP = -1  # record seq once its version left the heap to run (never a ke
 # heap key would otherwise hold its own 28-byte int (8% of a pending task's memory).
 _NEGATED = {p: -p for p in range(-1024, 1025)}
 _negated_get = _NEGATED.get
+_seq_of = operator.itemgetter(_R_SEQ)
 
 
 class _Records(dict[Hashable, Record]):
@@ -447,7 +449,11 @@ class VersionedHeap:
             self._stale = 0
 
     def _prune(self) -> None:
-        items = self._items
-        self._heap = [rec for rec in self._heap if rec[_R_SEQ] in items]
+        # The live entries, in C (no Python-level loop): ~50 instead of ~65 ns an entry, and
+        # a cancel-heavy run prunes about two entries per cancel.
+        heap = self._heap
+        self._heap = list(
+            itertools.compress(heap, map(self._items.__contains__, map(_seq_of, heap)))
+        )
         heapq.heapify(self._heap)
         assert len(self._heap) == self._in_heap, "prune kept a stale entry or lost a live one"
