@@ -37,7 +37,7 @@ from mpsched._lifecycle import PoolResources, live_pools
 from mpsched._map import map_results
 from mpsched._options import TaskOptions, check_seconds
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
-from mpsched._serialize import dumps, portable
+from mpsched._serialize import dumps_for_workers, portable
 from mpsched._startup import DISPATCH_WINDOW, DISPATCH_WINDOW_MAX, start
 from mpsched._statistics import PoolStatistics, snapshot
 from mpsched._task import TaskState
@@ -153,7 +153,9 @@ class Pool(concurrent.futures.Executor):
             ) from None
         self._worker_options = WorkerOptions(
             max_tasks=max_tasks_per_worker or 0,
-            initializer=b"" if initializer is None else dumps((portable(initializer), args)),
+            initializer=(
+                b"" if initializer is None else dumps_for_workers((portable(initializer), args))
+            ),
         )
         self._workers = workers
         self._start_method = method

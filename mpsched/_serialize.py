@@ -24,16 +24,19 @@ Plain pickle is tried first (fast, and by reference); cloudpickle is the fallbac
 and local functions. A function of ``__main__`` pickles by reference in the caller but a worker
 may not have that name (see ``portable``), so it carries a copy by value as well. That copy holds
 the globals the function read when it was made, so the submitting side watches them
-(``_function_cache``): when one is rebound, the function is tabled again with a fresh copy. Other
-objects of ``__main__`` (classes, their instances in arguments) still go by reference.
+(``_function_cache``): when one is rebound, the function is tabled again with a fresh copy. The
+classes and functions of ``__main__`` in a task's arguments (an instance's class) get stand-ins
+too (``with_main_stand_ins``): the worker's own object of that name, else a copy by value.
 """
 
 from __future__ import annotations
 
+import io
 import marshal
 import pickle
 import sys
 import types
+import weakref
 from collections.abc import Callable
 
 from mpsched._protocol import PICKLE_PROTOCOL, safe_repr
@@ -122,6 +125,90 @@ def _encode_with_cloudpickle(call: Call) -> bytes:
             "their function and arguments must be picklable (lambdas and local functions are "
             "fine; open files, locks, sockets and generators are not)."
         ) from exc
+
+
+def dumps_for_workers(obj: Any) -> bytes:
+    """``dumps``, for a worker to load: with ``__main__``'s stand-ins (``with_main_stand_ins``)
+    where it names ``__main__``. (The per-task path inlines this: ``FunctionCache.encode``.)"""
+    data = dumps(obj)
+    return with_main_stand_ins(obj, data) if data.find(b"__main__") >= 0 else data
+
+
+def with_main_stand_ins(obj: Any, data: bytes) -> bytes:
+    """``obj`` pickled with stand-ins for the classes and functions of ``__main__`` in it, given
+    ``data``, its plain pickle (which names ``__main__``: callers look for it, ~0.1 us). A
+    stand-in unpickles in the worker to the object of that name in the worker's ``__main__``,
+    as plain pickle would, and where that name is missing, to a copy by value.
+
+    Why: a worker's ``__main__`` lacks what the script's ``if __name__ == "__main__":`` block
+    defined (spawn and forkserver, the default, run the script again without it), everything a
+    notebook or ``python -c`` defined, and under fork what was defined after the pool started.
+    By reference alone, an argument that is an instance of such a class failed the task in the
+    worker ("Can't get attribute"), as in the stdlib's pools. Plain pickle's ``data`` stays if
+    a stand-in cannot be made (its copy by value fails): the task then fails as it did."""
+    buffer = io.BytesIO()
+    try:
+        _MainPickler(buffer, PICKLE_PROTOCOL).dump(obj)
+    except Exception:
+        return data
+    return buffer.getvalue()
+
+
+class _MainPickler(pickle.Pickler):
+    """Plain pickle (the C pickler), but a class or function of ``__main__`` goes as a
+    stand-in (``with_main_stand_ins``). Called once per object pickled: only for payloads
+    that name ``__main__``."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if not (issubclass(kind, type) or kind in _TABLED_TYPES) or obj.__module__ != "__main__":
+            return NotImplemented
+        try:
+            reduced = _stand_ins[obj]
+        except KeyError:
+            reduced = _stand_ins[obj] = _stand_in(obj)
+        return NotImplemented if reduced is None else reduced
+
+
+def _stand_in(obj: Any) -> tuple[Any, ...] | None:
+    """The reduction of ``obj``'s stand-in; None to pickle it by reference (no copy)."""
+    if isinstance(obj, type):
+        try:
+            by_value = _cloudpickle().dumps(obj, PICKLE_PROTOCOL)
+        except Exception:
+            return None
+        return (load_main_object, (obj.__qualname__, by_value))
+    stand_in = portable(obj)  # a function: the stand-in a task's own function has
+    return None if stand_in is obj else stand_in.__reduce__()
+
+
+# Each class's and function's stand-in, made on its first task (its copy by value takes
+# cloudpickle ~0.1-1 ms) and then reused: a change to the object after that (a class attribute
+# set, a global its function reads rebound) is not seen where the copy is used (as with any
+# copy). Weak: the entry goes with the object (a notebook redefines them).
+_stand_ins: weakref.WeakKeyDictionary[Any, tuple[Any, ...] | None] = weakref.WeakKeyDictionary()
+
+
+# In a worker: the copies loaded so far, by their bytes (cloudpickle.loads of a class takes
+# ~0.1 ms; each task that carries one would pay it). Bounded: a notebook may redefine a class
+# in every run of a cell.
+_loaded_copies: dict[bytes, Any] = {}
+_LOADED_COPIES_MAX = 256
+
+
+def load_main_object(qualname: str, by_value: bytes) -> Any:
+    """In a worker: ``__main__.<qualname>`` if it exists there, else the copy ``by_value``."""
+    obj: Any = sys.modules.get("__main__")
+    try:
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        obj = _loaded_copies.get(by_value)
+        if obj is None:
+            if len(_loaded_copies) >= _LOADED_COPIES_MAX:
+                _loaded_copies.clear()
+            obj = _loaded_copies[by_value] = _cloudpickle().loads(by_value)
+    return obj
 
 
 def check_task_id_picklable(task_id: Any) -> None:

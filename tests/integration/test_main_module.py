@@ -291,3 +291,98 @@ def test_a_rebound_global_reaches_every_kind_of_task(
         "rebound 2 2 2 2 2",
         "table bounded True",
     ], proc.stderr
+
+
+# Objects of __main__ in a task's arguments: an instance of a class of the main block (or of
+# any class, under ``python -c``: a notebook's case; under fork, of one defined after the pool
+# started) failed the task in the worker with "Can't get attribute", as in the stdlib's pools,
+# because its class went by reference alone (_serialize.with_main_stand_ins). A class the worker
+# has (the script's top level) must stay the worker's own, and a result must come back as an
+# instance of the caller's class.
+MAIN_ARGUMENTS = """
+import enum, os, sys, time
+from dataclasses import dataclass
+import mpsched
+
+@dataclass
+class Top:  # module level: a spawned worker's __mp_main__ defines it too (not under -c)
+    v: int
+
+def is_top(t):  # the worker's own Top, if it has one, else the copy that came with it
+    return isinstance(t, Top)
+
+def ident(x):
+    return x
+
+def norm(p):
+    return (p.x ** 2 + p.y ** 2) ** 0.5
+
+def apply(fn, x):
+    return fn(x)
+
+def seen_by_initializer():
+    return os.environ.get("MPSCHED_TEST_INIT")
+
+if __name__ == "__main__":
+    @dataclass
+    class Point:
+        x: float
+        y: float
+
+    class Color(enum.Enum):
+        RED = 1
+
+    class Outer:
+        class Inner:
+            def __init__(self, v):
+                self.v = v
+
+    def double(x):
+        return 2 * x
+
+    def remember(p):
+        os.environ["MPSCHED_TEST_INIT"] = f"{type(p).__name__} {p.x} {p.y}"
+
+    with mpsched.Pool(
+        2, start_method=sys.argv[1], initializer=remember, initargs=(Point(5, 6),)
+    ) as pool:
+        class Late:  # defined after the zygote (and, under fork, the workers) started
+            def __init__(self, v):
+                self.v = v
+
+        print("norm", pool.submit(norm, Point(3, 4)).result(timeout=20), flush=True)
+        late = pool.submit(ident, Late(3)).result(timeout=20)
+        print("late", type(late) is Late, late.v, flush=True)
+        back = pool.submit(ident, Point(1, 2)).result(timeout=20)
+        print("back", type(back) is Point, back == Point(1, 2), flush=True)
+        print("enum", pool.submit(ident, Color.RED).result(timeout=20) is Color.RED, flush=True)
+        inner = pool.submit(ident, Outer.Inner(7)).result(timeout=20)
+        print("nested", type(inner) is Outer.Inner, inner.v, flush=True)
+        print("function", pool.submit(apply, double, 21).result(timeout=20), flush=True)
+        print("top", pool.submit(is_top, Top(1)).result(timeout=20), flush=True)
+        print("map", list(pool.map(norm, [Point(3, 4), Point(6, 8)])), flush=True)
+        due = pool.schedule("p", time.monotonic(), 0, norm, Point(5, 12))
+        print("schedule", due.result(timeout=20), flush=True)
+        print("initializer", pool.submit(seen_by_initializer).result(timeout=20), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("main", ["script", "dash-c"])
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_objects_of_main_in_arguments_reach_the_worker(
+    tmp_path: pathlib.Path, main: str, start_method: str
+) -> None:
+    proc = _run_main(tmp_path, MAIN_ARGUMENTS, start_method, main)
+    assert proc.stdout.splitlines() == [
+        "norm 5.0",
+        "late True 3",
+        "back True True",
+        "enum True",
+        "nested True 7",
+        "function 42",
+        "top True",
+        "map [5.0, 10.0]",
+        "schedule 13.0",
+        "initializer Point 5 6",
+    ], proc.stderr

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mpsched._function_cache import FunctionCache
+from mpsched._protocol import PICKLE_PROTOCOL
 from mpsched._serialize import (
     INLINE,
     TaskPicklingError,
@@ -156,3 +157,44 @@ def test_a_main_function_reaches_a_worker_that_lacks_its_name(
     if fid != INLINE:
         loaded = pickle.loads(tabled[fid])
     assert loaded(*args, **kwargs) == 6
+
+
+def _main_class() -> type:
+    class Pair:  # a class of the main block, as in _main_function
+        def __init__(self, a: int, b: int) -> None:
+            self.a = a
+            self.b = b
+
+    Pair.__module__ = "__main__"
+    Pair.__qualname__ = Pair.__name__ = "mpsched_test_Pair"
+    return Pair
+
+
+@pytest.mark.parametrize("worker_has_it", [False, True])
+def test_an_argument_of_a_main_class_reaches_a_worker_with_or_without_its_name(
+    monkeypatch: pytest.MonkeyPatch, worker_has_it: bool
+) -> None:
+    """An instance of a ``__main__`` class in the arguments: its class goes by name to a
+    worker whose ``__main__`` has one (that one is used, as plain pickle would), and by value
+    to one that lacks it (plain pickle failed there: "Can't get attribute")."""
+    cls = _main_class()
+    main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "mpsched_test_Pair", cls, raising=False)
+    payload = FunctionCache(lambda data: 0).encode(len, (cls(1, 2),), {})
+    workers_own = _main_class()
+    if worker_has_it:
+        monkeypatch.setattr(main, "mpsched_test_Pair", workers_own)
+    else:
+        monkeypatch.delattr(main, "mpsched_test_Pair")
+    _, _, (arg,), _, _ = decode_call(payload)
+    assert (type(arg).__qualname__, arg.a, arg.b) == ("mpsched_test_Pair", 1, 2)
+    assert (type(arg) is workers_own) is worker_has_it
+
+
+def test_a_call_that_names_no_main_object_is_plain_pickle() -> None:
+    """The per-task path's check (``_`` then ``__main__`` in the bytes) leaves every other
+    payload as plain pickle made it, underscores included."""
+    call = (0, None, (1, "a_b", {"x": 95}), {"key_word": None}, False)
+    assert FunctionCache(lambda data: 0).encode(len, *call[2:4]) == pickle.dumps(
+        call, PICKLE_PROTOCOL
+    )
