@@ -127,6 +127,15 @@ class Pool(concurrent.futures.Executor):
                 f"start_method must be one of {multiprocessing.get_all_start_methods()}, "
                 f"not {method!r}"
             )
+        if method != "fork" and multiprocessing.current_process().daemon:
+            # multiprocessing's own refusal is an AssertionError that names neither the pool
+            # nor a way out (its Process.start, for the zygote).
+            raise RuntimeError(
+                f"mpsched.Pool(start_method={method!r}) cannot start in a daemonic process (a "
+                "task in a pool's worker, or a multiprocessing daemon): multiprocessing lets "
+                "such a process start no child. Inside a task, use mpsched.submit for nested "
+                "tasks; a pool there needs start_method='fork'."
+            )
         if isinstance(dispatch_window, bool) or not isinstance(dispatch_window, int):
             raise TypeError(f"dispatch_window must be an int, not {type(dispatch_window).__name__}")
         if not 1 <= dispatch_window <= DISPATCH_WINDOW_MAX:

@@ -286,3 +286,9 @@ def child_running_states(started: str, gate: str) -> dict[str, Any]:
     states["result"] = child.result()
     states["after"] = child.running()
     return states
+
+
+def nested_pool(start_method: str) -> int:
+    """A task that runs a pool of its own (a worker is a daemonic process)."""
+    with mpsched.Pool(1, start_method=start_method) as pool:
+        return pool.submit(add, 20, 22).result(timeout=30)  # type: ignore[no-any-return]

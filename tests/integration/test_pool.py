@@ -523,3 +523,19 @@ def test_a_result_call_that_stalled_past_the_pools_end_returns() -> None:
     pool.shutdown()
     pool._coordinator.help_wait(f)  # the stalled caller's next step
     assert f.result(timeout=0) == 1
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("inner", ["fork", "forkserver", "spawn"])
+def test_a_pool_in_a_task_starts_under_fork_and_says_why_not_otherwise(
+    pool2: Pool, inner: str
+) -> None:
+    """A worker is a daemonic process, which multiprocessing lets start no child: a pool in a
+    task works under fork (its zygote is a bare fork) and otherwise fails with a message that
+    says so, not multiprocessing's bare AssertionError."""
+    future = pool2.submit(tasks.nested_pool, inner)
+    if inner == "fork":
+        assert future.result(timeout=60) == 42
+    else:
+        with pytest.raises(RuntimeError, match=r"daemonic process .* mpsched\.submit"):
+            future.result(timeout=60)
