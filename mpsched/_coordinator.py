@@ -110,15 +110,16 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
         except OSError as exc:  # EPIPE: it died, its EOF not read yet (e.g. during a recovery)
             raise zygote_died() from exc
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float) -> tuple[str, ...]:
         """Before the loop runs, in the pool's thread: wait for the zygote's READY (it has
         opened the locks: their names may go; a zygote that cannot start fails the pool's
-        creation here)."""
+        creation here). Returns the names in the zygote's ``__main__``, its workers'."""
         if not self.zygote.poll(timeout):
             raise BrokenPoolError(f"the pool's zygote did not start within {timeout} s")
-        tag = self.read_zygote()[0]
+        tag, fields = self.read_zygote()
         if tag is not Tag.READY:
             raise ProtocolError(f"the zygote sent {tag.name} before READY")
+        return fields[0]  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ user-thread API
     def check_usable(self) -> None:

@@ -20,24 +20,37 @@ is never encoded with that copy's fid.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 from mpsched._protocol import PICKLE_PROTOCOL
 from mpsched._serialize import (
     _TABLED_TYPES,
     INLINE,
+    MainObject,
     _cloudpickle,
     _dumps,
     _encode_with_cloudpickle,
+    inline_stand_in,
+    load_tabled,
     portable,
     with_main_stand_ins,
 )
 
 _UNDERSCORE = ord("_")  # a byte, for ``in`` on bytes
+
+# Past this many names of the caller's __main__ that the workers' lacks (a notebook's, or
+# ``python -c``'s: theirs is empty), a call that names __main__ gets its stand-ins without
+# looking for each name (~0.2 us each): it most likely needs them.
+MISSING_NAMES_SCANNED = 16
+
+# What plain pickle writes by name (a global): a name bound to one of these in the caller's
+# __main__ may be looked up in the worker's.
+_BY_NAME = (type, types.FunctionType, types.BuiltinFunctionType)
 
 # Copies of one __main__ function tabled after its first (a global it reads was rebound); from
 # the next on, its copy goes inline with each task (made again only when a global changes): a
@@ -180,6 +193,45 @@ class FunctionCache:
         self._untabled: weakref.WeakSet[Any] = weakref.WeakSet()
         self._full = False
         self._lock = threading.Lock()
+        # The names in the workers' __main__ (None: not known yet), and what the names of the
+        # caller's __main__ that they lack look like in a pickle, with the (size, last name) of
+        # the caller's __main__ they were taken at (a name defined since changes one of them).
+        self._worker_main: frozenset[str] | None = None
+        self._missing: tuple[tuple[int, str], list[bytes]] = ((-1, ""), [])
+        # The fid of each class of __main__ tabled with its copy (MainObject), for the
+        # arguments' stand-ins; weak, as a notebook redefines classes. Written under _lock.
+        self._class_fids: weakref.WeakKeyDictionary[type, int] = weakref.WeakKeyDictionary()
+
+    def note_worker_main(self, names: Iterable[str]) -> None:
+        """The names in the workers' ``__main__`` (their zygote's, at READY)."""
+        self._worker_main = frozenset(names)
+
+    def _may_name_a_missing_object(self, data: bytes) -> bool:
+        """Whether ``data``, a call's plain pickle that names ``__main__``, may name an object of
+        ``__main__`` that the workers lack: for each class or function of this process's
+        ``__main__`` whose name theirs lacks, ``data`` holds the name as a pickled string
+        (``SHORT_BINUNICODE``, as a global's name is written, or any equal string that the
+        global's name would be a memo hit of) or as the head of a qualname (``name.``). A false
+        alarm costs a second pickling. A miss (the task then fails in the worker with "Can't
+        get attribute", as before stand-ins) needs a name of 256 bytes or more, or a name that
+        was bound to something else when this last looked and was rebound to a class or
+        function since, with no name defined in between. ~0.2 us per name looked for."""
+        worker_main = self._worker_main
+        namespace = getattr(sys.modules.get("__main__"), "__dict__", None)
+        if worker_main is None or not namespace:
+            return True
+        state = (len(namespace), next(reversed(namespace)))
+        seen, patterns = self._missing
+        if state != seen:
+            patterns = []
+            for name, value in list(namespace.items()):
+                raw = name.encode()
+                if name not in worker_main and isinstance(value, _BY_NAME) and len(raw) < 256:
+                    patterns += (b"\x8c" + bytes((len(raw),)) + raw, raw + b".")
+            self._missing = (state, patterns)
+        if len(patterns) > 2 * MISSING_NAMES_SCANNED:
+            return True
+        return bool(patterns) and any(data.find(pattern) >= 0 for pattern in patterns)
 
     def fid(self, fn: Callable[..., Any]) -> int:
         """``fn``'s fid (tabled now if it can be), or INLINE."""
@@ -206,9 +258,49 @@ class FunctionCache:
         # An object of __main__ (an argument's class) may be missing in the workers. A "_"
         # first: a memchr (~15 ns), where looking for "__main__" costs ~0.1 us (bytes.find's
         # argument parsing), and a call of numbers and None has no "_" at all.
-        if _UNDERSCORE in data and data.find(b"__main__") >= 0:
-            return with_main_stand_ins(call, data)
+        if (
+            _UNDERSCORE in data
+            and data.find(b"__main__") >= 0
+            and self._may_name_a_missing_object(data)
+        ):
+            return with_main_stand_ins(call, data, self._stand_in)
         return data
+
+    def _stand_in(self, obj: Any) -> tuple[Any, ...] | None:
+        """``with_main_stand_ins``'s stand-in for ``obj`` (a class or function of ``__main__``)
+        in a task: a reference to its entry in the function table, which loads (once per
+        worker) to the worker's object of that name or else to the copy (a few bytes a task,
+        where a copy inline is KBs: a dataclass's ~3 KB). A class the workers' ``__main__``
+        has goes by reference (None); a function goes as a task's own function does (``fid``:
+        by name only if the worker's has the same code)."""
+        if isinstance(obj, type):
+            worker_main = self._worker_main
+            if worker_main is not None and obj.__qualname__.partition(".")[0] in worker_main:
+                return None
+            fid = self._class_fids.get(obj)
+            if fid is None:
+                fid = self._table_class(obj)
+        else:
+            fid = self.fid(obj)
+        return inline_stand_in(obj) if fid == INLINE else (load_tabled, (fid,))
+
+    def _table_class(self, cls: type) -> int:
+        """``cls`` (of ``__main__``) tabled with its copy (its fid), or INLINE if the table is
+        full or the copy cannot be made."""
+        with self._lock:
+            fid = self._class_fids.get(cls)
+            if fid is not None or self._full:
+                return INLINE if fid is None else fid
+            try:
+                data = _dumps(MainObject(cls), PICKLE_PROTOCOL)
+            except Exception:
+                return INLINE  # inline_stand_in tries again, and goes by reference
+            fid = self._table_add(data)
+            if fid == INLINE:
+                self._full = True
+            else:
+                self._class_fids[cls] = fid
+            return fid
 
     def portable(self, fn: Any) -> Any:
         """``portable(fn)`` for a function that travels as an argument (``map``'s): for a

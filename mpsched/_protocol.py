@@ -12,7 +12,8 @@ Every frame is ``send_bytes(pickle.dumps((tag, *fields)))``. Task payloads trave
 
 | tag      | direction      | when sent                          | receiver must                   |
 |----------|----------------|------------------------------------|---------------------------------|
-| READY    | zygote -> coord| zygote opened locks and segment    | unlink the semaphore names      |
+| READY    | zygote -> coord| zygote opened locks and segment;   | unlink the semaphore names;     |
+|          |                | with the names in its ``__main__`` | note them (stand-ins)           |
 | SPAWN    | coord -> zygote| a worker slot needs a process      | fork a worker, answer SPAWNED   |
 | SPAWNED  | zygote -> coord| after fork; the socket fd follows  | ``recv_handle`` the worker end  |
 | EXITED   | zygote -> coord| a worker was reaped                | record the exit code            |

@@ -26,11 +26,13 @@ may not have that name (see ``portable``), so it carries a copy by value as well
 the globals the function read when it was made, so the submitting side watches them
 (``_function_cache``): when one is rebound, the function is tabled again with a fresh copy. The
 classes and functions of ``__main__`` in a task's arguments (an instance's class) get stand-ins
-too (``with_main_stand_ins``): the worker's own object of that name, else a copy by value.
+too where the workers may lack them (``with_main_stand_ins``): the worker's own object of that
+name, else a copy by value, tabled once per pool (``_function_cache``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import marshal
 import pickle
@@ -128,70 +130,113 @@ def _encode_with_cloudpickle(call: Call) -> bytes:
 
 
 def dumps_for_workers(obj: Any) -> bytes:
-    """``dumps``, for a worker to load: with ``__main__``'s stand-ins (``with_main_stand_ins``)
-    where it names ``__main__``. (The per-task path inlines this: ``FunctionCache.encode``.)"""
+    """``dumps``, for a worker to load: with ``__main__``'s stand-ins (``with_main_stand_ins``,
+    each copy inline) where it names ``__main__``. (The per-task path, ``FunctionCache.encode``,
+    tables the copies instead.)"""
     data = dumps(obj)
-    return with_main_stand_ins(obj, data) if data.find(b"__main__") >= 0 else data
+    return with_main_stand_ins(obj, data, inline_stand_in) if data.find(b"__main__") >= 0 else data
 
 
-def with_main_stand_ins(obj: Any, data: bytes) -> bytes:
-    """``obj`` pickled with stand-ins for the classes and functions of ``__main__`` in it, given
-    ``data``, its plain pickle (which names ``__main__``: callers look for it, ~0.1 us). A
-    stand-in unpickles in the worker to the object of that name in the worker's ``__main__``,
-    as plain pickle would, and where that name is missing, to a copy by value.
+if TYPE_CHECKING:
+    # stand_in(obj) -> the reduction that replaces ``obj``, a class or function of __main__,
+    # in a pickle; None: ``obj`` goes by reference (plain pickle's way).
+    StandIn = Callable[[Any], tuple[Any, ...] | None]
+
+
+def with_main_stand_ins(obj: Any, data: bytes, stand_in: StandIn) -> bytes:
+    """``obj`` pickled with ``stand_in``'s reductions for the classes and functions of
+    ``__main__`` in it, given ``data``, its plain pickle (which names ``__main__``: callers look
+    for it). A stand-in unpickles in the worker to the object of that name in the worker's
+    ``__main__``, as plain pickle would, and where that name is missing, to a copy by value.
 
     Why: a worker's ``__main__`` lacks what the script's ``if __name__ == "__main__":`` block
     defined (spawn and forkserver, the default, run the script again without it), everything a
     notebook or ``python -c`` defined, and under fork what was defined after the pool started.
     By reference alone, an argument that is an instance of such a class failed the task in the
     worker ("Can't get attribute"), as in the stdlib's pools. Plain pickle's ``data`` stays if
-    a stand-in cannot be made (its copy by value fails): the task then fails as it did."""
+    a stand-in cannot be made: the task then fails as it did."""
     buffer = io.BytesIO()
     try:
-        _MainPickler(buffer, PICKLE_PROTOCOL).dump(obj)
+        _MainPickler(buffer, stand_in).dump(obj)
     except Exception:
         return data
     return buffer.getvalue()
 
 
 class _MainPickler(pickle.Pickler):
-    """Plain pickle (the C pickler), but a class or function of ``__main__`` goes as a
-    stand-in (``with_main_stand_ins``). Called once per object pickled: only for payloads
-    that name ``__main__``."""
+    """Plain pickle (the C pickler), but a class or function of ``__main__`` goes as its
+    stand-in. Called once per object pickled: only for payloads that name ``__main__``."""
+
+    def __init__(self, file: io.BytesIO, stand_in: StandIn) -> None:
+        super().__init__(file, PICKLE_PROTOCOL)
+        self.stand_in = stand_in
 
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
         if not (issubclass(kind, type) or kind in _TABLED_TYPES) or obj.__module__ != "__main__":
             return NotImplemented
-        try:
-            reduced = _stand_ins[obj]
-        except KeyError:
-            reduced = _stand_ins[obj] = _stand_in(obj)
+        reduced = self.stand_in(obj)
         return NotImplemented if reduced is None else reduced
 
 
-def _stand_in(obj: Any) -> tuple[Any, ...] | None:
-    """The reduction of ``obj``'s stand-in; None to pickle it by reference (no copy)."""
+class MainObject:
+    """Pickles as ``load_main_object(qualname, by_value)``: the stand-in of a class of
+    ``__main__``, in a task or in a pool's function table."""
+
+    __slots__ = ("by_value", "qualname")
+
+    def __init__(self, cls: type) -> None:
+        """Raises what cloudpickle raises if ``cls`` cannot be copied, and ValueError if its
+        copy exceeds ``MAIN_BY_VALUE_MAX`` (big class attributes): it then goes by reference,
+        as a function's does."""
+        self.qualname = cls.__qualname__
+        self.by_value: bytes = _cloudpickle().dumps(cls, PICKLE_PROTOCOL)
+        if len(self.by_value) > MAIN_BY_VALUE_MAX:
+            raise ValueError(f"the copy of {self.qualname} takes {len(self.by_value)} bytes")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (load_main_object, (self.qualname, self.by_value))
+
+
+def inline_stand_in(obj: Any) -> tuple[Any, ...] | None:
+    """``with_main_stand_ins``'s stand-in with its copy inline (no function table at hand).
+    Each object's is made on its first use (a copy takes cloudpickle ~0.1-1 ms) and reused,
+    so a change to the object after that (a class attribute set, a global its function reads
+    rebound) is not seen where the copy is used, as with any copy."""
+    try:
+        return _stand_ins[obj]
+    except KeyError:
+        pass
+    reduced: tuple[Any, ...] | None = None
     if isinstance(obj, type):
-        try:
-            by_value = _cloudpickle().dumps(obj, PICKLE_PROTOCOL)
-        except Exception:
-            return None
-        return (load_main_object, (obj.__qualname__, by_value))
-    stand_in = portable(obj)  # a function: the stand-in a task's own function has
-    return None if stand_in is obj else stand_in.__reduce__()
+        with contextlib.suppress(Exception):  # cannot be copied: by reference, as before
+            reduced = MainObject(obj).__reduce__()
+    else:
+        stand_in = portable(obj)  # a function: the stand-in a task's own function has
+        reduced = None if stand_in is obj else stand_in.__reduce__()
+    with contextlib.suppress(TypeError):  # not weakly referenceable: made again next time
+        _stand_ins[obj] = reduced
+    return reduced
 
 
-# Each class's and function's stand-in, made on its first task (its copy by value takes
-# cloudpickle ~0.1-1 ms) and then reused: a change to the object after that (a class attribute
-# set, a global its function reads rebound) is not seen where the copy is used (as with any
-# copy). Weak: the entry goes with the object (a notebook redefines them).
+# Weak: the entry goes with the object (a notebook redefines them).
 _stand_ins: weakref.WeakKeyDictionary[Any, tuple[Any, ...] | None] = weakref.WeakKeyDictionary()
 
+# In a worker: what loads an entry of the pool's function table, by fid (the worker's own
+# cached loader, set by worker_main), for the stand-ins that refer to one (load_tabled).
+table_loader: Callable[[int], Any] | None = None
 
-# In a worker: the copies loaded so far, by their bytes (cloudpickle.loads of a class takes
-# ~0.1 ms; each task that carries one would pay it). Bounded: a notebook may redefine a class
-# in every run of a cell.
+
+def load_tabled(fid: int) -> Any:
+    """In a worker: the object in the pool's function table under ``fid``."""
+    if table_loader is None:
+        raise RuntimeError("a task's stand-in refers to a pool's function table outside a worker")
+    return table_loader(fid)
+
+
+# In a worker: the inline copies loaded so far, by their bytes (cloudpickle.loads of a class
+# takes ~0.1 ms; each task that carries one would pay it). Bounded: a notebook may redefine a
+# class in every run of a cell.
 _loaded_copies: dict[bytes, Any] = {}
 _LOADED_COPIES_MAX = 256
 

@@ -141,7 +141,7 @@ def _start(pool: Pool, held: _HeldInterrupt) -> None:
         # module), everything made being in ``res`` by now; one held so far is raised here.
         held.release()
         try:
-            pool._coordinator.wait_ready(STARTUP_TIMEOUT)
+            pool._functions.note_worker_main(pool._coordinator.wait_ready(STARTUP_TIMEOUT))
         finally:
             held.hold()
     except BaseException:

@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from mpsched import _children
+from mpsched import _children, _serialize
 from mpsched._children import (
     _CANCEL_REQUESTED,
     _ERROR,
@@ -378,6 +378,7 @@ def worker_main(
     """Entry point of a worker process (called in the child of the zygote's fork)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the coordinator
     worker = Worker(slot, views, wake_fds, conn, options)
+    _serialize.table_loader = worker.load_function  # for the arguments' stand-ins
     os.register_at_fork(after_in_child=lambda: _forked_by_a_task(conn))
     if options.initializer and not run_initializer(conn, slot, options.initializer):
         return 0  # the coordinator breaks the pool with the initializer's error

@@ -12,7 +12,7 @@ spawn) or in a bare fork (``ForkedZygote``, fork start method). Runs in the zygo
 ``_spawn`` runs the worker (``_worker.worker_main``) in the forked child.
 
 Protocol with the coordinator (one duplex Connection; see ``_protocol``):
-    zygote -> READY                     after attaching; then it forks the pool's initial
+    zygote -> READY (its __main__ names) after attaching; then it forks the pool's initial
                                         workers (``ZygoteConfig.initial_slots``), answering
                                         SPAWNED for each as for a SPAWN
     coord  -> SPAWN(slot)               (a replacement) zygote forks, answers SPAWNED(slot,
@@ -120,7 +120,11 @@ class _Zygote:
 
     def serve(self) -> None:
         try:
-            self.conn.send_bytes(encode(Tag.READY))
+            # With the names in its __main__, which its workers share (they fork from it):
+            # the pool's process sends stand-ins only for objects of its own __main__ that are
+            # not there (_function_cache).
+            main = sys.modules.get("__main__")
+            self.conn.send_bytes(encode(Tag.READY, tuple(getattr(main, "__dict__", ()))))
         except OSError:  # EPIPE: Pool() gave up before READY (a Ctrl-C in it): exit quietly,
             self._coordinator_gone()  # not with a traceback on the user's terminal
         for slot in self.cfg.initial_slots:

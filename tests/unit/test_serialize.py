@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mpsched import _serialize
 from mpsched._function_cache import FunctionCache
 from mpsched._protocol import PICKLE_PROTOCOL
 from mpsched._serialize import (
@@ -180,7 +181,16 @@ def test_an_argument_of_a_main_class_reaches_a_worker_with_or_without_its_name(
     cls = _main_class()
     main = sys.modules["__main__"]
     monkeypatch.setattr(main, "mpsched_test_Pair", cls, raising=False)
-    payload = FunctionCache(lambda data: 0).encode(len, (cls(1, 2),), {})
+    tabled: list[bytes] = []
+
+    def table_add(data: bytes) -> int:
+        tabled.append(data)
+        return len(tabled) - 1
+
+    payload = FunctionCache(table_add).encode(len, (cls(1, 2),), {})
+    assert len(payload) < 200  # the class's copy went to the table, not into each task
+    # The worker: its function table's loader, and its __main__.
+    monkeypatch.setattr(_serialize, "table_loader", lambda fid: pickle.loads(tabled[fid]))
     workers_own = _main_class()
     if worker_has_it:
         monkeypatch.setattr(main, "mpsched_test_Pair", workers_own)
