@@ -205,6 +205,7 @@ class FunctionCache:
     def note_worker_main(self, names: Iterable[str]) -> None:
         """The names in the workers' ``__main__`` (their zygote's, at READY)."""
         self._worker_main = frozenset(names)
+        self._missing = ((-1, ""), [])  # looked for again
 
     def _may_name_a_missing_object(self, data: bytes) -> bool:
         """Whether ``data``, a call's plain pickle that names ``__main__``, may name an object of

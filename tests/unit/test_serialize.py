@@ -208,3 +208,18 @@ def test_a_call_that_names_no_main_object_is_plain_pickle() -> None:
     assert FunctionCache(lambda data: 0).encode(len, *call[2:4]) == pickle.dumps(
         call, PICKLE_PROTOCOL
     )
+
+
+def test_only_a_class_the_workers_lack_gets_a_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the workers' ``__main__`` names known (READY), a class they have goes by reference,
+    as plain pickle made it (no second pickling); one they lack gets its stand-in."""
+    cls = _main_class()
+    main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "mpsched_test_Pair", cls, raising=False)
+    cache = FunctionCache(lambda data: 0)
+    args = (cls(1, 2),)
+    plain = pickle.dumps((0, None, args, {}, False), PICKLE_PROTOCOL)
+    cache.note_worker_main(vars(main))  # the workers' __main__ has every name of this one
+    assert cache.encode(len, args, {}) == plain
+    cache.note_worker_main(set(vars(main)) - {"mpsched_test_Pair"})
+    assert cache.encode(len, args, {}) != plain
