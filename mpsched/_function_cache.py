@@ -287,15 +287,16 @@ class FunctionCache:
 
     def _table_class(self, cls: type) -> int:
         """``cls`` (of ``__main__``) tabled with its copy (its fid), or INLINE if the table is
-        full or the copy cannot be made."""
+        full or the copy cannot be made (for good: a copy past ``MAIN_BY_VALUE_MAX``)."""
         with self._lock:
             fid = self._class_fids.get(cls)
             if fid is not None or self._full:
                 return INLINE if fid is None else fid
             try:
                 data = _dumps(MainObject(cls), PICKLE_PROTOCOL)
-            except Exception:
-                return INLINE  # inline_stand_in tries again, and goes by reference
+            except Exception:  # no copy: by reference (inline_stand_in's answer, kept too)
+                self._class_fids[cls] = INLINE  # not tried again on every task
+                return INLINE
             fid = self._table_add(data)
             if fid == INLINE:
                 self._full = True
