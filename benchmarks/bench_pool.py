@@ -102,6 +102,9 @@ class Sizes:
     """Everything ``--quick`` shrinks."""
 
     repeats: int
+    # Start-up samples are cheap (a fresh interpreter, ~0.1-0.3 s each) and spread most: single
+    # paired ratios of the same code ranged 0.6-1.8. At least this many steady their median.
+    startup_repeats: int
     throughput_tasks: int
     warmup_tasks: int  # untimed no-op tasks on every warm pool before its timed part
     latency_round_trips: int
@@ -113,8 +116,8 @@ class Sizes:
     watchdog_s: int  # s; the whole run is killed (stacks dumped) after this
 
 
-DEFAULT = Sizes(5, 20_000, 200, 2_000, 400, 8.0, 0.8, 10.0, 60.0, 1800)
-QUICK = Sizes(3, 2_000, 50, 200, 40, 1.0, 0.2, 2.0, 10.0, 600)
+DEFAULT = Sizes(5, 15, 20_000, 200, 2_000, 400, 8.0, 0.8, 10.0, 60.0, 1800)
+QUICK = Sizes(3, 3, 2_000, 50, 200, 40, 1.0, 0.2, 2.0, 10.0, 600)
 
 
 # --------------------------------------------------------------------------- pools
@@ -232,11 +235,11 @@ class Run(common.GatedRun):
     gates_waited_s: float = 0.0
 
     def interleave(
-        self, key: str, impls: Sequence[Impl]
+        self, key: str, impls: Sequence[Impl], repeats: int | None = None
     ) -> tuple[dict[str, Series], list[common.GateResult]]:
-        """``common.run_interleaved`` with this run's settings."""
+        """``common.run_interleaved`` with this run's settings (``repeats``: the run's)."""
         return common.run_interleaved(
-            key, impls, self.sizes.repeats, self.gate, self.log, self.verbose
+            key, impls, repeats or self.sizes.repeats, self.gate, self.log, self.verbose
         )
 
 
@@ -521,7 +524,8 @@ def bench_startup(run: Run) -> Workload:
                 startup_name("ppe", method), lambda m=method: startup_run("ppe", m), baseline=mine
             ),
         ]
-    series, gates = run.interleave("startup", impls)
+    sizes = run.sizes
+    series, gates = run.interleave("startup", impls, max(sizes.repeats, sizes.startup_repeats))
     return Workload(
         "startup",
         "pool creation to first result, fresh interpreter per sample",
@@ -572,8 +576,9 @@ def _fmt_plain(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def render_workload(w: Workload, repeats: int) -> str:
+def render_workload(w: Workload) -> str:
     """Title, table and idle-gate line of one workload."""
+    repeats = max((len(s.samples) for s in w.series.values()), default=0)
     head = f"== {w.key}: {w.title} ({WORKERS} workers; median of {repeats} repeats) =="
     return "\n".join(
         [head, common.render_table(w, extra_columns(w)), common.describe_gates(w.gates), ""]
@@ -711,7 +716,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workloads: dict[str, Workload] = {}
     for key in args.only:
         workloads[key] = BENCHES[key](run)
-        print(render_workload(workloads[key], sizes.repeats), flush=True)
+        print(render_workload(workloads[key]), flush=True)
     targets = evaluate_targets(workloads)
     return common.finish_workload_run(
         args, sizes, status, run, workloads, targets, started, JSON_DISTS
