@@ -52,6 +52,13 @@ MISSING_NAMES_SCANNED = 16
 # __main__ may be looked up in the worker's.
 _BY_NAME = (type, types.FunctionType, types.BuiltinFunctionType)
 
+
+def _of_main(value: Any) -> bool:
+    """A class or function defined in ``__main__`` (one imported there pickles under its own
+    module's name)."""
+    return isinstance(value, _BY_NAME) and getattr(value, "__module__", None) == "__main__"
+
+
 # Copies of one __main__ function tabled after its first (a global it reads was rebound); from
 # the next on, its copy goes inline with each task (made again only when a global changes): a
 # global rebound in a loop filled the table otherwise (up to MAIN_BY_VALUE_MAX per copy).
@@ -227,7 +234,7 @@ class FunctionCache:
             patterns = []
             for name, value in list(namespace.items()):
                 raw = name.encode()
-                if name not in worker_main and isinstance(value, _BY_NAME) and len(raw) < 256:
+                if name not in worker_main and _of_main(value) and len(raw) < 256:
                     patterns += (b"\x8c" + bytes((len(raw),)) + raw, raw + b".")
             self._missing = (state, patterns)
         if len(patterns) > 2 * MISSING_NAMES_SCANNED:
