@@ -323,6 +323,9 @@ def apply(fn, x):
 def seen_by_initializer():
     return os.environ.get("MPSCHED_TEST_INIT")
 
+def via_child(p):  # a child's argument: the copy the worker loaded, pickled for its peer
+    return mpsched.submit(norm, p).result() + 1
+
 if __name__ == "__main__":
     @dataclass
     class Point:
@@ -364,6 +367,7 @@ if __name__ == "__main__":
         due = pool.schedule("p", time.monotonic(), 0, norm, Point(5, 12))
         print("schedule", due.result(timeout=20), flush=True)
         print("initializer", pool.submit(seen_by_initializer).result(timeout=20), flush=True)
+        print("child", pool.submit(via_child, Point(3, 4)).result(timeout=20), flush=True)
 """
 
 
@@ -385,4 +389,5 @@ def test_objects_of_main_in_arguments_reach_the_worker(
         "map [5.0, 10.0]",
         "schedule 13.0",
         "initializer Point 5 6",
+        "child 6.0",
     ], proc.stderr
