@@ -48,7 +48,8 @@ def run_chunk(
     error; otherwise the results before it are returned with the error, so that ``map``
     yields them before it raises, as the builtin ``map`` does (the task failing would drop
     them, and how many items precede the error in the same chunk depends on default chunking,
-    i.e. on timing). Results that do not pickle fail the chunk's task, as any task's."""
+    i.e. on timing). A result that does not pickle is that item's error in the same way (the
+    chunk's task failing with it dropped the results before it)."""
     try:
         return _run(fn, items, star, budget, max_bytes)
     finally:
@@ -79,11 +80,33 @@ def _run(
         seconds = time.perf_counter() - start
         done = in_pieces + len(results)
         if by_run and error is None:
-            piece = dumps(results)
+            piece, unpicklable = _dump_results(results, first=not pieces)
             pieces.append(piece)
             nbytes += len(piece)
             in_pieces, results = done, []
+            error = unpicklable or error
         if error is not None or done == len(items) or seconds >= budget or nbytes >= max_bytes:
             if results:
-                pieces.append(dumps(results))
+                piece, unpicklable = _dump_results(results, first=not pieces)
+                pieces.append(piece)
+                error = unpicklable or error  # it came before the item that raised
             return pieces, seconds, error
+
+
+def _dump_results(results: list[Any], *, first: bool) -> tuple[bytes, bytes | None]:
+    """``dumps(results)`` and None; if a result does not pickle, the results before it pickled
+    and that one's pickling error (``dump_exception``), for ``map`` to raise after yielding
+    them. Raises the error if it is the chunk's first result (``first``: nothing before it in
+    ``pieces``), as for an item that raised. One ``dumps`` per result, on that path only."""
+    try:
+        return dumps(results), None
+    except Exception as whole:
+        error: Exception = whole
+    for index, result in enumerate(results):
+        try:
+            dumps(result)
+        except Exception as exc:
+            if first and index == 0:
+                raise
+            return dumps(results[:index]), dump_exception(exc)
+    raise error  # each pickles alone, not together (state shared between them): as before

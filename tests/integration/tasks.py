@@ -292,3 +292,10 @@ def nested_pool(start_method: str) -> int:
     """A task that runs a pool of its own (a worker is a daemonic process)."""
     with mpsched.Pool(1, start_method=start_method) as pool:
         return pool.submit(add, 20, 22).result(timeout=30)  # type: ignore[no-any-return]
+
+
+def lock_at(x: int, bad: int = 3) -> Any:
+    """``x``, but at ``bad`` a result that no pickler takes."""
+    import threading
+
+    return threading.Lock() if x == bad else x

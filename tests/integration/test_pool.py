@@ -539,3 +539,13 @@ def test_a_pool_in_a_task_starts_under_fork_and_says_why_not_otherwise(
     else:
         with pytest.raises(RuntimeError, match=r"daemonic process .* mpsched\.submit"):
             future.result(timeout=60)
+
+
+@pytest.mark.timeout(60)
+def test_map_yields_the_results_before_one_that_does_not_pickle(pool2: Pool) -> None:
+    """As the builtin ``map`` does before an error: the results before the bad one, from the
+    same chunk, come out first (the chunk's task failing dropped them)."""
+    results = pool2.map(tasks.lock_at, [1, 2, 3, 4], chunksize=4)
+    assert [next(results), next(results)] == [1, 2]
+    with pytest.raises(TypeError, match="pickle"):
+        next(results)

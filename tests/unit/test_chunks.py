@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import operator
 import pickle
+import threading
 from typing import Any
 
 import pytest
@@ -111,3 +112,35 @@ def test_run_chunk_by_pieces_returns_the_results_before_an_error_with_the_error(
     assert error is not None
     with pytest.raises(ValueError, match="three"):
         run_chunk(_fail_at_3, [3, 4], False, math.inf, 10**6)
+
+
+def _lock_at_3(x: int) -> Any:
+    """A result that no pickler takes at item 3."""
+    return threading.Lock() if x == 3 else x
+
+
+@pytest.mark.parametrize("max_bytes", [math.inf, 10**6])  # pickled at the end, or by runs
+def test_a_result_that_does_not_pickle_is_its_items_error(max_bytes: float) -> None:
+    """The results before it come back, with its pickling error for ``map`` to raise after
+    them (the chunk's task failing dropped them); at the chunk's first item, the task fails."""
+    pieces, _, error = run_chunk(_lock_at_3, [1, 2, 3, 4], False, math.inf, max_bytes)
+    assert _load(pieces) == [1, 2]
+    assert error is not None
+    with pytest.raises(TypeError, match="pickle"):
+        raise load_exception(error)
+    with pytest.raises(TypeError, match="pickle"):
+        run_chunk(_lock_at_3, [3, 4], False, math.inf, max_bytes)
+
+
+def test_a_result_that_does_not_pickle_comes_before_a_later_items_error() -> None:
+    pieces, _, error = run_chunk(_lock_or_fail, [1, 3, 4, 5], False, math.inf, math.inf)
+    assert _load(pieces) == [1]
+    assert error is not None
+    with pytest.raises(TypeError, match="pickle"):  # item 3's, not item 5's ValueError
+        raise load_exception(error)
+
+
+def _lock_or_fail(x: int) -> Any:
+    if x == 5:
+        raise ValueError("five")
+    return _lock_at_3(x)
