@@ -37,6 +37,7 @@ from mpsched._serialize import (
     _encode_with_cloudpickle,
     inline_stand_in,
     load_tabled,
+    of_main,
     portable,
     with_main_stand_ins,
 )
@@ -47,16 +48,6 @@ _UNDERSCORE = ord("_")  # a byte, for ``in`` on bytes
 # ``python -c``'s: theirs is empty), a call that names __main__ gets its stand-ins without
 # looking for each name (~0.2 us each): it most likely needs them.
 MISSING_NAMES_SCANNED = 16
-
-# What plain pickle writes by name (a global): a name bound to one of these in the caller's
-# __main__ may be looked up in the worker's.
-_BY_NAME = (type, types.FunctionType, types.BuiltinFunctionType)
-
-
-def _of_main(value: Any) -> bool:
-    """A class or function defined in ``__main__`` (one imported there pickles under its own
-    module's name)."""
-    return isinstance(value, _BY_NAME) and getattr(value, "__module__", None) == "__main__"
 
 
 # Copies of one __main__ function tabled after its first (a global it reads was rebound); from
@@ -234,7 +225,7 @@ class FunctionCache:
             patterns = []
             for name, value in list(namespace.items()):
                 raw = name.encode()
-                if name not in worker_main and _of_main(value) and len(raw) < 256:
+                if name not in worker_main and of_main(value) and len(raw) < 256:
                     patterns += (b"\x8c" + bytes((len(raw),)) + raw, raw + b".")
             self._missing = (state, patterns)
         if len(patterns) > 2 * MISSING_NAMES_SCANNED:

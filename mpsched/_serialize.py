@@ -172,8 +172,7 @@ class _MainPickler(pickle.Pickler):
         self.stand_in = stand_in
 
     def reducer_override(self, obj: Any) -> Any:
-        kind = type(obj)
-        if not (issubclass(kind, type) or kind in _TABLED_TYPES) or obj.__module__ != "__main__":
+        if not of_main(obj):
             return NotImplemented
         reduced = self.stand_in(obj)
         return NotImplemented if reduced is None else reduced
@@ -234,25 +233,24 @@ def load_tabled(fid: int) -> Any:
     return table_loader(fid)
 
 
-# In a worker: the inline copies loaded so far, by their bytes (cloudpickle.loads of a class
-# takes ~0.1 ms; each task that carries one would pay it). Bounded: a notebook may redefine a
-# class in every run of a cell.
-_loaded_copies: dict[bytes, Any] = {}
-_LOADED_COPIES_MAX = 256
-
-
 def load_main_object(qualname: str, by_value: bytes) -> Any:
-    """In a worker: ``__main__.<qualname>`` if it exists there, else the copy ``by_value``."""
+    """In a worker: ``__main__.<qualname>`` if it exists there, else the copy ``by_value``.
+    (Once per worker for a tabled stand-in: its ``load_function`` caches the object.)"""
+    obj = _in_main(qualname)
+    return _cloudpickle().loads(by_value) if obj is _ABSENT else obj
+
+
+_ABSENT = object()  # _in_main's "no such name"
+
+
+def _in_main(qualname: str) -> Any:
+    """``__main__.<qualname>`` in this process, or ``_ABSENT``."""
     obj: Any = sys.modules.get("__main__")
     try:
         for part in qualname.split("."):
             obj = getattr(obj, part)
     except AttributeError:
-        obj = _loaded_copies.get(by_value)
-        if obj is None:
-            if len(_loaded_copies) >= _LOADED_COPIES_MAX:
-                _loaded_copies.clear()
-            obj = _loaded_copies[by_value] = _cloudpickle().loads(by_value)
+        return _ABSENT
     return obj
 
 
@@ -332,14 +330,9 @@ class _MainFunction:
 def load_main_function(qualname: str, by_value: bytes, code: bytes | None) -> Any:
     """In a worker: ``__main__.<qualname>`` if it exists there with the code ``code``, else
     the copy ``by_value`` (always when ``code`` is None: see ``FunctionCache._table_main``)."""
-    obj: Any = sys.modules.get("__main__")
-    try:
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except AttributeError:
-        return _cloudpickle().loads(by_value)
+    obj = _in_main(qualname)
     if code is None or type(obj) not in _TABLED_TYPES or code_bytes(obj) != code:
-        return _cloudpickle().loads(by_value)  # another function (or object) under that name
+        return _cloudpickle().loads(by_value)  # none, or another function (or object) there
     return obj
 
 
@@ -379,3 +372,12 @@ def _add_code(fn: Any, parts: list[bytes], depth: int) -> bool:
 # __main__ function's copy by value: _function_cache._MainEntry). Bound methods, partials and
 # callable objects are pickled with their (mutable) state and so go inline.
 _TABLED_TYPES = (types.FunctionType, types.BuiltinFunctionType)
+
+# What plain pickle writes by name, as a global (classes and functions).
+_BY_NAME = (type, *_TABLED_TYPES)
+
+
+def of_main(obj: Any) -> bool:
+    """A class or function defined in ``__main__``: plain pickle writes it as the global
+    ``__main__.<qualname>`` (one imported there pickles under its own module's name)."""
+    return isinstance(obj, _BY_NAME) and getattr(obj, "__module__", None) == "__main__"
