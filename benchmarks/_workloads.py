@@ -39,6 +39,16 @@ def noop(i: int) -> int:
     return i
 
 
+def size_of(data: bytes) -> int:
+    """The length of a big argument (``payloads``: the task's input is the work)."""
+    return len(data)
+
+
+def zeros(n: int) -> bytes:
+    """``n`` zero bytes (``payloads``: a big result)."""
+    return bytes(n)
+
+
 def sum_range(lo: int, hi: int) -> int:
     """Sum ``range(lo, hi)`` with a pure-Python loop (the CPU-bound kernel of every workload)."""
     total = 0

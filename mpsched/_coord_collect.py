@@ -42,8 +42,10 @@ from mpsched._errors import (
 from mpsched._future import FINISHING, Future, defer_callbacks, invoke_all
 from mpsched._payloads import BlockField
 from mpsched._protocol import (
+    Buffer,
     dump_exception,
     load_exception,
+    recv_message,
     unpickling_failed,
 )
 from mpsched._timed import TaskRun
@@ -157,7 +159,7 @@ class Collecting(CoordinatorState):
         (``unread``), and so the rest of its batch when an exception (a Ctrl-C's
         KeyboardInterrupt) hits it: those results are fine, and the pool is not broken."""
         slab = self.slab
-        outcomes: list[tuple[Future, int, bytes]] = []
+        outcomes: list[tuple[Future, int, Buffer]] = []
         unknown: list[int] = []
         later: list[int] = []  # a user thread's: left to the loop, their blocks kept
         by_handle = self.by_handle
@@ -171,6 +173,7 @@ class Collecting(CoordinatorState):
                     continue
                 status = get_word(handle, _RESULT_STATUS)
                 nbytes = get_word(handle, _RESULT_NBYTES)
+                data: Buffer
                 if nbytes >= 0:
                     data = slab.read_result(handle)[1]
                 elif in_loop:
@@ -234,7 +237,7 @@ class Collecting(CoordinatorState):
         handles: list[int],
         slot: int,
         exc: BaseException,
-        outcomes: list[tuple[Future, int, bytes]],
+        outcomes: list[tuple[Future, int, Buffer]],
         unknown: list[int],
     ) -> None:
         """``read_results`` in the coordinator thread, after reading ``handles[0]``'s result
@@ -265,10 +268,10 @@ class Collecting(CoordinatorState):
                 self.stash.pop(-nbytes, None)
             outcomes.append((future, _ERROR, failed))
 
-    def settle(self, outcomes: list[tuple[Future, int, bytes]]) -> None:
+    def settle(self, outcomes: list[tuple[Future, int, Buffer]]) -> None:
         """Resolve futures; tasks with an id or options first update the timetable (so that a
         caller woken by ``result()`` sees the final ``state()``)."""
-        special = []
+        special: list[tuple[Future, int, Buffer]] = []
         loaded: list[tuple[bool, Any] | None] = []  # per special entry: its unpickled result
         for outcome in outcomes:
             future = outcome[0]
@@ -306,7 +309,7 @@ class Collecting(CoordinatorState):
             else:
                 resolve(future, status, data)
 
-    def stash_take(self, key: int, slot: int) -> bytes:
+    def stash_take(self, key: int, slot: int) -> Buffer:
         """Coordinator thread: stashed result bytes; the STASH message was sent before the
         done-ring push, so it is complete in the worker's socket if it has not been read yet."""
         while key not in self.stash:
@@ -316,10 +319,10 @@ class Collecting(CoordinatorState):
                 continue
             if worker is None:
                 raise ProtocolError(f"stashed result {key} lost with worker {slot}")
-            self.on_worker_message(worker, worker.conn.recv_bytes())
+            self.on_worker_message(worker, *recv_message(worker.conn))
         return self.stash.pop(key)
 
-    def end_runs(self, outcomes: list[tuple[Future, int, bytes]]) -> None:
+    def end_runs(self, outcomes: list[tuple[Future, int, Buffer]]) -> None:
         with self.lock:
             for future, status, _ in outcomes:
                 if future._handle >= 0:
@@ -345,7 +348,7 @@ def timeout_message(run: TaskRun) -> str:
     )
 
 
-def unpickle_result(data: bytes) -> tuple[bool, Any]:
+def unpickle_result(data: Buffer) -> tuple[bool, Any]:
     """``(True, value)``, or ``(False, RuntimeError)`` if the result cannot be unpickled."""
     try:  # user code runs here (__setstate__, __reduce__): SystemExit included
         return True, pickle.loads(data)
@@ -379,7 +382,7 @@ def _store(future: Future, ok: bool, value: Any) -> None:
             pass
 
 
-def resolve(future: Future, status: int, data: bytes) -> None:
+def resolve(future: Future, status: int, data: Buffer) -> None:
     """Settle a task's future from its result bytes (coordinator thread, no lock held)."""
     future._owner = FINISHING
     if future.done():  # cancelled meanwhile: a race the claim decided; nothing to report

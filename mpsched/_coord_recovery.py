@@ -48,6 +48,7 @@ from mpsched._errors import (
 from mpsched._future import Future
 from mpsched._payloads import BlockField
 from mpsched._protocol import (
+    Buffer,
     ChildState,
     ResultStatus,
     dump_exception,
@@ -156,7 +157,7 @@ class Recovering(CoordinatorState):
         self.header.break_dead_holder(worker.pid)
         self.release_orphans()
         self.collect()
-        outcomes: list[tuple[Future, int, bytes]] = []
+        outcomes: list[tuple[Future, int, Buffer]] = []
         taken = []  # freed after the loop: a free that raises must not lose their futures
         try:
             for handle in slot.take_running():

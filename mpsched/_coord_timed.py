@@ -34,6 +34,7 @@ from mpsched._coord_state import (
 )
 from mpsched._future import FINISHING, Future, release_if_left
 from mpsched._options import is_misfire, next_run_at
+from mpsched._protocol import Buffer
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
 
@@ -210,7 +211,7 @@ class Timing(CoordinatorState):
         have entered the heap, so the loop must learn the heap's next due time."""
         self.note_due(self.timetable.heap.next_deadline())
 
-    def end_recurring_run(self, future: Future, status: int, data: bytes) -> None:
+    def end_recurring_run(self, future: Future, status: int, data: Buffer) -> None:
         """One run of a recurring id ended: schedule the next, or end the recurrence."""
         rec: Recurrence = future._run.recurrence
         if status == _OK and rec.active:

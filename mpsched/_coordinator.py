@@ -66,7 +66,10 @@ from mpsched._protocol import (
     Tag,
     decode,
     encode,
+    frame_waiting,
     load_exception,
+    recv_message,
+    send_data,
 )
 from mpsched._serialize import with_version
 from mpsched._slot_region import INBOX_BACK, INBOX_FRONT
@@ -498,13 +501,12 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
     def on_worker_readable(self, worker: WorkerHandle) -> None:
         conn = worker.conn
         try:
-            while conn.poll():
-                self.on_worker_message(worker, conn.recv_bytes())
+            while frame_waiting(conn):
+                self.on_worker_message(worker, *recv_message(conn))
         except (EOFError, OSError):
             self.on_worker_gone(worker)
 
-    def on_worker_message(self, worker: WorkerHandle, frame: bytes) -> None:
-        tag, fields = decode(frame)
+    def on_worker_message(self, worker: WorkerHandle, tag: Tag, fields: tuple[Any, ...]) -> None:
         if tag is Tag.RESULTS:
             return  # the done rings are collected after every wake
         if tag is Tag.STASH:
@@ -544,9 +546,14 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
             raise ProtocolError(f"unexpected {tag.name} from worker {worker.slot}")
 
     def answer_fetch(self, fetcher: WorkerHandle, key: int) -> None:
-        fetcher.conn.send_bytes(encode(Tag.PAYLOAD, key, self.stash[key]))
-        del self.stash[key]  # once sent: a dead fetcher's recovery drops what it never got
+        # Out of the stash before the send: taken out after it, the bytes stayed in the stash
+        # while this thread waited for the GIL, after the fetcher had read them, run its task
+        # and a user thread had collected the result (a quiet pool with a stash entry).
+        # ``fetched`` first: the recovery of a fetcher that dies from here on must not wait for
+        # these bytes (note_unwanted), whether or not the send reached it.
+        data = self.stash.pop(key)
         self.fetched[fetcher.pid] = key
+        send_data(fetcher.conn, Tag.PAYLOAD, key, data)
 
     def on_zygote_message(self, block: bool) -> None:
         if not block and not self.zygote.poll():

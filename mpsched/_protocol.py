@@ -7,8 +7,15 @@ pair (so file descriptors can travel beside them with ``send_handle``):
 * coordinator <-> worker: one per worker *incarnation* (a replacement gets a fresh one, so a worker
   that died mid-write can never leave a torn frame in front of its successor's messages).
 
-Every frame is ``send_bytes(pickle.dumps((tag, *fields)))``. Task payloads travel in shared memory
-(``_payloads``), never here, except payloads and results too big for a slab block (STASH).
+Every frame is ``send_bytes(pickle.dumps((tag, *fields)))``, but for the two that carry a task's
+bytes: task payloads travel in shared memory (``_payloads``), never here, except payloads and
+results too big for a slab block (STASH and its answer PAYLOAD). Those are *raw* frames
+(``send_data``): the same length prefix as ``Connection.send_bytes``, then ``_RAW_HEADER`` (a 0
+byte, where a pickle starts with PROTO, the tag, the key) and the bytes themselves, written with
+one ``writev`` from the object that holds them and read (``recv_message``) into one buffer of
+their size. Pickled, each MiB was copied once more on each side, and ``Connection.recv_bytes``
+reads a big frame in chunks into fresh buffers: the pool's process spent ~2.5 ms of CPU per MiB
+of arguments, against ProcessPoolExecutor's ~0.9 (measured, docs/design.md "Big payloads").
 
 | tag      | direction      | when sent                          | receiver must                   |
 |----------|----------------|------------------------------------|---------------------------------|
@@ -35,13 +42,17 @@ cannot be unpickled is replaced by a RuntimeError with that same cause.
 from __future__ import annotations
 
 import enum
+import os
 import pickle
+import select
+import struct
 
 from mpsched._errors import ProtocolError
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
     from typing import Any
 
 PICKLE_PROTOCOL = 5  # out-of-band capable; the newest every supported Python reads
@@ -96,6 +107,98 @@ class TopState(enum.IntEnum):
 
 def encode(tag: Tag, *fields: Any) -> bytes:
     return pickle.dumps((int(tag), *fields), PICKLE_PROTOCOL)
+
+
+# The data of a raw frame as received: bytes if small, else the buffer they were read into.
+Buffer = bytes | bytearray
+
+# multiprocessing.connection's framing (3.8+): a signed length, or -1 and an unsigned 8-byte one
+# for frames past 2 GiB. recv_message reads frames that Connection.send_bytes wrote.
+_LENGTH = struct.Struct("!i")
+_LONG_LENGTH = struct.Struct("!Q")
+_LENGTH_MAX = 0x7FFFFFFF
+# A raw frame's header: _RAW_MARK, the tag, the key; the data follow.
+_RAW_HEADER = struct.Struct("!BBq")
+_RAW_MARK = 0  # a pickled frame starts with PROTO (0x80)
+# Frames up to this size (bytes) are read with one read; larger ones read their first bytes,
+# then a raw frame's data straight into a buffer of their size. 64 KiB: past every frame but
+# a stash's, whose data is at least a slab chain's ~240 KiB unless the slab ran short.
+_SMALL_FRAME = 1 << 16
+
+
+def send_data(conn: Connection, tag: Tag, key: int, data: Buffer) -> None:
+    """Send ``data`` under ``key`` as a raw frame (see the module doc): the bytes go from
+    ``data`` to the socket without a copy in this process. Blocks until all is written, as
+    ``send_bytes`` does; an error may leave a torn frame, as there (the reader's EOF or
+    OSError ends the channel)."""
+    size = _RAW_HEADER.size + len(data)
+    if size > _LENGTH_MAX:
+        prefix = _LENGTH.pack(-1) + _LONG_LENGTH.pack(size)
+    else:
+        prefix = _LENGTH.pack(size)
+    parts = [memoryview(prefix + _RAW_HEADER.pack(_RAW_MARK, tag, key)), memoryview(data)]
+    fd = conn.fileno()
+    while parts:
+        written = os.writev(fd, parts)
+        while parts and written >= len(parts[0]):  # an empty part goes too
+            written -= len(parts.pop(0))
+        if written:
+            parts[0] = parts[0][written:]
+
+
+def recv_message(conn: Connection) -> tuple[Tag, tuple[Any, ...]]:
+    """Read one frame from ``conn`` (pickled or raw) and decode it; a raw frame's data come
+    back as a ``bytearray`` (``pickle.loads`` reads it as bytes). Raises as
+    ``Connection.recv_bytes``: EOFError at the end of the channel, OSError at an end inside a
+    frame."""
+    fd = conn.fileno()
+    (size,) = _LENGTH.unpack(_read(fd, _LENGTH.size))
+    if size == -1:
+        (size,) = _LONG_LENGTH.unpack(_read(fd, _LONG_LENGTH.size))
+    if size <= _SMALL_FRAME:
+        frame = _read(fd, size)
+        if size >= _RAW_HEADER.size and frame[0] == _RAW_MARK:
+            _, tag, key = _RAW_HEADER.unpack_from(frame)
+            return Tag(tag), (key, frame[_RAW_HEADER.size :])
+        return decode(frame)
+    head = _read(fd, _RAW_HEADER.size)
+    body = bytearray(size - _RAW_HEADER.size)
+    _read_into(fd, body)
+    if head[0] == _RAW_MARK:
+        _, tag, key = _RAW_HEADER.unpack(head)
+        return Tag(tag), (key, body)
+    return decode(head + body)
+
+
+def frame_waiting(conn: Connection) -> bool:
+    """``conn.poll()`` (a frame, or the end of the channel, can be read at once) without
+    ``multiprocessing.connection.wait``'s selector: ~1.5 us here instead of ~10, twice per
+    wake-up of the coordinator by a worker."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _read(fd: int, size: int) -> bytes:
+    """``size`` bytes from ``fd`` (one read when they are all there, as they mostly are)."""
+    data = os.read(fd, size)
+    if len(data) == size:
+        return data
+    if not data:
+        raise EOFError
+    rest = bytearray(size - len(data))
+    _read_into(fd, rest)
+    return data + rest
+
+
+def _read_into(fd: int, buf: bytearray) -> None:
+    view = memoryview(buf)
+    got = 0
+    while got < len(buf):
+        n = os.readv(fd, [view[got:]])
+        if not n:
+            raise OSError("got end of file during message")
+        got += n
 
 
 def decode(frame: bytes) -> tuple[Tag, tuple[Any, ...]]:
@@ -163,7 +266,7 @@ def safe_repr(obj: object) -> str:
         return f"<{type(obj).__qualname__} object (repr failed)>"
 
 
-def load_exception(data: bytes) -> BaseException:
+def load_exception(data: Buffer) -> BaseException:
     """Rebuild an exception made by ``dump_exception`` with the remote traceback as its cause.
     One that cannot be rebuilt, or that ``__reduce__`` rebuilds as something other than an
     exception, is replaced by a RuntimeError that says so, with the same cause: this runs in

@@ -74,9 +74,11 @@ from mpsched._payloads import BlockField
 from mpsched._protocol import (
     ResultStatus,
     Tag,
-    decode,
     dump_exception,
     encode,
+    frame_waiting,
+    recv_message,
+    send_data,
 )
 from mpsched._serialize import INLINE, decode_call, dumps
 from mpsched._shm import SharedFd
@@ -282,14 +284,14 @@ class Worker(Children):
         drops the bytes; stored after the send, they leaked)."""
         key = self.next_uid()
         self.slab.set_word(handle, field, -key)
-        self.conn.send_bytes(encode(Tag.STASH, key, data))
+        send_data(self.conn, Tag.STASH, key, data)
         return key
 
     def fetch(self, key: int) -> bytes:
         """Get stashed bytes from the coordinator (blocks until it answers)."""
         self.conn.send_bytes(encode(Tag.FETCH, key))
         while True:
-            tag, fields = decode(self.conn.recv_bytes())
+            tag, fields = recv_message(self.conn)
             if tag is Tag.PAYLOAD and fields[0] == key:
                 return fields[1]  # type: ignore[no-any-return]
             self.on_message(tag, fields)
@@ -351,12 +353,12 @@ class Worker(Children):
                 return
 
     def read_messages(self) -> None:
-        while self.conn.poll():
+        while frame_waiting(self.conn):
             try:
-                frame = self.conn.recv_bytes()
+                message = recv_message(self.conn)
             except EOFError:  # the coordinator is gone
                 os._exit(0)
-            self.on_message(*decode(frame))
+            self.on_message(*message)
 
     def on_message(self, tag: Tag, fields: tuple[Any, ...]) -> None:
         if tag is Tag.DRAIN:

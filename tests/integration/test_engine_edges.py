@@ -26,7 +26,7 @@ from mpsched import (
 )
 from mpsched._coordinator import Coordinator
 from mpsched._errors import InternalError, ProtocolError
-from mpsched._protocol import Tag, decode
+from mpsched._protocol import Tag
 
 from . import edge_tasks as et
 from . import tasks
@@ -522,21 +522,21 @@ def test_a_dead_parents_done_child_whose_stash_is_unread_leaves_no_stash(
     before reading it. The coordinator frees the block when it recovers the death, but the
     peer's STASH may still be unread in its socket (held here until after that): it must be
     dropped when it comes, not kept for ever."""
-    held: list[tuple[Any, bytes]] = []
+    held: list[tuple[Any, Tag, tuple[Any, ...]]] = []
     real_message = Coordinator.on_worker_message
     real_orphan = Coordinator.orphan_children
 
-    def hold_stashes(self: Coordinator, worker: Any, frame: bytes) -> None:
-        if decode(frame)[0] is Tag.STASH:
-            held.append((worker, frame))
+    def hold_stashes(self: Coordinator, worker: Any, tag: Tag, fields: tuple[Any, ...]) -> None:
+        if tag is Tag.STASH:
+            held.append((worker, tag, fields))
         else:
-            real_message(self, worker, frame)
+            real_message(self, worker, tag, fields)
 
     def orphan_then_deliver(self: Coordinator, k: int, pid: int) -> None:
         real_orphan(self, k, pid)
         monkeypatch.setattr(Coordinator, "on_worker_message", real_message)
-        for worker, frame in held:
-            real_message(self, worker, frame)
+        for worker, tag, fields in held:
+            real_message(self, worker, tag, fields)
 
     monkeypatch.setattr(Coordinator, "on_worker_message", hold_stashes)
     monkeypatch.setattr(Coordinator, "orphan_children", orphan_then_deliver)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import threading
 import time
 from pathlib import Path
@@ -13,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from mpsched import Pool, WorkerCrashedError, _coord_drain, _payloads
+from mpsched import Pool, WorkerCrashedError, _coord_drain, _payloads, _worker
 from mpsched._coordinator import Coordinator
-from mpsched._protocol import Tag, decode
+from mpsched._protocol import Tag
 from mpsched._worker import Worker
 
 from . import edge_tasks as et
@@ -29,6 +30,44 @@ def _poll(condition: Any, what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.002)
+
+
+@pytest.mark.timeout(60)
+def test_stashed_arguments_and_results_travel_byte_for_byte() -> None:
+    """Raw frames (``_protocol.send_data``) carry a stash's bytes both ways, to each worker."""
+    data = os.urandom(3 * BIG)
+    with Pool(2) as pool:
+        futures = [pool.submit(tasks.ident, data) for _ in range(6)]
+        assert all(f.result(timeout=30) == data for f in futures)
+        assert pool._coordinator.stash == {}
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_inside_a_raw_frame_fails_only_its_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A STASH cut off in the middle of its bytes: the coordinator reads an end of file inside
+    the frame, takes the worker for dead (as for a torn pickled frame), fails its task, and
+    replaces it; nothing of the half-sent bytes stays."""
+
+    def half_then_die(conn: Any, tag: Tag, key: int, data: bytes) -> None:
+        if tag is Tag.STASH:
+            frame = struct.pack("!i", 10 + len(data)) + struct.pack("!BBq", 0, tag, key)
+            os.write(conn.fileno(), frame + data[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_send(conn, tag, key, data)
+
+    real_send = _worker.send_data
+    monkeypatch.setattr(_worker, "send_data", half_then_die)
+    pool = Pool(1, start_method="fork")  # the worker inherits the patch
+    try:
+        with pytest.raises(WorkerCrashedError):
+            pool.submit(tasks.make_bytes, BIG).result(timeout=20)
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1  # replaced
+        assert pool.statistics().crashes == 1
+        assert pool._coordinator.stash == {}
+    finally:
+        pool.shutdown(wait=True)
 
 
 @pytest.mark.timeout(60)
@@ -79,11 +118,11 @@ def test_a_user_thread_collector_leaves_an_unarrived_stash_to_the_loop(
     real_message = Coordinator.on_worker_message
     real_help = Coordinator.help_wait
 
-    def hold_stash(self: Coordinator, worker: Any, frame: bytes) -> None:
-        if decode(frame)[0] is Tag.STASH:
+    def hold_stash(self: Coordinator, worker: Any, tag: Tag, fields: tuple[Any, ...]) -> None:
+        if tag is Tag.STASH:
             stash_read.set()
             assert release.wait(20)
-        real_message(self, worker, frame)
+        real_message(self, worker, tag, fields)
 
     def help_then_note(self: Coordinator, future: Any) -> None:
         try:
@@ -164,9 +203,9 @@ def test_a_dead_parents_done_child_stashed_by_an_unregistered_peer_leaves_no_sta
         released.set()
         hold.clear()  # the peer registers on the loop's next pass, then its STASH is read
 
-    def note_stash(self: Coordinator, worker: Any, frame: bytes) -> None:
-        real_message(self, worker, frame)
-        if decode(frame)[0] is Tag.STASH:
+    def note_stash(self: Coordinator, worker: Any, tag: Tag, fields: tuple[Any, ...]) -> None:
+        real_message(self, worker, tag, fields)
+        if tag is Tag.STASH:
             stash_read.set()
 
     monkeypatch.setattr(Coordinator, "on_zygote_message", hold_after_first)

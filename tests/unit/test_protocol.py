@@ -1,0 +1,118 @@
+"""Frames over the pool's sockets: raw data frames beside pickled ones (no processes).
+
+``send_data`` writes a STASH/PAYLOAD with its bytes uncopied; ``recv_message`` reads both kinds,
+including the frames ``Connection.send_bytes`` writes, and fails as ``recv_bytes`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+
+import pytest
+
+from mpsched import _protocol
+from mpsched._protocol import Buffer, Tag, encode, frame_waiting, recv_message, send_data
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Connection, Connection]]:
+    left, right = socket.socketpair()
+    a, b = Connection(left.detach()), Connection(right.detach())
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+@contextlib.contextmanager
+def _written_by_a_thread(send: Connection, frames: list[tuple[Tag, int, Buffer]]) -> Iterator[None]:
+    """Frames bigger than the socket's buffer need a reader while they are written."""
+    writer = threading.Thread(target=lambda: [send_data(send, *frame) for frame in frames])
+    writer.start()
+    try:
+        yield
+    finally:
+        writer.join(10)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("size", [0, 1, 1000, _protocol._SMALL_FRAME, 5 * 2**20])
+def test_a_raw_frame_carries_its_bytes_whatever_their_size(
+    pair: tuple[Connection, Connection], size: int
+) -> None:
+    send, recv = pair
+    data = os.urandom(size)
+    with _written_by_a_thread(
+        send, [(Tag.STASH, 7, data), (Tag.PAYLOAD, -(2**62), bytearray(data))]
+    ):
+        assert recv_message(recv) == (Tag.STASH, (7, data))
+        tag, (key, got) = recv_message(recv)
+        assert (tag, key, got) == (Tag.PAYLOAD, -(2**62), data)
+
+
+@pytest.mark.timeout(30)
+def test_pickled_frames_of_connection_send_bytes_read_between_raw_ones(
+    pair: tuple[Connection, Connection],
+) -> None:
+    """The coordinator reads a worker's pickled messages (RESULTS, DRAINED...) with the same
+    reader: small ones, and one past the size read in a single read."""
+    send, recv = pair
+    big_text = "x" * (3 * _protocol._SMALL_FRAME)
+
+    def write() -> None:
+        send.send_bytes(encode(Tag.RESULTS))
+        send_data(send, Tag.STASH, 1, b"abc")
+        send.send_bytes(encode(Tag.FATAL, 3, big_text))
+        send.send_bytes(encode(Tag.DRAINED, 0, {"executed": 5}))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        assert recv_message(recv) == (Tag.RESULTS, ())
+        assert recv_message(recv) == (Tag.STASH, (1, b"abc"))
+        assert recv_message(recv) == (Tag.FATAL, (3, big_text))
+        assert recv_message(recv) == (Tag.DRAINED, (0, {"executed": 5}))
+    finally:
+        writer.join(10)
+
+
+@pytest.mark.timeout(10)
+def test_the_end_of_the_channel_is_eof_before_a_frame_and_oserror_inside_one(
+    pair: tuple[Connection, Connection],
+) -> None:
+    """As Connection.recv_bytes: the coordinator takes either for the worker's death, and a
+    worker exits on EOFError (its coordinator is gone)."""
+    send, recv = pair
+    send.send_bytes(b"")  # an empty frame is a frame: the pickle inside it is malformed
+    with pytest.raises(_protocol.ProtocolError):
+        recv_message(recv)
+    os.write(send.fileno(), struct.pack("!i", 100) + b"\x00" * 40)  # a writer killed mid-frame
+    send.close()
+    with pytest.raises(OSError, match="end of file during message"):
+        recv_message(recv)
+    with pytest.raises(EOFError):
+        recv_message(recv)
+
+
+@pytest.mark.timeout(10)
+def test_frame_waiting_says_what_connection_poll_says(
+    pair: tuple[Connection, Connection],
+) -> None:
+    send, recv = pair
+    assert not frame_waiting(recv)
+    assert not recv.poll()
+    send_data(send, Tag.STASH, 2, b"z")
+    assert frame_waiting(recv)
+    assert recv.poll()
+    recv_message(recv)
+    assert not frame_waiting(recv)
+    send.close()  # the end of the channel is readable: the reader learns of it at once
+    assert frame_waiting(recv)
+    assert recv.poll()
