@@ -545,7 +545,7 @@ def bench_startup(run: Run) -> Workload:
 def bench_payloads(run: Run) -> Workload:
     """Big arguments, then big results: ``payload_tasks`` tasks of ``payload_bytes`` each way,
     submitted one by one; no issue target (a data pipeline's arrays), shown against PPE and
-    loky. mpsched's go through the coordinator's stash (past a slab chain's ~240 KiB)."""
+    loky. mpsched's go through the coordinator's stash (past a slab chain's ~60 KiB)."""
     n, size, warmup = run.sizes.payload_tasks, run.sizes.payload_bytes, run.sizes.warmup_tasks
     data = bytes(size)
 

@@ -98,7 +98,15 @@ __all__ = (
     "Slab",
 )
 
-MAX_CHAIN_BLOCKS = 256  # blocks per chain (~240 KiB): beyond, bytes go through the coordinator
+# Blocks per chain (~60 KiB): beyond, bytes go through the coordinator's stash (raw frames on
+# the sockets). A chain costs Python work per 960-byte block on both sides, a stash a kernel copy
+# each way and, for arguments, a FETCH round trip. Measured (2 workers, fork, tasks submitted
+# one by one, us a task, chain vs stash): results of 16 KiB 80 vs 56, 64 KiB 252 vs 148,
+# 200 KiB 630 vs 262; arguments of 32 KiB 150 vs 178, 64 KiB 231 vs 226, 96 KiB 299 vs 248;
+# round trips of one task, 16 KiB either way 135 vs 190-255, 200 KiB 1,230-1,260 vs 360-730;
+# children (spawned and joined in a worker) level at 100 KiB, a 200 KiB result 611 vs 489.
+# At 256 blocks (~240 KiB), every size from ~64 KiB up took the slower way.
+MAX_CHAIN_BLOCKS = 64
 
 _pid = os.getpid()  # for holder_pid without a syscall per operation
 

@@ -121,9 +121,9 @@ _LENGTH_MAX = 0x7FFFFFFF
 _RAW_HEADER = struct.Struct("!BBq")
 _RAW_MARK = 0  # a pickled frame starts with PROTO (0x80)
 # Frames up to this size (bytes) are read with one read; larger ones read their first bytes,
-# then a raw frame's data straight into a buffer of their size. 64 KiB: past every frame but
-# a stash's, whose data is at least a slab chain's ~240 KiB unless the slab ran short.
-_SMALL_FRAME = 1 << 16
+# then a raw frame's data straight into a buffer of their size. 16 KiB: past every frame but
+# a stash's, whose data is longer than a slab chain's ~60 KiB unless the slab ran short.
+_SMALL_FRAME = 1 << 14
 
 
 def send_data(conn: Connection, tag: Tag, key: int, data: Buffer) -> None:

@@ -149,26 +149,30 @@ def test_more_tasks_in_flight_than_slab_blocks_with_small_and_chained_payloads()
         assert pool.submit(tasks.ident, "still usable").result(CONDITION_TIMEOUT) == "still usable"
 
 
+CHAINED = 50_000  # bytes: a payload in a 53-block chain, under MAX_CHAIN_BLOCKS
+
+
 def test_results_that_fill_the_slab_go_through_the_stash() -> None:
-    """1,200 results of 100 KB (a 107-block chain each): 38 of them fill the slab, so results
+    """2,400 results of 50 KB (a 53-block chain each): 78 of them fill the slab, so results
     wait in chains while later ones must go through the coordinator's stash, and dispatch
     meets a slab with fewer free blocks than a batch needs (the regression above, reached
-    without any hold). 1,200 passes the slab ~30 times over in about a second."""
+    without any hold). 2,400 passes the slab ~30 times over in about a second."""
+    assert CHAINED < MAX_CHAIN_BLOCKS * (BLOCK_BYTES - BLOCK_HEADER_BYTES)
     with Pool(2) as pool:
-        futures = [pool.submit(tasks.blob, 100_000, i % 251) for i in range(1200)]
+        futures = [pool.submit(tasks.blob, CHAINED, i % 251) for i in range(2400)]
         for i, f in enumerate(futures):
-            assert f.result(CONDITION_TIMEOUT) == tasks.blob(100_000, i % 251)
+            assert f.result(CONDITION_TIMEOUT) == tasks.blob(CHAINED, i % 251)
         _assert_all_returned(pool)
 
 
 def test_arguments_that_fill_the_slab_go_through_the_stash() -> None:
     """The same for arguments (read and released by the worker before it runs the task), and
-    huge keyword arguments (5 MB: past a chain's ~240 KB, always stashed)."""
+    huge keyword arguments (5 MB: past a chain's ~60 KB, always stashed)."""
     with Pool(2) as pool:
-        pad = b"a" * 100_000
-        futures = [pool.submit(tasks.size_of, pad) for _ in range(600)]
+        pad = b"a" * CHAINED
+        futures = [pool.submit(tasks.size_of, pad) for _ in range(1200)]
         huge = pool.submit(tasks.kwargs_sizes, x=b"x" * 5_000_000, y=b"y" * 3_000_000)
-        assert all(f.result(CONDITION_TIMEOUT) == 100_000 for f in futures)
+        assert all(f.result(CONDITION_TIMEOUT) == CHAINED for f in futures)
         assert huge.result(CONDITION_TIMEOUT) == {"x": 5_000_000, "y": 3_000_000}
         _assert_all_returned(pool)
 
