@@ -8,12 +8,12 @@ Usage, from the repository root::
         --json /tmp/bench.json
 
 Workloads (shapes as in the project's peer survey; details in ``benchmarks/README.md``):
-throughput, latency, imbalanced, forkjoin, startup, and payloads (no issue target; shown beside
-them). Each runs mpsched and its peers interleaved per repeat (``_common.run_interleaved``),
-prints a table of medians and paired ratios, and the run ends with a PASS/FAIL/SKIP line per
-project target. Until ``mpsched.Pool`` exists, its rows say "mpsched: not available" and its
-targets SKIP. A wrong result from any pool raises ``BenchmarkError`` and the run exits non-zero;
-a missed target does not.
+throughput, latency, imbalanced, forkjoin, startup, and payloads100k and payloads1m (no issue
+target; shown beside them). Each runs mpsched and its peers interleaved per repeat
+(``_common.run_interleaved``), prints a table of medians and paired ratios, and the run ends with
+a PASS/FAIL/SKIP line per project target. Until ``mpsched.Pool`` exists, its rows say "mpsched:
+not available" and its targets SKIP. A wrong result from any pool raises ``BenchmarkError`` and
+the run exits non-zero; a missed target does not.
 
 Every pool is created and shut down by the harness, once per measurement: warm (warmed with
 untimed no-op tasks, then timed) for every workload except start-up, which measures a fresh pool
@@ -90,6 +90,7 @@ FJ_SERIAL = "serial recursion, main process"
 PAYLOAD_MPSCHED = "mpsched Pool.submit"
 PAYLOAD_PPE = "ProcessPoolExecutor.submit"
 PAYLOAD_LOKY = "loky submit"
+PAYLOAD_KEYS = ("payloads100k", "payloads1m")  # the workloads of Sizes.payloads, in order
 START_METHODS = ("forkserver", "fork")
 
 # Distributions whose versions go into the machine info of --json.
@@ -115,15 +116,18 @@ class Sizes:
     imbalanced_tasks: int
     imbalanced_serial_s: float  # s; serial work of the whole batch, by the calibration
     forkjoin_serial_s: float  # s; serial work of the fork-join range, by the calibration
-    payload_tasks: int
-    payload_bytes: int  # B; each payload task's argument or result
+    # payloads: (tasks, bytes of each one's argument and then of its result) per workload:
+    # past a slab chain (~60 KiB; they go through the coordinator's stash) and well past it.
+    payloads: tuple[tuple[int, int], ...]
     idle_max_wait_s: float  # s; one idle gate gives up (and marks the repeat) after this
     idle_budget_s: float  # s; all gates of the run together wait at most this (then 1 window)
     watchdog_s: int  # s; the whole run is killed (stacks dumped) after this
 
 
-DEFAULT = Sizes(5, 15, 20_000, 200, 2_000, 400, 8.0, 0.8, 300, 1 << 20, 10.0, 60.0, 1800)
-QUICK = Sizes(3, 3, 2_000, 50, 200, 40, 1.0, 0.2, 30, 1 << 20, 2.0, 10.0, 600)
+DEFAULT = Sizes(
+    5, 15, 20_000, 200, 2_000, 400, 8.0, 0.8, ((2_000, 100 << 10), (300, 1 << 20)), 10.0, 60.0, 1800
+)
+QUICK = Sizes(3, 3, 2_000, 50, 200, 40, 1.0, 0.2, ((200, 100 << 10), (30, 1 << 20)), 2.0, 10.0, 600)
 
 
 # --------------------------------------------------------------------------- pools
@@ -542,15 +546,16 @@ def bench_startup(run: Run) -> Workload:
     )
 
 
-def bench_payloads(run: Run) -> Workload:
-    """Big arguments, then big results: ``payload_tasks`` tasks of ``payload_bytes`` each way,
+def bench_payloads(run: Run, which: int) -> Workload:
+    """Big arguments, then big results: ``sizes.payloads[which]`` (tasks, bytes), each task
     submitted one by one; no issue target (a data pipeline's arrays), shown against PPE and
     loky. mpsched's go through the coordinator's stash (past a slab chain's ~60 KiB)."""
-    n, size, warmup = run.sizes.payload_tasks, run.sizes.payload_bytes, run.sizes.warmup_tasks
-    data = bytes(size)
+    (n, size), warmup = run.sizes.payloads[which], run.sizes.warmup_tasks
+    key = PAYLOAD_KEYS[which]
+    datas = [i.to_bytes(4, "little") * (size // 4) for i in range(n)]  # one object each
 
     def arguments(pool: Any) -> list[int]:
-        futures = [pool.submit(wl.size_of, data) for _ in range(n)]
+        futures = [pool.submit(wl.size_of, data) for data in datas]
         return [f.result() for f in futures]
 
     def results(pool: Any) -> list[int]:
@@ -567,7 +572,7 @@ def bench_payloads(run: Run) -> Workload:
                     t0 = time.perf_counter()
                     got = arguments(pool) + results(pool)
                     seconds = time.perf_counter() - t0
-            common.verify(got == [size] * (2 * n), f"{name}: payload sizes")
+            common.verify(got == [len(datas[0])] * n + [size] * n, f"{name}: payload sizes")
             return Measurement(seconds, audit.result)
 
         return Impl(name, measure, **kw)
@@ -577,13 +582,13 @@ def bench_payloads(run: Run) -> Workload:
         case(PAYLOAD_PPE, ppe, baseline=PAYLOAD_MPSCHED),
         case(PAYLOAD_LOKY, loky_executor, baseline=PAYLOAD_MPSCHED),
     ]
-    series, gates = run.interleave("payloads", impls)
+    series, gates = run.interleave(key, impls)
     title = (
-        f"{n:,} tasks with a {size / 2**20:g} MiB argument, then {n:,} with a "
-        f"{size / 2**20:g} MiB result, submitted one by one, warm pool; no issue target; "
-        f"PPE uses {DISPATCH_START_METHOD}"
+        f"{n:,} tasks with a {size >> 10:,} KiB argument, then {n:,} with a {size >> 10:,} KiB "
+        f"result, submitted one by one, warm pool; no issue target; PPE uses "
+        f"{DISPATCH_START_METHOD}"
     )
-    return Workload("payloads", title, "s", series, gates, {"tasks": n, "bytes": size})
+    return Workload(key, title, "s", series, gates, {"tasks": n, "bytes": size})
 
 
 BENCHES: dict[str, Callable[[Run], Workload]] = {
@@ -592,7 +597,8 @@ BENCHES: dict[str, Callable[[Run], Workload]] = {
     "imbalanced": bench_imbalanced,
     "forkjoin": bench_forkjoin,
     "startup": bench_startup,
-    "payloads": bench_payloads,
+    PAYLOAD_KEYS[0]: functools.partial(bench_payloads, which=0),
+    PAYLOAD_KEYS[1]: functools.partial(bench_payloads, which=1),
 }
 
 
