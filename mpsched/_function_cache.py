@@ -43,6 +43,13 @@ from mpsched._serialize import (
 )
 
 _UNDERSCORE = ord("_")  # a byte, for ``in`` on bytes
+# How a global of __main__ starts in a pickle of PICKLE_PROTOCOL (>= 4): its module name as a
+# SHORT_BINUNICODE. The first one is always written whole (later ones may be memo hits).
+_MAIN_MODULE = b"\x8c\x08__main__"
+# Bytes; a longer call is not searched for the names its stand-ins would replace: one scan of
+# it costs about as much as the second pickling a false alarm costs (a MiB: ~0.5 ms each here),
+# and a big payload (an array) was searched once for __main__ and once per missing name.
+NAMES_SCANNED_BYTES_MAX = 1024
 
 # Past this many names of the caller's __main__ that the workers' lacks (a notebook's, or
 # ``python -c``'s: theirs is empty), a call that names __main__ gets its stand-ins without
@@ -206,19 +213,21 @@ class FunctionCache:
         self._missing = ((-1, ""), [])  # looked for again
 
     def _may_name_a_missing_object(self, data: bytes) -> bool:
-        """Whether ``data``, a call's plain pickle that names ``__main__``, may name an object of
-        ``__main__`` that the workers lack: for each class or function of this process's
-        ``__main__`` whose name theirs lacks, ``data`` holds the name as a pickled string
+        """Whether ``data``, a call's plain pickle (one that names ``__main__`` if it is short),
+        may name an object of ``__main__`` that the workers lack. Not if this process's
+        ``__main__`` has no class or function whose name theirs lacks: then nothing is scanned.
+        Else a call past ``NAMES_SCANNED_BYTES_MAX`` may if it names ``__main__`` at all, and a
+        shorter one if, for such a class or function, it holds the name as a pickled string
         (``SHORT_BINUNICODE``, as a global's name is written, or any equal string that the
         global's name would be a memo hit of) or as the head of a qualname (``name.``). A false
         alarm costs a second pickling. A miss (the task then fails in the worker with "Can't
-        get attribute", as before stand-ins) needs a name of 256 bytes or more, or a name that
-        was bound to something else when this last looked and was rebound to a class or
-        function since, with no name defined in between. ~0.2 us per name looked for."""
+        get attribute", as before stand-ins) needs a short call and a name of 256 bytes or more,
+        or a name that was bound to something else when this last looked and was rebound to a
+        class or function since, with no name defined in between. ~0.2 us per name looked for."""
         worker_main = self._worker_main
         namespace = getattr(sys.modules.get("__main__"), "__dict__", None)
         if worker_main is None or not namespace:
-            return True
+            return len(data) <= NAMES_SCANNED_BYTES_MAX or data.find(_MAIN_MODULE) >= 0
         state = (len(namespace), next(reversed(namespace)))
         seen, patterns = self._missing
         if state != seen:
@@ -228,9 +237,13 @@ class FunctionCache:
                 if name not in worker_main and of_main(value) and len(raw) < 256:
                     patterns += (b"\x8c" + bytes((len(raw),)) + raw, raw + b".")
             self._missing = (state, patterns)
+        if not patterns:
+            return False
+        if len(data) > NAMES_SCANNED_BYTES_MAX:
+            return data.find(_MAIN_MODULE) >= 0
         if len(patterns) > 2 * MISSING_NAMES_SCANNED:
             return True
-        return bool(patterns) and any(data.find(pattern) >= 0 for pattern in patterns)
+        return any(data.find(pattern) >= 0 for pattern in patterns)
 
     def fid(self, fn: Callable[..., Any]) -> int:
         """``fn``'s fid (tabled now if it can be), or INLINE."""
@@ -256,10 +269,11 @@ class FunctionCache:
             return _encode_with_cloudpickle(call)
         # An object of __main__ (an argument's class) may be missing in the workers. A "_"
         # first: a memchr (~15 ns), where looking for "__main__" costs ~0.1 us (bytes.find's
-        # argument parsing), and a call of numbers and None has no "_" at all.
+        # argument parsing), and a call of numbers and None has no "_" at all. A long call is
+        # searched for __main__ only if something of this __main__ is missing in the workers.
         if (
             _UNDERSCORE in data
-            and data.find(b"__main__") >= 0
+            and (len(data) > NAMES_SCANNED_BYTES_MAX or data.find(_MAIN_MODULE) >= 0)
             and self._may_name_a_missing_object(data)
         ):
             return with_main_stand_ins(call, data, self._stand_in)

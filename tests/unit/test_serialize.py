@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mpsched import _serialize
-from mpsched._function_cache import FunctionCache
+from mpsched._function_cache import NAMES_SCANNED_BYTES_MAX, FunctionCache
 from mpsched._protocol import PICKLE_PROTOCOL
 from mpsched._serialize import (
     INLINE,
@@ -223,3 +223,43 @@ def test_only_a_class_the_workers_lack_gets_a_stand_in(monkeypatch: pytest.Monke
     assert cache.encode(len, args, {}) == plain
     cache.note_worker_main(set(vars(main)) - {"mpsched_test_Pair"})
     assert cache.encode(len, args, {}) != plain
+
+
+@pytest.mark.parametrize("pad", [0, NAMES_SCANNED_BYTES_MAX], ids=["short", "long"])
+def test_a_long_call_gets_stand_ins_without_its_names_being_searched(
+    monkeypatch: pytest.MonkeyPatch, pad: int
+) -> None:
+    """A call past ``NAMES_SCANNED_BYTES_MAX`` (an array beside the object) is searched for
+    ``__main__`` only while something of this ``__main__`` is missing in the workers, and then
+    for nothing else: a class they lack still gets its stand-in, and a call that names nothing
+    of ``__main__`` stays plain pickle whatever the workers lack."""
+    cls = _main_class()
+    main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "mpsched_test_Pair", cls, raising=False)
+    cache = FunctionCache(lambda data: 0)
+    array = bytes(range(256)) * (pad // 256)  # every byte value, "_" included
+    args = (array, cls(1, 2))
+    plain = pickle.dumps((0, None, args, {}, False), PICKLE_PROTOCOL)
+    assert len(plain) > NAMES_SCANNED_BYTES_MAX or not pad
+    cache.note_worker_main(vars(main))
+    assert cache.encode(len, args, {}) == plain
+    cache.note_worker_main(set(vars(main)) - {"mpsched_test_Pair"})
+    assert cache.encode(len, args, {}) != plain
+    unnamed = (array, "__main__ as text")
+    assert cache.encode(len, unnamed, {}) == pickle.dumps((0, None, unnamed, {}, False), 5)
+    if pad:  # the searches of a long call: none while nothing is missing, then one
+        counted = _FindCounter(plain)
+        cache.note_worker_main(vars(main))
+        assert not cache._may_name_a_missing_object(counted)
+        assert counted.finds == 0
+        cache.note_worker_main(set(vars(main)) - {"mpsched_test_Pair"})
+        assert cache._may_name_a_missing_object(counted)
+        assert counted.finds == 1
+
+
+class _FindCounter(bytes):
+    finds = 0
+
+    def find(self, *args: Any) -> int:
+        self.finds += 1
+        return super().find(*args)
