@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from mpsched import Pool, WorkerCrashedError, _coord_drain, _payloads, _worker
+from mpsched import Pool, WorkerCrashedError, _coord_drain, _payloads, _pool, _worker
 from mpsched._coordinator import Coordinator
 from mpsched._protocol import Tag
 from mpsched._worker import Worker
@@ -40,6 +40,31 @@ def test_stashed_arguments_and_results_travel_byte_for_byte() -> None:
         futures = [pool.submit(tasks.ident, data) for _ in range(6)]
         assert all(f.result(timeout=30) == data for f in futures)
         assert pool._coordinator.stash == {}
+
+
+@pytest.mark.timeout(60)
+def test_submit_lets_the_gil_go_after_a_payload_for_the_stash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A caller submitting big payloads one after another starved the coordinator thread,
+    which answers the workers' FETCHes: ``submit`` sleeps 0 s after a payload past a chain."""
+    sleeps: list[float] = []
+    real_sleep = time.sleep
+
+    def noted_sleep(seconds: float) -> None:
+        if threading.current_thread() is threading.main_thread():
+            sleeps.append(seconds)
+        real_sleep(seconds)
+
+    with Pool(2) as pool:
+        assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
+        monkeypatch.setattr(_pool.time, "sleep", noted_sleep)
+        small = pool.submit(len, b"s" * (_pool.YIELD_AFTER_BYTES // 2))
+        assert sleeps == []
+        big = pool.submit(len, b"b" * _pool.YIELD_AFTER_BYTES)
+        assert sleeps == [0]
+        assert small.result(timeout=20) == _pool.YIELD_AFTER_BYTES // 2
+        assert big.result(timeout=20) == _pool.YIELD_AFTER_BYTES
 
 
 @pytest.mark.timeout(60)
