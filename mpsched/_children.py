@@ -35,6 +35,7 @@ import time
 from mpsched._errors import InternalError, TaskCancelled
 from mpsched._payloads import BlockField
 from mpsched._protocol import (
+    Buffer,
     ChildState,
     ResultStatus,
     TopState,
@@ -295,7 +296,7 @@ class Children:
         def load_function(self, fid: int) -> Callable[..., Any]: ...
         def idle(self, awaited: int | None, deadline: float | None = None) -> None: ...
         def stash(self, data: bytes, handle: int, field: int) -> int: ...
-        def fetch(self, key: int) -> bytes: ...
+        def fetch(self, key: int) -> Buffer: ...
         def wake_one_sleeper(self) -> None: ...
 
     def spawn(
@@ -399,6 +400,7 @@ class Children:
             raise InternalError(f"collecting child block {handle} that is not done")
         status = slab.get_word(handle, _RESULT_STATUS)
         nbytes = slab.get_word(handle, _RESULT_NBYTES)
+        data: Buffer
         if nbytes >= 0:
             data = slab.read_result(handle)[1]
         else:

@@ -271,7 +271,7 @@ def with_version(call: bytes, version: int) -> bytes:
     return call + version.to_bytes(_VERSION_BYTES, "little")
 
 
-def decode_call(data: bytes | memoryview) -> Call:
+def decode_call(data: bytes | bytearray | memoryview) -> Call:
     """``(fid, fn, args, kwargs, meta)``; ``meta`` is ``(task_id, version)``, or False for a
     call without one (the decoded tuple itself: no second tuple on the per-task path)."""
     call: Call = _loads(data)  # stops at the call's STOP opcode, before the version

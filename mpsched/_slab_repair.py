@@ -13,8 +13,10 @@ What a death under the allocator lock can leave (the operations are ``_payloads`
     * ``alloc``/``alloc_many``/``free``/``free_many`` commit with ONE store of free_top: the
       free stack holds the old or the new state, never a torn one.
     * ``alloc`` stamps the block on top of the free stack (uid, zero state, links) before its
-      commit: a death in between leaves that block free with a child's uid, which the repair
-      clears (were it reused, it would read as a child of the dead pid).
+      commit: a death in between leaves that block free with a child's uid; ``free_many``
+      clears the freed children's uid and state after its commit: a death in between leaves
+      free blocks with a child's words. The repair clears the uid and state of every free
+      block (were one reused, it would read as a child of the dead pid).
     * ``_attach``/``_detach`` (a chain hung on or taken off a block) record the op in the
       header's ``pending_*`` words (the link word, its value, the free_top after the commit),
       commit, store the link and clear the record: a death between the commit and the link
@@ -38,6 +40,7 @@ from mpsched._slab_region import (
     _PENDING_TOP,
     _PENDING_VALUE,
     _PENDING_WORD,
+    _STATE,
     _UID,
     SlabRegion,
 )
@@ -55,12 +58,16 @@ class SlabRepair(SlabRegion):
         if dead_pid <= 0 or w[_HOLDER_PID] != dead_pid:
             return False
         # A free block's uid is 0 (a child's free clears it; other blocks carry 0), but for one
-        # that ``alloc`` stamped and did not commit: it is on top of the free stack.
-        # Cleared, so that no later block reads as a child of this pid (were it reused).
+        # that ``alloc`` stamped and did not commit (on top of the free stack) and the children
+        # that ``free_many`` committed and did not clear (anywhere below). Every free block is
+        # cleared (crash path only: one pass over at most ``capacity`` blocks), so that none
+        # reads as a child of this pid, were it reused.
         top = w[_FREE_TOP]
         if 0 < top <= self.capacity:
-            base = self._blocks_word + self._stack[top - 1] * self._block_words
-            w[base + _UID] = 0
+            for index in self._stack[:top]:
+                base = self._blocks_word + index * self._block_words
+                w[base + _STATE] = 0
+                w[base + _UID] = 0
         # A chain op that committed and died before its link store: complete the store.
         if w[_PENDING_WORD] and w[_PENDING_TOP] == top:
             w[w[_PENDING_WORD]] = w[_PENDING_VALUE]

@@ -72,6 +72,7 @@ from mpsched._errors import InternalError, TaskCancelled
 from mpsched._layout import SegmentViews
 from mpsched._payloads import BlockField
 from mpsched._protocol import (
+    Buffer,
     ResultStatus,
     Tag,
     dump_exception,
@@ -211,6 +212,7 @@ class Worker(Children):
         slab = self.slab
         parent = slab.get_word(handle, _PARENT)
         nbytes = slab.get_word(handle, _NBYTES)
+        data: Buffer
         if nbytes >= 0:
             data = slab.read(handle)
             slab.release_args(handle)
@@ -287,7 +289,7 @@ class Worker(Children):
         send_data(self.conn, Tag.STASH, key, data)
         return key
 
-    def fetch(self, key: int) -> bytes:
+    def fetch(self, key: int) -> Buffer:
         """Get stashed bytes from the coordinator (blocks until it answers)."""
         self.conn.send_bytes(encode(Tag.FETCH, key))
         while True:

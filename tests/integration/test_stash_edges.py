@@ -283,7 +283,12 @@ def test_a_fetcher_dying_while_its_fetch_waits_for_the_stash_fails_no_other_work
     monkeypatch.setattr(Coordinator, "on_worker_readable", skip_held)
     with Pool(2, start_method="fork") as pool:  # the workers inherit the short chains
         coordinator = pool._coordinator
-        _poll(lambda: not coordinator.starting, "the workers never registered")
+        # Both listed: a slot leaves ``starting`` before its worker is (its socket comes next),
+        # and the task may run in a worker that the coordinator thread has yet to list.
+        _poll(
+            lambda: not coordinator.starting and None not in coordinator.workers,
+            "the workers never registered",
+        )
         parent = pool.submit(et.spawn_big_args_child_for_a_peer, started, gate, 10_000)
         with open(started, "rb") as fifo:
             pid = int(fifo.read())

@@ -9,6 +9,7 @@ import itertools
 import os
 import pickle
 import random
+from array import array
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -246,6 +247,32 @@ def test_breaking_a_dead_allocators_lock_unstamps_the_block_it_did_not_commit() 
         assert slab.break_dead_holder(999_999)
         assert slab.free_count() == 4
         assert [slab.get_word(i, BlockField.UID) for i in range(4)] == [0, 0, 0, 0]
+
+
+def test_breaking_a_dead_freers_lock_clears_the_children_it_committed() -> None:
+    """A parent that dies inside ``free_children`` after the commit, before it cleared the
+    freed children's words, leaves free blocks that name it: the repair clears them. (Cleared
+    before the commit, a death in between leaked the blocks: in no free stack, naming nobody,
+    so no crash recovery freed them.)"""
+    lock = create_lock()
+    lock.unlink()
+    with AnonSegment.create(Slab.region_bytes(4)) as seg:
+        slab = Slab(seg.buf, lock, 4, init=True)
+        seg.track(slab)
+        uid = 999_999 << 31 | 1
+        children = [slab.alloc(uid), slab.alloc(uid)]
+        for handle in children:
+            slab.set_state(handle, 2)  # DONE
+        lock.acquire()  # as free_many does, up to its commit; the process dies right after it
+        slab._w[1] = 999_999  # holder_pid
+        top = slab._w[0]
+        slab._stack[top : top + 2] = array("q", children)
+        slab._w[0] = top + 2  # the commit; the words are never cleared
+        assert slab.break_dead_holder(999_999)
+        assert slab.free_count() == 4
+        words = [(slab.get_word(h, BlockField.UID), slab.get_state(h)) for h in range(4)]
+        assert words == [(0, 0)] * 4
+        assert len(slab.alloc_many(4)) == 4  # the lock is free again
 
 
 def test_breaking_a_dead_writers_lock_hangs_the_chain_it_took_on_its_block() -> None:
