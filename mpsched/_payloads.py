@@ -93,6 +93,7 @@ from mpsched._slab_repair import SlabRepair
 __all__ = (
     "BLOCK_BYTES",
     "BLOCK_HEADER_BYTES",
+    "CHAIN_BYTES_MAX",
     "MAX_CHAIN_BLOCKS",
     "BlockField",
     "Slab",
@@ -107,6 +108,8 @@ __all__ = (
 # children (spawned and joined in a worker) level at 100 KiB, a 200 KiB result 611 vs 489.
 # At 256 blocks (~240 KiB), every size from ~64 KiB up took the slower way.
 MAX_CHAIN_BLOCKS = 64
+# Bytes: the most a chain holds (61,440); longer bytes always go through the stash.
+CHAIN_BYTES_MAX = MAX_CHAIN_BLOCKS * (BLOCK_BYTES - BLOCK_HEADER_BYTES)
 
 _pid = os.getpid()  # for holder_pid without a syscall per operation
 

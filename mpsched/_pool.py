@@ -36,7 +36,7 @@ from mpsched._layout import SegmentViews
 from mpsched._lifecycle import PoolResources, live_pools
 from mpsched._map import map_results
 from mpsched._options import TaskOptions, check_seconds
-from mpsched._payloads import BLOCK_BYTES, BLOCK_HEADER_BYTES, MAX_CHAIN_BLOCKS
+from mpsched._payloads import CHAIN_BYTES_MAX
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
 from mpsched._serialize import dumps_for_workers, portable
 from mpsched._startup import DISPATCH_WINDOW, DISPATCH_WINDOW_MAX, start
@@ -53,7 +53,7 @@ _INF = float("inf")
 # thread got it only at the interpreter's switch interval (5 ms); ``submit`` lets it go once
 # after each (``time.sleep(0)``, ~1 us). 1,000 tasks of 1 MiB arguments: 1.86-1.93 s instead
 # of 1.96-2.45 s (ProcessPoolExecutor 2.02-2.11 s in the same runs).
-YIELD_AFTER_BYTES = MAX_CHAIN_BLOCKS * (BLOCK_BYTES - BLOCK_HEADER_BYTES)
+YIELD_AFTER_BYTES = CHAIN_BYTES_MAX
 
 
 def _default_start_method() -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import struct
 import threading
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from mpsched import Pool, WorkerCrashedError, _coord_drain, _payloads, _pool, _worker
+from mpsched import Pool, WorkerCrashedError, _coord_drain, _payloads, _pool, _protocol, _worker
 from mpsched._coordinator import Coordinator
 from mpsched._protocol import Tag
 from mpsched._worker import Worker
@@ -77,7 +76,9 @@ def test_a_worker_killed_inside_a_raw_frame_fails_only_its_task(
 
     def half_then_die(conn: Any, tag: Tag, key: int, data: bytes) -> None:
         if tag is Tag.STASH:
-            frame = struct.pack("!i", 10 + len(data)) + struct.pack("!BBq", 0, tag, key)
+            header = _protocol._RAW_HEADER
+            frame = _protocol._LENGTH.pack(header.size + len(data))
+            frame += header.pack(_protocol._RAW_MARK, tag, key)
             os.write(conn.fileno(), frame + data[: len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
         real_send(conn, tag, key, data)

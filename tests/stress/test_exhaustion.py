@@ -25,7 +25,7 @@ import pytest
 from mpsched import Pool, TaskState
 from mpsched._function_table import FTAB_MAX_FIDS
 from mpsched._heap import COMPACT_FACTOR
-from mpsched._payloads import BLOCK_BYTES, BLOCK_HEADER_BYTES, MAX_CHAIN_BLOCKS
+from mpsched._payloads import BLOCK_BYTES, BLOCK_HEADER_BYTES, CHAIN_BYTES_MAX, MAX_CHAIN_BLOCKS
 from mpsched._serialize import dumps
 from mpsched._slot_region import MAX_NESTING
 from mpsched._timed import FINISHED_IDS_KEPT
@@ -157,7 +157,7 @@ def test_results_that_fill_the_slab_go_through_the_stash() -> None:
     wait in chains while later ones must go through the coordinator's stash, and dispatch
     meets a slab with fewer free blocks than a batch needs (the regression above, reached
     without any hold). 2,400 passes the slab ~30 times over in about a second."""
-    assert CHAINED < MAX_CHAIN_BLOCKS * (BLOCK_BYTES - BLOCK_HEADER_BYTES)
+    assert CHAINED < CHAIN_BYTES_MAX
     with Pool(2) as pool:
         futures = [pool.submit(tasks.blob, CHAINED, i % 251) for i in range(2400)]
         for i, f in enumerate(futures):
