@@ -181,10 +181,10 @@ def _thief(slots: Slots, until_empty: bool, conn: Connection) -> None:
     t0 = time.perf_counter_ns()
     while True:
         result, _ = steal(mine)
-        if result is StealResult.SUCCESS:
+        if result == StealResult.SUCCESS:
             got += 1
             finish()
-        elif result is StealResult.RETRY:
+        elif result == StealResult.RETRY:
             retries += 1
         elif until_empty or done[0]:  # the owner sets it after its own last (empty) pop
             break

@@ -1,10 +1,11 @@
 """mpsched: a work-stealing process pool with timed, prioritized, cancellable tasks.
 
-Layering rule (enforced by tests/test_quality.py): the leaf modules (``_task``, ``_clock``,
-``_heap``, ``_shm``, ``_shm_deque``, ``_payloads``, ``_protocol``, ``_wakeup``) import nothing from
-mpsched except ``_errors`` and ``_task`` (``_shm_deque`` is one leaf in four modules, with
-``_slot_region``, ``_slot_repair`` and ``_block_state``, and ``_payloads`` one with
-``_slab_region``, ``_slab_repair`` and ``_function_table``: a leaf's parts import one another);
+Layering rule (enforced by tests/test_quality.py): the leaf modules (``_constants``, ``_task``,
+``_clock``, ``_heap``, ``_shm``, ``_shm_deque``, ``_payloads``, ``_protocol``, ``_wakeup``) import
+nothing from mpsched except ``_constants``, ``_errors`` and ``_task`` (``_shm_deque`` is one
+leaf in four modules, with ``_slot_region``, ``_slot_repair`` and ``_block_state``, and
+``_payloads`` one with ``_slab_region``, ``_slab_repair`` and ``_function_table``: a leaf's parts
+import one another);
 ``_scheduler``, ``_worker`` (with its part ``_children``) and ``_coordinator`` (with its parts,
 ``_coord_*``) compose leaves; only ``_pool`` (with its parts ``_startup``, ``_lifecycle``, ``_map``
 and ``_statistics``) knows about both sides. Public names come only from this module.

@@ -57,20 +57,20 @@ if TYPE_CHECKING:
     from mpsched._shm_deque import SlotQueues
     from mpsched._worker import Worker
 
-CHILD_QUEUED = int(ChildState.QUEUED)
-CHILD_DONE = int(ChildState.DONE)
-CHILD_ABANDONED = int(ChildState.ABANDONED)
+CHILD_QUEUED = ChildState.QUEUED
+CHILD_DONE = ChildState.DONE
+CHILD_ABANDONED = ChildState.ABANDONED
 
 # A uid or stash key is pid << 31 | counter: the counter wraps at 2**31 (a uid is reused only
 # after 2**31 more from the same process, long after its task ended).
 UID_COUNTER_MASK = (1 << 31) - 1
-_OK = int(ResultStatus.OK)
-_ERROR = int(ResultStatus.ERROR)
-_STATE = int(BlockField.STATE)
-_NBYTES = int(BlockField.NBYTES)
-_RESULT_STATUS = int(BlockField.RESULT_STATUS)
-_RESULT_NBYTES = int(BlockField.RESULT_NBYTES)
-_CANCEL_REQUESTED = int(TopState.CANCEL_REQUESTED)
+_OK = ResultStatus.OK
+_ERROR = ResultStatus.ERROR
+_STATE = BlockField.STATE
+_NBYTES = BlockField.NBYTES
+_RESULT_STATUS = BlockField.RESULT_STATUS
+_RESULT_NBYTES = BlockField.RESULT_NBYTES
+_CANCEL_REQUESTED = TopState.CANCEL_REQUESTED
 
 # The Worker of this process, set by worker_main; None outside workers.
 _current: Worker | None = None

@@ -43,7 +43,7 @@ from mpsched._protocol import TopState
 from mpsched._scheduler import check_task_id
 from mpsched._timed import Recurrence, TaskRun
 
-_CANCEL_REQUESTED = int(TopState.CANCEL_REQUESTED)
+_CANCEL_REQUESTED = TopState.CANCEL_REQUESTED
 STOP_WAIT = 0.2  # seconds a SIGSTOPped worker gets to show as stopped before a forced cancel
 
 

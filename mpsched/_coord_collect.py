@@ -50,7 +50,7 @@ from mpsched._protocol import (
 )
 from mpsched._timed import TaskRun
 
-_RESULT_STATUS = int(BlockField.RESULT_STATUS)
+_RESULT_STATUS = BlockField.RESULT_STATUS
 _FAILED = RuntimeError("the task failed")  # stands for any error in Timetable.end
 # help_wait: how long a caller of result() collects done rings itself before it blocks; a
 # round trip of a tiny task takes well under this. After HELP_MISSES_MAX misses in a row (long

@@ -55,11 +55,11 @@ from mpsched._protocol import (
 )
 from mpsched._shm import release_if_orphaned
 
-_CHILD_DONE = int(ChildState.DONE)
-_CHILD_QUEUED = int(ChildState.QUEUED)
-_PARENT = int(BlockField.PARENT)
-_UID = int(BlockField.UID)
-_CHILD_ABANDONED = int(ChildState.ABANDONED)
+_CHILD_DONE = ChildState.DONE
+_CHILD_QUEUED = ChildState.QUEUED
+_PARENT = BlockField.PARENT
+_UID = BlockField.UID
+_CHILD_ABANDONED = ChildState.ABANDONED
 # A lock still taken this long with no holder recorded is released (its taker never reached the
 # pid store: it died, or an exception hit it in between; see _shm.release_if_orphaned). Holders
 # keep locks for microseconds, so a second is far beyond any live holder's preemption.
@@ -352,9 +352,9 @@ class Recovering(CoordinatorState):
         self.drop_stashed([handle], _RESULT_NBYTES)  # overwritten below
         slab.release_result_chain(handle)  # a result the dead worker wrote: overwritten too
         error = WorkerCrashedError(crash_message(worker, code), code)
-        if not slab.write_result(handle, int(ResultStatus.ERROR), dump_exception(error)):
+        if not slab.write_result(handle, ResultStatus.ERROR, dump_exception(error)):
             raise ProtocolError("a crash report does not fit in a block")
-        parent = slab.get_word(handle, int(BlockField.PARENT))
+        parent = slab.get_word(handle, BlockField.PARENT)
         previous = self.slots[parent].exchange_block_state(slab, handle, _CHILD_DONE)
         self.header.add_live_children(-1)
         if previous == _CHILD_ABANDONED:

@@ -34,18 +34,18 @@ from typing import TYPE_CHECKING, Any
 from mpsched._future import CallbackRunner, Future
 from mpsched._layout import SegmentLocks, SegmentViews
 from mpsched._payloads import BlockField
-from mpsched._protocol import Buffer, ResultStatus, Tag
+from mpsched._protocol import Buffer, ResultStatus
 from mpsched._ready import ReadyQueue
 from mpsched._shm import SharedFd
 from mpsched._timed import Timetable
 
-_NBYTES = int(BlockField.NBYTES)
-_RESULT_NBYTES = int(BlockField.RESULT_NBYTES)
-_OK = int(ResultStatus.OK)
-_CANCELLED = int(ResultStatus.CANCELLED)
+_NBYTES = BlockField.NBYTES
+_RESULT_NBYTES = BlockField.RESULT_NBYTES
+_OK = ResultStatus.OK
+_CANCELLED = ResultStatus.CANCELLED
 _UID_PID_SHIFT = 31  # a child's uid is (spawning worker's pid << 31) | counter (_children.next_uid)
-_ERROR = int(ResultStatus.ERROR)
-_STATE = int(BlockField.STATE)
+_ERROR = ResultStatus.ERROR
+_STATE = BlockField.STATE
 _NO_LOW = 2**63  # inbox_low of an inbox with nothing low in it
 logger = logging.getLogger("mpsched")
 
@@ -198,7 +198,7 @@ class CoordinatorState:
         def drop_stashed(self, handles: list[int], field: int = _NBYTES) -> None: ...
         def on_worker_readable(self, worker: WorkerHandle) -> None: ...
         def on_worker_message(
-            self, worker: WorkerHandle, tag: Tag, fields: tuple[Any, ...]
+            self, worker: WorkerHandle, tag: int, fields: tuple[Any, ...]
         ) -> None: ...
         def on_zygote_message(self, block: bool) -> None: ...
 

@@ -81,7 +81,7 @@ TOP_LEVEL_UID = 0
 # A block the coordinator allocated for one task and has not written yet (see inject): the uid
 # names no process either (pid 0), and no live block keeps it past the write.
 IN_HAND_UID = 1
-_UID = int(BlockField.UID)
+_UID = BlockField.UID
 RESULT_SWEEP_INTERVAL = 0.005  # seconds between done-ring sweeps while tasks are in flight
 # While draining with nothing in flight, the loop re-checks the drain condition this often: the
 # last children may finish without waking it (a child's DONE wakes its parent, not the loop).
@@ -120,8 +120,8 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
         if not self.zygote.poll(timeout):
             raise BrokenPoolError(f"the pool's zygote did not start within {timeout} s")
         tag, fields = self.read_zygote()
-        if tag is not Tag.READY:
-            raise ProtocolError(f"the zygote sent {tag.name} before READY")
+        if tag != Tag.READY:
+            raise ProtocolError(f"the zygote sent {Tag.name(tag)} before READY")
         return fields[0]  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ user-thread API
@@ -506,10 +506,10 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
         except (EOFError, OSError):
             self.on_worker_gone(worker)
 
-    def on_worker_message(self, worker: WorkerHandle, tag: Tag, fields: tuple[Any, ...]) -> None:
-        if tag is Tag.RESULTS:
+    def on_worker_message(self, worker: WorkerHandle, tag: int, fields: tuple[Any, ...]) -> None:
+        if tag == Tag.RESULTS:
             return  # the done rings are collected after every wake
-        if tag is Tag.STASH:
+        if tag == Tag.STASH:
             key, data = fields
             if self.unwanted_stash and key in self.unwanted_stash:
                 self.unwanted_stash.discard(key)
@@ -521,29 +521,29 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
                 # bytes stay: its recovery drops them (fail_child).
                 with contextlib.suppress(OSError):
                     self.answer_fetch(fetcher, key)
-        elif tag is Tag.FETCH:
+        elif tag == Tag.FETCH:
             key = fields[0]
             if key in self.stash:
                 self.answer_fetch(worker, key)
             else:
                 self.parked_fetches.setdefault(key, []).append(worker)
-        elif tag is Tag.DRAINED:
+        elif tag == Tag.DRAINED:
             worker.drained = True
             self.final_stats[worker.slot] = fields[1]
-        elif tag is Tag.RETIRING:
+        elif tag == Tag.RETIRING:
             worker.retiring = True
             worker.left_children = bool(fields[1])
             self.retired_pids.add(worker.pid)  # before its exit, so EXITED finds it here
-        elif tag is Tag.INIT_FAILED:
+        elif tag == Tag.INIT_FAILED:
             error = BrokenPoolError(
                 f"the pool's initializer raised in worker {fields[0]}; no task can run (the "
                 "initializer's exception is the cause)"
             )
             raise error from load_exception(fields[1])
-        elif tag is Tag.FATAL:
+        elif tag == Tag.FATAL:
             raise BrokenPoolError(f"worker {fields[0]} hit an internal error:\n{fields[1]}")
         else:
-            raise ProtocolError(f"unexpected {tag.name} from worker {worker.slot}")
+            raise ProtocolError(f"unexpected {Tag.name(tag)} from worker {worker.slot}")
 
     def answer_fetch(self, fetcher: WorkerHandle, key: int) -> None:
         # Out of the stash before the send: taken out after it, the bytes stayed in the stash
@@ -559,7 +559,7 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
         if not block and not self.zygote.poll():
             return
         tag, fields = self.read_zygote()
-        if tag is Tag.SPAWNED:
+        if tag == Tag.SPAWNED:
             slot, pid = fields
             self.starting.discard(slot)
             fd = recv_handle(self.zygote)
@@ -572,16 +572,16 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
             self.workers[slot] = worker
             self.by_fd[conn.fileno()] = worker
             self.epoll.register(conn.fileno(), select.EPOLLIN)
-        elif tag is Tag.EXITED:
+        elif tag == Tag.EXITED:
             _, pid, code = fields
             if pid in self.retired_pids:
                 self.retired_pids.discard(pid)
             else:
                 self.exit_codes[pid] = code
         else:
-            raise ProtocolError(f"unexpected {tag.name} from the zygote")
+            raise ProtocolError(f"unexpected {Tag.name(tag)} from the zygote")
 
-    def read_zygote(self) -> tuple[Tag, tuple[Any, ...]]:
+    def read_zygote(self) -> tuple[int, tuple[Any, ...]]:
         try:
             return decode(self.zygote.recv_bytes())
         except (EOFError, OSError) as exc:

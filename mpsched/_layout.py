@@ -55,10 +55,10 @@ Global header (int64 words):
 
 from __future__ import annotations
 
-import enum
 import os
 from collections.abc import Callable
 
+from mpsched._constants import Constants
 from mpsched._errors import InternalError
 from mpsched._function_table import FTAB_DATA_BYTES, FTAB_MAX_FIDS, FunctionTable
 from mpsched._payloads import BLOCK_BYTES, Slab
@@ -69,7 +69,7 @@ from mpsched._slot_region import slot_bytes
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Final
 
 __all__ = (
     "LAYOUT_VERSION",
@@ -93,32 +93,32 @@ def _round_up(n: int, unit: int) -> int:
     return -(-n // unit) * unit
 
 
-class GlobalField(enum.IntEnum):
+class GlobalField(Constants):
     """Word index of each global header field (see the table)."""
 
-    MAGIC = 0
-    VERSION = 1
-    TOTAL_BYTES = 2
-    N_SLOTS = 3
-    DEQUE_CAPACITY = 4
-    INBOX_CAPACITY = 5
-    BLOCK_COUNT = 6
-    BLOCK_BYTES = 7
-    FTAB_DATA_BYTES = 8
-    FTAB_MAX_FIDS = 9
-    DONE_CAPACITY = 10
-    SLEEPERS = 16
-    HOLDER_PID = 17
-    LIVE_CHILDREN = 18
-    RUN_STATE = 24
-    INJECTED_TOTAL = 25
-    COLLECTOR = 26
+    MAGIC: Final = 0
+    VERSION: Final = 1
+    TOTAL_BYTES: Final = 2
+    N_SLOTS: Final = 3
+    DEQUE_CAPACITY: Final = 4
+    INBOX_CAPACITY: Final = 5
+    BLOCK_COUNT: Final = 6
+    BLOCK_BYTES: Final = 7
+    FTAB_DATA_BYTES: Final = 8
+    FTAB_MAX_FIDS: Final = 9
+    DONE_CAPACITY: Final = 10
+    SLEEPERS: Final = 16
+    HOLDER_PID: Final = 17
+    LIVE_CHILDREN: Final = 18
+    RUN_STATE: Final = 24
+    INJECTED_TOTAL: Final = 25
+    COLLECTOR: Final = 26
 
 
-_SLEEPERS = int(GlobalField.SLEEPERS)  # plain ints: IntEnum lookups on every use cost more
-_HOLDER_PID = int(GlobalField.HOLDER_PID)
-_LIVE_CHILDREN = int(GlobalField.LIVE_CHILDREN)
-_COLLECTOR = int(GlobalField.COLLECTOR)
+_SLEEPERS = GlobalField.SLEEPERS  # module globals: cheaper than a class attribute
+_HOLDER_PID = GlobalField.HOLDER_PID
+_LIVE_CHILDREN = GlobalField.LIVE_CHILDREN
+_COLLECTOR = GlobalField.COLLECTOR
 
 
 # The records below are plain classes, not dataclasses: the zygote imports this module, and
@@ -198,7 +198,7 @@ class SegmentLayout:
     def total_bytes(self) -> int:
         return _round_up(self.ftab_offset + self.ftab_bytes, PAGE)
 
-    def header_words(self) -> dict[GlobalField, int]:
+    def header_words(self) -> dict[int, int]:
         """The constant header words this layout implies."""
         return {
             GlobalField.MAGIC: LAYOUT_MAGIC,
@@ -296,14 +296,15 @@ class GlobalHeader:
         self._acquire = lock.acquire
         self._release = lock.release
 
-    def get(self, field: GlobalField) -> int:
+    def get(self, field: int) -> int:
         """A header word (racy for the variable ones: hint only)."""
         return self._w[field]
 
-    def set(self, field: GlobalField, value: int) -> None:
+    def set(self, field: int, value: int) -> None:
         """Set a word that has a single writer (run_state, injected_total, counters)."""
         if field < GlobalField.RUN_STATE:
-            raise InternalError(f"{field.name} is constant or lock-guarded; use add_*()")
+            name = GlobalField.name(field)
+            raise InternalError(f"{name} is constant or lock-guarded; use add_*()")
         self._w[field] = value
 
     def add_sleepers(self, delta: int) -> int:

@@ -41,72 +41,73 @@ cannot be unpickled is replaced by a RuntimeError with that same cause.
 
 from __future__ import annotations
 
-import enum
 import os
 import pickle
 import select
 import struct
 
+from mpsched._constants import Constants
 from mpsched._errors import ProtocolError
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
-    from typing import Any
+    from typing import Any, Final
 
 PICKLE_PROTOCOL = 5  # out-of-band capable; the newest every supported Python reads
 
 
-class Tag(enum.IntEnum):
-    READY = 1
-    SPAWN = 2
-    SPAWNED = 3
-    EXITED = 4
-    STOP = 5
-    RESULTS = 10
-    STASH = 11
-    FETCH = 12
-    PAYLOAD = 13
-    DRAIN = 14
-    DRAINED = 15
-    FATAL = 16
-    INIT_FAILED = 17  # worker -> coordinator: the pool's initializer raised (exception bytes)
+class Tag(Constants):
+    READY: Final = 1
+    SPAWN: Final = 2
+    SPAWNED: Final = 3
+    EXITED: Final = 4
+    STOP: Final = 5
+    RESULTS: Final = 10
+    STASH: Final = 11
+    FETCH: Final = 12
+    PAYLOAD: Final = 13
+    DRAIN: Final = 14
+    DRAINED: Final = 15
+    FATAL: Final = 16
+    # worker -> coordinator: the pool's initializer raised (field: the exception's bytes)
+    INIT_FAILED: Final = 17
     # worker -> coordinator: max_tasks_per_worker reached; it exits cleanly next. Field: how many
     # of its children's futures were still unsettled (the coordinator frees those blocks).
-    RETIRING = 18
+    RETIRING: Final = 18
 
 
-class ResultStatus(enum.IntEnum):
+class ResultStatus(Constants):
     """How a task ended, in a RESULTS entry or a child's block."""
 
-    OK = 0  # payload is the pickled return value
-    ERROR = 1  # payload is a pickled (exception, traceback text) pair
-    CANCELLED = 2  # the task raised TaskCancelled; payload as for ERROR
+    OK: Final = 0  # payload is the pickled return value
+    ERROR: Final = 1  # payload is a pickled (exception, traceback text) pair
+    CANCELLED: Final = 2  # the task raised TaskCancelled; payload as for ERROR
 
 
-class ChildState(enum.IntEnum):
+class ChildState(Constants):
     """A child task's block ``state`` word, written under the *parent's* slot lock."""
 
-    QUEUED = 1  # pushed; not finished
-    DONE = 2  # result written; the parent reads it and frees the block
+    QUEUED: Final = 1  # pushed; not finished
+    DONE: Final = 2  # result written; the parent reads it and frees the block
     # The parent dropped its future; whoever sees the second of DONE/ABANDONED frees. An executor
     # that finishes an ABANDONED child leaves it ABANDONED (DONE: the parent's to free).
-    ABANDONED = 3
+    ABANDONED: Final = 3
 
 
-class TopState(enum.IntEnum):
+class TopState(Constants):
     """A top-level task's block ``state`` word: the coordinator's cancel request to a running
     task, read by the worker without a round trip (``current_task().cancel_requested``).
     Written only by the coordinator thread, and only while the task's future is unsettled (so
     the block is still that task's: the coordinator frees top-level blocks itself)."""
 
-    PLAIN = 0  # written by inject
-    CANCEL_REQUESTED = 1  # pool.cancel(task_id) or a timeout asked the running task to stop
+    PLAIN: Final = 0  # written by inject
+    CANCEL_REQUESTED: Final = 1  # pool.cancel(task_id) or a timeout asked the running task to stop
 
 
-def encode(tag: Tag, *fields: Any) -> bytes:
-    return pickle.dumps((int(tag), *fields), PICKLE_PROTOCOL)
+def encode(tag: int, *fields: Any) -> bytes:
+    return pickle.dumps((tag, *fields), PICKLE_PROTOCOL)
 
 
 # The data of a raw frame as received: bytes if small, else the buffer they were read into.
@@ -126,7 +127,7 @@ _RAW_MARK = 0  # a pickled frame starts with PROTO (0x80)
 _SMALL_FRAME = 1 << 14
 
 
-def send_data(conn: Connection, tag: Tag, key: int, data: Buffer) -> None:
+def send_data(conn: Connection, tag: int, key: int, data: Buffer) -> None:
     """Send ``data`` under ``key`` as a raw frame (see the module doc): the bytes go from
     ``data`` to the socket without a copy in this process. Blocks until all is written, as
     ``send_bytes`` does; an error may leave a torn frame, as there (the reader's EOF or
@@ -146,7 +147,7 @@ def send_data(conn: Connection, tag: Tag, key: int, data: Buffer) -> None:
             parts[0] = parts[0][written:]
 
 
-def recv_message(conn: Connection) -> tuple[Tag, tuple[Any, ...]]:
+def recv_message(conn: Connection) -> tuple[int, tuple[Any, ...]]:
     """Read one frame from ``conn`` (pickled or raw) and decode it; a raw frame's data come
     back as a ``bytearray`` (``pickle.loads`` reads it as bytes). Raises as
     ``Connection.recv_bytes``: EOFError at the end of the channel, OSError at an end inside a
@@ -159,14 +160,14 @@ def recv_message(conn: Connection) -> tuple[Tag, tuple[Any, ...]]:
         frame = _read(fd, size)
         if size >= _RAW_HEADER.size and frame[0] == _RAW_MARK:
             _, tag, key = _RAW_HEADER.unpack_from(frame)
-            return Tag(tag), (key, frame[_RAW_HEADER.size :])
+            return Tag.check(tag), (key, frame[_RAW_HEADER.size :])
         return decode(frame)
     head = _read(fd, _RAW_HEADER.size)
     body = bytearray(size - _RAW_HEADER.size)
     _read_into(fd, body)
     if head[0] == _RAW_MARK:
         _, tag, key = _RAW_HEADER.unpack(head)
-        return Tag(tag), (key, body)
+        return Tag.check(tag), (key, body)
     return decode(head + body)
 
 
@@ -201,10 +202,10 @@ def _read_into(fd: int, buf: bytearray) -> None:
         got += n
 
 
-def decode(frame: bytes) -> tuple[Tag, tuple[Any, ...]]:
+def decode(frame: bytes) -> tuple[int, tuple[Any, ...]]:
     try:
         msg = pickle.loads(frame)
-        return Tag(msg[0]), msg[1:]
+        return Tag.check(msg[0]), msg[1:]
     except Exception as exc:
         raise ProtocolError(f"malformed frame of {len(frame)} bytes: {exc!r}") from exc
 

@@ -57,11 +57,11 @@ handle means, and lock timeouts (the caller's policy; ``acquire`` here blocks, e
 
 from __future__ import annotations
 
-import enum
 from array import array
 from collections.abc import Callable, Sequence
 
 from mpsched._block_state import BlockHandshake
+from mpsched._constants import Constants
 from mpsched._errors import InternalError
 from mpsched._slot_region import (
     DEQUE_BACK,
@@ -92,7 +92,7 @@ from mpsched._slot_repair import SlotRepair
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Final
 
 __all__ = (
     "SlotQueues",
@@ -105,12 +105,12 @@ ARRAY_FILL_MIN = 8  # inject: from this many handles, one array slice store beat
 _pid = track_pid(globals())
 
 
-class StealResult(enum.IntEnum):
+class StealResult(Constants):
     """Outcome of ``SlotQueues.steal`` (crossbeam ``Steal``)."""
 
-    EMPTY = 0  # nothing to steal (a hint when the unlocked peek says so; exact once locked)
-    SUCCESS = 1  # a handle was claimed; it is the second element of the tuple
-    RETRY = 2  # the victim's lock was busy; try another victim, then this one again
+    EMPTY: Final = 0  # nothing to steal (a hint when the unlocked peek says so; exact once locked)
+    SUCCESS: Final = 1  # a handle was claimed; it is the second element of the tuple
+    RETRY: Final = 2  # the victim's lock was busy; try another victim, then this one again
 
 
 # Preallocated results: a steal that finds nothing allocates no tuple.
@@ -425,7 +425,7 @@ class SlotQueues(SlotRepair, BlockHandshake):
 
     # Thieves (any process but the owner).
 
-    def steal(self, into: SlotQueues | None = None) -> tuple[StealResult, int]:
+    def steal(self, into: SlotQueues | None = None) -> tuple[int, int]:
         """Claim the deque's front, else the inbox's front. Never blocks: one try-lock.
 
         Args:

@@ -56,15 +56,15 @@ read free_top and holder_pid without the lock: exact only when no process alloca
 
 from __future__ import annotations
 
-import enum
 from array import array
 
+from mpsched._constants import Constants
 from mpsched._errors import InternalError
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Protocol
+    from typing import Final, Protocol
 
 __all__ = (
     "BLOCK_BYTES",
@@ -91,27 +91,27 @@ _PENDING_TOP = 7
 _FREE_STACK = 8  # word index of free_stack
 
 
-class BlockField(enum.IntEnum):
+class BlockField(Constants):
     """Word index of each block header field (see the block layout table)."""
 
-    STATE = 0
-    UID = 1
-    NBYTES = 2
-    PARENT = 3
-    RESULT_STATUS = 4
-    RESULT_NBYTES = 5
-    NEXT_ARG = 6
-    NEXT_RESULT = 7
+    STATE: Final = 0
+    UID: Final = 1
+    NBYTES: Final = 2
+    PARENT: Final = 3
+    RESULT_STATUS: Final = 4
+    RESULT_NBYTES: Final = 5
+    NEXT_ARG: Final = 6
+    NEXT_RESULT: Final = 7
 
 
-_UID = int(BlockField.UID)
-_NBYTES = int(BlockField.NBYTES)
-_PARENT = int(BlockField.PARENT)
-_STATE = int(BlockField.STATE)
-_RESULT_STATUS = int(BlockField.RESULT_STATUS)
-_RESULT_NBYTES = int(BlockField.RESULT_NBYTES)
-_NEXT_ARG = int(BlockField.NEXT_ARG)
-_NEXT_RESULT = int(BlockField.NEXT_RESULT)
+_UID = BlockField.UID
+_NBYTES = BlockField.NBYTES
+_PARENT = BlockField.PARENT
+_STATE = BlockField.STATE
+_RESULT_STATUS = BlockField.RESULT_STATUS
+_RESULT_NBYTES = BlockField.RESULT_NBYTES
+_NEXT_ARG = BlockField.NEXT_ARG
+_NEXT_RESULT = BlockField.NEXT_RESULT
 
 
 if TYPE_CHECKING:  # structural types, for annotations only

@@ -97,8 +97,8 @@ STEAL_RETRY_ROUNDS = 64  # full rounds over the peers while some answered RETRY,
 IDLE_SPIN = 200e-6
 _SUCCESS = StealResult.SUCCESS
 _RETRY = StealResult.RETRY
-_CANCELLED = int(ResultStatus.CANCELLED)
-_PARENT = int(BlockField.PARENT)
+_CANCELLED = ResultStatus.CANCELLED
+_PARENT = BlockField.PARENT
 _POKE = encode(Tag.RESULTS)
 
 
@@ -294,7 +294,7 @@ class Worker(Children):
         self.conn.send_bytes(encode(Tag.FETCH, key))
         while True:
             tag, fields = recv_message(self.conn)
-            if tag is Tag.PAYLOAD and fields[0] == key:
+            if tag == Tag.PAYLOAD and fields[0] == key:
                 return fields[1]  # type: ignore[no-any-return]
             self.on_message(tag, fields)
 
@@ -362,11 +362,11 @@ class Worker(Children):
                 os._exit(0)
             self.on_message(*message)
 
-    def on_message(self, tag: Tag, fields: tuple[Any, ...]) -> None:
-        if tag is Tag.DRAIN:
+    def on_message(self, tag: int, fields: tuple[Any, ...]) -> None:
+        if tag == Tag.DRAIN:
             self.draining = True
         else:
-            raise InternalError(f"worker {self.slot} got unexpected {tag.name}")
+            raise InternalError(f"worker {self.slot} got unexpected {Tag.name(tag)}")
 
     def statistics(self) -> dict[str, int]:
         return self.me.counters()

@@ -142,10 +142,10 @@ class _Zygote:
         except (EOFError, OSError):
             self._coordinator_gone()
         tag, fields = decode(frame)
-        if tag is Tag.SPAWN:
+        if tag == Tag.SPAWN:
             if not self.stopping:
                 self._spawn(fields[0])
-        elif tag is Tag.STOP:
+        elif tag == Tag.STOP:
             self.stopping = True
 
     def _spawn(self, slot: int) -> None:

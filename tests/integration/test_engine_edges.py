@@ -522,12 +522,12 @@ def test_a_dead_parents_done_child_whose_stash_is_unread_leaves_no_stash(
     before reading it. The coordinator frees the block when it recovers the death, but the
     peer's STASH may still be unread in its socket (held here until after that): it must be
     dropped when it comes, not kept for ever."""
-    held: list[tuple[Any, Tag, tuple[Any, ...]]] = []
+    held: list[tuple[Any, int, tuple[Any, ...]]] = []
     real_message = Coordinator.on_worker_message
     real_orphan = Coordinator.orphan_children
 
-    def hold_stashes(self: Coordinator, worker: Any, tag: Tag, fields: tuple[Any, ...]) -> None:
-        if tag is Tag.STASH:
+    def hold_stashes(self: Coordinator, worker: Any, tag: int, fields: tuple[Any, ...]) -> None:
+        if tag == Tag.STASH:
             held.append((worker, tag, fields))
         else:
             real_message(self, worker, tag, fields)

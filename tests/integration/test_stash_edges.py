@@ -74,8 +74,8 @@ def test_a_worker_killed_inside_a_raw_frame_fails_only_its_task(
     the frame, takes the worker for dead (as for a torn pickled frame), fails its task, and
     replaces it; nothing of the half-sent bytes stays."""
 
-    def half_then_die(conn: Any, tag: Tag, key: int, data: bytes) -> None:
-        if tag is Tag.STASH:
+    def half_then_die(conn: Any, tag: int, key: int, data: bytes) -> None:
+        if tag == Tag.STASH:
             header = _protocol._RAW_HEADER
             frame = _protocol._LENGTH.pack(header.size + len(data))
             frame += header.pack(_protocol._RAW_MARK, tag, key)
@@ -144,8 +144,8 @@ def test_a_user_thread_collector_leaves_an_unarrived_stash_to_the_loop(
     real_message = Coordinator.on_worker_message
     real_help = Coordinator.help_wait
 
-    def hold_stash(self: Coordinator, worker: Any, tag: Tag, fields: tuple[Any, ...]) -> None:
-        if tag is Tag.STASH:
+    def hold_stash(self: Coordinator, worker: Any, tag: int, fields: tuple[Any, ...]) -> None:
+        if tag == Tag.STASH:
             stash_read.set()
             assert release.wait(20)
         real_message(self, worker, tag, fields)
@@ -229,9 +229,9 @@ def test_a_dead_parents_done_child_stashed_by_an_unregistered_peer_leaves_no_sta
         released.set()
         hold.clear()  # the peer registers on the loop's next pass, then its STASH is read
 
-    def note_stash(self: Coordinator, worker: Any, tag: Tag, fields: tuple[Any, ...]) -> None:
+    def note_stash(self: Coordinator, worker: Any, tag: int, fields: tuple[Any, ...]) -> None:
         real_message(self, worker, tag, fields)
-        if tag is Tag.STASH:
+        if tag == Tag.STASH:
             stash_read.set()
 
     monkeypatch.setattr(Coordinator, "on_zygote_message", hold_after_first)

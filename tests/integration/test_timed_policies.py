@@ -563,11 +563,7 @@ class SlabHook:
         self.armed = False
 
     def set_word(self, index: int, field: int, value: int) -> None:
-        if (
-            self.armed
-            and field == int(BlockField.STATE)
-            and value == int(TopState.CANCEL_REQUESTED)
-        ):
+        if self.armed and field == BlockField.STATE and value == TopState.CANCEL_REQUESTED:
             self.armed = False
             self.before_flag()
         self.slab.set_word(index, field, value)

@@ -206,7 +206,7 @@ def die_freeing_a_dropped_done_child(nbytes: int) -> None:
     worker = _current()
     child = mpsched.submit(bytes, nbytes)
     handle = child._handle
-    while worker.child_state(handle) != int(ChildState.DONE):  # only a peer can run it
+    while worker.child_state(handle) != ChildState.DONE:  # only a peer can run it
         pass
     worker.free_child = lambda handle: os._exit(3)
     del child
@@ -252,12 +252,12 @@ def child_dies_inside_its_done(started: str, release: str, value: int) -> None:
 
     worker = _current()
     handle = worker.me.running()[-1]
-    parent = worker.slots[worker.slab.get_word(handle, int(BlockField.PARENT))]
+    parent = worker.slots[worker.slab.get_word(handle, BlockField.PARENT)]
     _keep_socket_open(worker, release)
-    assert worker.slab.write_result(handle, int(ResultStatus.OK), dumps(value))
+    assert worker.slab.write_result(handle, ResultStatus.OK, dumps(value))
     parent._acquire()
     parent._w[HOLDER_PID] = os.getpid()
-    worker.slab.set_state(handle, int(ChildState.DONE))  # the exchange's commit; no pop
+    worker.slab.set_state(handle, ChildState.DONE)  # the exchange's commit; no pop
     with open(started, "wb") as fifo:
         fifo.write(str(os.getpid()).encode())
     os.kill(os.getpid(), signal.SIGKILL)

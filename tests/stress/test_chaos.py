@@ -59,7 +59,7 @@ SHUTDOWN_TIMEOUT = 30.0  # s
 # child's state (QUEUED, DONE, ABANDONED) is reported as an orphan.)
 LEAKED_BLOCKS_MAX = 0
 
-_STATE = int(BlockField.STATE)
+_STATE = BlockField.STATE
 _CRASHED_PID = re.compile(r"\(pid (\d+), slot \d+\)")
 
 

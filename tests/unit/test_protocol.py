@@ -32,7 +32,7 @@ def pair() -> Iterator[tuple[Connection, Connection]]:
 
 
 @contextlib.contextmanager
-def _written_by_a_thread(send: Connection, frames: list[tuple[Tag, int, Buffer]]) -> Iterator[None]:
+def _written_by_a_thread(send: Connection, frames: list[tuple[int, int, Buffer]]) -> Iterator[None]:
     """Frames bigger than the socket's buffer need a reader while they are written."""
     writer = threading.Thread(target=lambda: [send_data(send, *frame) for frame in frames])
     writer.start()
