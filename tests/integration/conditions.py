@@ -1,5 +1,5 @@
-"""Ordering helpers shared by the timed-task tests: FIFO gates and bounded polls of the pool's
-state (never a sleep standing in for an event)."""
+"""Ordering helpers shared by the integration tests: FIFO gates, bounded polls of the pool's
+state (never a sleep standing in for an event), and waits for processes to die."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 CONDITION_TIMEOUT = 20.0  # seconds a polled condition may take before the test fails
@@ -20,6 +21,28 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting until {what}")
         time.sleep(0.001)
+
+
+def still_running(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to ``timeout`` seconds for ``procs`` to die; return those still running.
+
+    A zombie counts as dead: it has exited and holds nothing but its pid until its parent
+    reaps it. ``psutil.wait_procs`` counts it alive, and an orphan's zombie waits for init,
+    which here (a Firecracker VM's init) reaps it 1.4-2.0 s after its exit: a pool's zygote
+    orphaned when the forkserver exited before it failed the 2 s deadlines that way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [p for p in procs if _running(p)]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.01)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 class Fifos:

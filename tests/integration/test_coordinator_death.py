@@ -19,7 +19,7 @@ import pytest
 import mpsched
 
 from . import tasks
-from .conditions import wait_until
+from .conditions import still_running, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEATH_DEADLINE = 2.0  # seconds, from the issue
@@ -58,7 +58,7 @@ def test_sigkill_of_the_coordinator_takes_everything_with_it(start_method: str) 
         ours = [psutil.Process(pid) for pid in [*info["workers"], info["zygote"]]]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        _, alive = psutil.wait_procs(ours, timeout=DEATH_DEADLINE)
+        alive = still_running(ours, DEATH_DEADLINE)
         assert not alive, f"still alive {DEATH_DEADLINE} s after the coordinator died: {alive}"
         left = [n for n in os.listdir("/dev/shm") if n.startswith(f"sem.mpsched-{proc.pid}-")]
         assert not left, f"left in /dev/shm: {left}"
@@ -87,7 +87,7 @@ def test_sigkill_of_the_zygote_takes_its_busy_workers_with_it(start_method: str)
             pids = [w.pid for w in pool.statistics().per_worker]
         workers = [psutil.Process(pid) for pid in pids]
         os.kill(pool._zygote.pid, signal.SIGKILL)
-        _, alive = psutil.wait_procs(workers, timeout=DEATH_DEADLINE)
+        alive = still_running(workers, DEATH_DEADLINE)
         assert not alive, f"still alive {DEATH_DEADLINE} s after the zygote died: {alive}"
         for future in busy:
             with pytest.raises(mpsched.BrokenPoolError):

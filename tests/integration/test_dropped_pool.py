@@ -18,6 +18,7 @@ import pytest
 from mpsched import Pool
 
 from . import tasks
+from .conditions import still_running
 
 TIMEOUT = 30.0  # seconds for a dropped pool to end: far beyond its drain and teardown
 
@@ -33,7 +34,7 @@ def _assert_ended(thread: threading.Thread, processes: list[psutil.Process]) -> 
     is closed; the zygote and the workers exit (bounded wait on their pids)."""
     thread.join(TIMEOUT)
     assert not thread.is_alive(), "the dropped pool's coordinator thread did not end"
-    _, alive = psutil.wait_procs(processes, timeout=TIMEOUT)
+    alive = still_running(processes, TIMEOUT)
     assert not alive, f"the dropped pool's processes are still alive: {alive}"
 
 

@@ -24,6 +24,7 @@ from mpsched import Pool
 from mpsched._coordinator import Coordinator
 
 from . import tasks
+from .conditions import still_running
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXIT_DEADLINE = 20.0  # s from the signal to the script's exit (the tasks spin for 60 s)
@@ -123,7 +124,7 @@ def _run_and_interrupt(
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-        _, alive = psutil.wait_procs(descendants, timeout=GONE_DEADLINE)
+        alive = still_running(descendants, GONE_DEADLINE)
         for leftover in alive:
             leftover.kill()
     assert not alive, f"processes of the script still alive after its exit: {alive}"
@@ -372,7 +373,7 @@ def test_main_module_tasks_and_a_pool_never_shut_down(
             continue
         if proc.create_time() == float(create_time):  # not a new process with a reused pid
             procs.append(proc)
-    _, alive = psutil.wait_procs(procs, timeout=GONE_DEADLINE)
+    alive = still_running(procs, GONE_DEADLINE)
     for leftover in alive:
         leftover.kill()
     assert not alive, f"processes of the script still alive after its exit: {alive}"
@@ -425,7 +426,7 @@ def test_a_user_fork_child_does_not_keep_the_pool_alive_after_its_parent_died(
         pool_procs = [psutil.Process(pid) for pid in info["pool"]]
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        _, alive = psutil.wait_procs(pool_procs, timeout=GONE_DEADLINE)
+        alive = still_running(pool_procs, GONE_DEADLINE)
         assert child.is_running(), "the fork child should still be alive here"
         assert not alive, f"the pool outlived its SIGKILLed coordinator: {alive}"
     finally:
