@@ -32,7 +32,7 @@ import os
 import pickle
 import time
 
-from mpsched._errors import InternalError, TaskCancelled
+from mpsched._errors import InternalError, TaskCancelled, timeout_error
 from mpsched._payloads import BlockField
 from mpsched._protocol import (
     Buffer,
@@ -450,7 +450,7 @@ class Children:
         handle = future._handle
         while self.child_state(handle) != CHILD_DONE:
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError("the child task did not finish in time")
+                raise timeout_error("the child task did not finish in time")
             found = self.find_work() if self.depth < MAX_NESTING - 1 else -1
             if found >= 0:
                 self.run(found)

@@ -38,6 +38,7 @@ from mpsched._errors import (
     BrokenPoolError,
     InternalError,
     ProtocolError,
+    timeout_error,
 )
 from mpsched._future import FINISHING, Future, defer_callbacks, invoke_all
 from mpsched._payloads import BlockField
@@ -283,7 +284,7 @@ class Collecting(CoordinatorState):
                 # timeout's cooperative cancel, included) it fails with TimeoutError. Converted
                 # here, before end_runs, so that state() says FAILED as the future does (not
                 # CANCELLED: no cancel was asked for), and a recurrence ends with that error.
-                error = dump_exception(TimeoutError(timeout_message(run)))
+                error = dump_exception(timeout_error(timeout_message(run)))
                 special.append((future, _ERROR, error))
                 loaded.append(None)
             elif outcome[1] == _OK and (run is None or run.recurrence is None):

@@ -44,6 +44,7 @@ from mpsched._errors import (
     BrokenPoolError,
     ProtocolError,
     WorkerCrashedError,
+    timeout_error,
 )
 from mpsched._future import Future
 from mpsched._payloads import BlockField
@@ -194,7 +195,7 @@ class Recovering(CoordinatorState):
                 if run is not None and run.forced and not run.timed_out:
                     status, data = _CANCELLED, b""
                 elif run is not None and run.timed_out:
-                    status, data = _ERROR, dump_exception(TimeoutError(timeout_message(run)))
+                    status, data = _ERROR, dump_exception(timeout_error(timeout_message(run)))
                 else:
                     error = WorkerCrashedError(crash_message(worker, code), code)
                     status, data = _ERROR, dump_exception(error)

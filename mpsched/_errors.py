@@ -5,6 +5,8 @@ Messages say what happened, the likely causes and what to do next.
 
 from __future__ import annotations
 
+import sys
+
 
 class MpschedError(Exception):
     """Base class of every error that mpsched raises on its own behalf."""
@@ -56,3 +58,16 @@ class ProtocolError(MpschedError):
 
 class InternalError(MpschedError):
     """An mpsched bug; the pool's invariants may no longer hold."""
+
+
+def timeout_error(message: str) -> Exception:
+    """The ``TimeoutError`` that a ``concurrent.futures.Future`` raises, for a wait (or a task)
+    out of time: the builtin one since Python 3.11, and on 3.10 ``concurrent.futures``' own,
+    which is not a subclass of the builtin (a user's ``except concurrent.futures.TimeoutError``
+    must catch ours, as it catches a ``Future.result(timeout)``'s)."""
+    if sys.version_info >= (3, 11):
+        return TimeoutError(message)
+    # Imported here: the zygote (which imports this module) must not load concurrent.futures.
+    from concurrent.futures import TimeoutError as FuturesTimeoutError
+
+    return FuturesTimeoutError(message)

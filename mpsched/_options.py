@@ -59,8 +59,9 @@ class TaskOptions:
     Attributes:
         timeout: seconds a run may take once started; then it is asked to cancel (its
             ``current_task().cancel_requested`` turns True) and, ``timeout_grace`` seconds
-            later, its worker is killed and replaced. The future fails with ``TimeoutError``
-            unless the task returned first. None: no limit.
+            later, its worker is killed and replaced. The future fails with
+            ``concurrent.futures.TimeoutError`` (the builtin ``TimeoutError`` since Python
+            3.11) unless the task returned first. None: no limit.
         timeout_grace: seconds between the cooperative cancel and the kill.
         retries: how many times the task runs again if its worker dies while running it
             (out of memory, a crash in native code); 0: it fails with ``WorkerCrashedError``.

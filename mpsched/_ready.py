@@ -7,8 +7,9 @@ tasks in ``(run_at, -priority, seq)`` order, so within one priority the FIFO ord
 ``(run_at, seq)`` order, except that a submit may slip ahead of a timed task whose ``run_at`` had
 passed by less than the coordinator's wake-up delay (tens of microseconds).
 
-One deque per priority level plus a descending list of the levels present: ``append`` and
+One deque per priority level plus a sorted list of the levels present: ``append`` and
 ``popleft`` are O(1) for the common case of a few levels (``append`` of a new level is O(levels)).
+A level emptied by ``take`` or ``age`` is dropped at once, so a quiet pool holds no level.
 
 Called from the coordinator thread and from user threads (``Pool.submit``), always under the
 coordinator's lock. Items are futures (``_priority`` is the base priority, ``_due_at`` when the
@@ -125,6 +126,9 @@ class ReadyQueue:
                 if not item._withdrawn:
                     out.append(item)
                     lowest = top
+            if not level:  # emptied: dropped now, not at the next take (a quiet pool holds none)
+                del levels[top]
+                self._order.pop()
         return out, lowest
 
     def drain(self) -> list[Future]:
@@ -162,4 +166,7 @@ class ReadyQueue:
                 level.popleft()
                 self._level(target).append(item)
                 moved += 1
+            if level is not None and not level:
+                del self._levels[priority]
+                self._order.remove(priority)
         return moved

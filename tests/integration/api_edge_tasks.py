@@ -29,3 +29,17 @@ def task_id_is_nan() -> bool:
     """Whether this run's id is a NaN (its copy in the worker is another NaN object)."""
     task_id = mpsched.current_task().task_id
     return isinstance(task_id, float) and task_id != task_id
+
+
+def child_result_with_no_time_left() -> tuple[bool, int]:
+    """Whether a child's ``result(timeout=0)`` raised ``concurrent.futures.TimeoutError`` (not
+    done yet: the join checks its deadline before it helps), then the child's value."""
+    from concurrent.futures import TimeoutError as FuturesTimeoutError
+
+    future = mpsched.submit(abs, -7)
+    try:
+        future.result(timeout=0)
+        timed_out = False
+    except FuturesTimeoutError:
+        timed_out = True
+    return timed_out, future.result()

@@ -126,6 +126,15 @@ def test_children_run_inline_count_as_executed() -> None:
     assert _executed(final) == 1 + depth
 
 
+def test_a_childs_result_out_of_time_raises_the_futures_timeout_error() -> None:
+    """A child's ``result(timeout)`` that runs out raises what a ``Future``'s does,
+    ``concurrent.futures.TimeoutError``: on Python 3.10 that is not the builtin
+    ``TimeoutError``, which it raised, and ``except concurrent.futures.TimeoutError`` missed it.
+    One worker: the child waits in its parent's deque, so it is not done at the deadline."""
+    with Pool(1) as pool:
+        assert pool.submit(at.child_result_with_no_time_left).result(RESULT_TIMEOUT) == (True, 7)
+
+
 def test_statistics_from_many_threads_across_shutdown() -> None:
     """Snapshots taken from several threads while the pool works, drains and is released:
     each is whole and sane, and no count goes back."""

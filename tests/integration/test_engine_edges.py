@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import TimeoutError as FuturesTimeoutError
 from concurrent.futures import wait
 from typing import Any
 
@@ -56,7 +57,7 @@ def test_map_timeout_cancels_the_chunk_it_timed_out_on(gates: tuple[str, str, st
         results = pool.map(
             functools.partial(et.record_ident, log), [1, 2, 3], chunksize=1, timeout=0.05
         )
-        with pytest.raises(TimeoutError):
+        with pytest.raises(FuturesTimeoutError):
             next(results)
         tasks.open_gate(gate)
         assert blocker.result(timeout=20) == "blocker"

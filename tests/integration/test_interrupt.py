@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
+from concurrent.futures import TimeoutError as FuturesTimeoutError
 from typing import Any
 
 import pytest
@@ -525,7 +526,7 @@ def test_a_ctrl_c_as_a_cancel_notifies_the_waiters_still_wakes_a_thread_in_resul
                 future.result(timeout=8)
             except CancelledError:
                 outcome.append("cancelled")
-            except TimeoutError:
+            except FuturesTimeoutError:
                 outcome.append("not woken")
 
         waiter = threading.Thread(target=wait)

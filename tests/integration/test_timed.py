@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from concurrent.futures import CancelledError, wait
+from concurrent.futures import TimeoutError as FuturesTimeoutError
 from pathlib import Path
 
 import pytest
@@ -318,7 +319,7 @@ def test_timeout_cancels_cooperatively(fifos: Fifos) -> None:
             "slow", 0.0, 0, tt.wait_for_cancel, fifos.started, False, timed=True
         )
         tasks.wait_started(fifos.started)
-        with pytest.raises(TimeoutError, match=r"timeout of 0\.1 s"):
+        with pytest.raises(FuturesTimeoutError, match=r"timeout of 0\.1 s"):
             f.result(timeout=20)
         assert pool.statistics().crashes == 0
 
@@ -330,7 +331,7 @@ def test_timeout_kills_a_task_that_ignores_it(fifos: Fifos) -> None:
             tasks.started_then_gated, fifos.started, fifos.gate, "never"
         )
         tasks.wait_started(fifos.started)
-        with pytest.raises(TimeoutError, match="killed"):
+        with pytest.raises(FuturesTimeoutError, match="killed"):
             f.result(timeout=20)
         assert pool.submit(tasks.ident, 5).result(timeout=20) == 5
         assert pool.statistics().crashes == 1

@@ -15,6 +15,7 @@ import select
 import signal
 import threading
 import time
+from concurrent.futures import TimeoutError as FuturesTimeoutError
 from concurrent.futures import wait
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ def test_state_of_a_task_that_timed_out_cooperatively_is_failed(fifos: Fifos) ->
             "slow", 0.0, 0, tt.wait_for_cancel, fifos.started, False, timed=True
         )
         tasks.wait_started(fifos.started)
-        with pytest.raises(TimeoutError):
+        with pytest.raises(FuturesTimeoutError):
             f.result(timeout=CONDITION_TIMEOUT)
         assert pool.state("slow") is TaskState.FAILED
 
@@ -62,7 +63,7 @@ def test_recurrence_whose_run_times_out_ends_with_timeout_error(fifos: Fifos) ->
         tasks.wait_started(fifos.started)
         wait([rec], timeout=CONDITION_TIMEOUT)
         assert not rec.cancelled(), "a timed-out run ended its recurrence as cancelled"
-        with pytest.raises(TimeoutError):
+        with pytest.raises(FuturesTimeoutError):
             rec.result(timeout=0)
         assert pool.state("r") is TaskState.FAILED
 
@@ -224,7 +225,7 @@ def test_a_task_whose_timeout_expired_is_not_retried_when_its_worker_dies(fifos:
         runs = [tag for tag, _ in tt.read_tags(fifos.log)].count("run")
         wait([f], timeout=CONDITION_TIMEOUT)  # a rerun would be killed at the end of its grace
         assert runs == 1, "the timed-out task started again after its worker died"
-        with pytest.raises(TimeoutError):
+        with pytest.raises(FuturesTimeoutError):
             f.result(timeout=0)
         assert pool.statistics().retried == 0
 

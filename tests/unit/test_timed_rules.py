@@ -145,6 +145,22 @@ def test_drain_empties_highest_first() -> None:
     assert q.top_priority() is None
 
 
+def test_a_level_emptied_by_take_or_age_is_dropped_at_once() -> None:
+    """A quiet pool's ready queue holds no level (an emptied one stayed until the next take
+    found it, and a memory test saw the bookkeeping grow by one)."""
+    q = ReadyQueue()
+    q.append(_future(3, name="a"), 3)
+    q.append(_future(0, name="b"), 0)
+    q.take(1)
+    assert q._order == [0]
+    assert list(q._levels) == [0]
+    q.take(1)
+    assert (q._order, q._levels) == ([], {})
+    q.append(_future(0, due_at=0.0, name="c"), 0)
+    assert q.age(now=2.0, aging=1.0) == 1  # to level 2: level 0 is empty
+    assert (q._order, list(q._levels)) == ([2], [2])
+
+
 def test_aging_promotes_one_level_per_period_waited() -> None:
     q = ReadyQueue()
     old = _future(0, due_at=0.0, name="old")
