@@ -5,8 +5,8 @@ Why not ``enum.IntEnum``: the zygote imports the modules that define them on the
 of every pool, and creating an IntEnum class took ~0.35 ms each here; the seven of them were
 ~2.7 ms of the zygote's ~11 ms import in a forkserver child (median of 8, measured alternately
 with enum's classes replaced by plain ones). A ``Constants`` subclass is a namespace of plain
-ints (which also index a memoryview without an ``__index__`` call) that knows its names, for
-messages, and its values, to check what came off a socket. A leaf module: it imports nothing.
+ints that knows its names, for messages, and its values, to check what came off a socket. A
+leaf module: it imports nothing.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The mpsched exception hierarchy; every class here is public through ``mpsched``.
 
-Messages say what happened, the likely causes and what to do next.
+Messages say what happened, the likely causes and what to do next. ``timeout_error`` makes the
+``TimeoutError`` of a wait or a task out of time, of the class a ``Future`` raises.
 """
 
 from __future__ import annotations
