@@ -26,7 +26,7 @@ import math
 import select
 import signal
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -56,6 +56,7 @@ class WorkerHandle:
     pid: int
     conn: Connection
     pidfd: int
+    frame_waiting: Callable[[], object]  # _protocol.frame_watch(conn)
     drained: bool = False
     retiring: bool = False  # max_tasks_per_worker reached: its exit is not a crash
     # It retired with children whose futures had not settled (kept past their task): nobody

@@ -66,7 +66,7 @@ from mpsched._protocol import (
     Tag,
     decode,
     encode,
-    frame_waiting,
+    frame_watch,
     load_exception,
     recv_message,
     send_data,
@@ -501,7 +501,7 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
     def on_worker_readable(self, worker: WorkerHandle) -> None:
         conn = worker.conn
         try:
-            while frame_waiting(conn):
+            while worker.frame_waiting():
                 self.on_worker_message(worker, *recv_message(conn))
         except (EOFError, OSError):
             self.on_worker_gone(worker)
@@ -568,7 +568,7 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
                 pidfd = os.pidfd_open(pid)
             except ProcessLookupError:
                 pidfd = -1
-            worker = WorkerHandle(slot, pid, conn, pidfd)
+            worker = WorkerHandle(slot, pid, conn, pidfd, frame_watch(conn))
             self.workers[slot] = worker
             self.by_fd[conn.fileno()] = worker
             self.epoll.register(conn.fileno(), select.EPOLLIN)

@@ -226,23 +226,23 @@ class FunctionCache:
         class or function since, with no name defined in between. ~0.2 us per name looked for."""
         worker_main = self._worker_main
         namespace = getattr(sys.modules.get("__main__"), "__dict__", None)
-        if worker_main is None or not namespace:
-            return len(data) <= NAMES_SCANNED_BYTES_MAX or data.find(_MAIN_MODULE) >= 0
-        state = (len(namespace), next(reversed(namespace)))
-        seen, patterns = self._missing
-        if state != seen:
-            patterns = []
-            for name, value in list(namespace.items()):
-                raw = name.encode()
-                if name not in worker_main and of_main(value) and len(raw) < 256:
-                    patterns += (b"\x8c" + bytes((len(raw),)) + raw, raw + b".")
-            self._missing = (state, patterns)
-        if not patterns:
-            return False
+        patterns: list[bytes] | None = None  # None: the workers' names are not known
+        if worker_main is not None and namespace:
+            state = (len(namespace), next(reversed(namespace)))
+            seen, patterns = self._missing
+            if state != seen:
+                patterns = []
+                for name, value in list(namespace.items()):
+                    raw = name.encode()
+                    if name not in worker_main and of_main(value) and len(raw) < 256:
+                        patterns += (b"\x8c" + bytes((len(raw),)) + raw, raw + b".")
+                self._missing = (state, patterns)
+            if not patterns:
+                return False
         if len(data) > NAMES_SCANNED_BYTES_MAX:
             return data.find(_MAIN_MODULE) >= 0
-        if len(patterns) > 2 * MISSING_NAMES_SCANNED:
-            return True
+        if patterns is None or len(patterns) > 2 * MISSING_NAMES_SCANNED:
+            return True  # a short call names __main__: encode looked
         return any(data.find(pattern) >= 0 for pattern in patterns)
 
     def fid(self, fn: Callable[..., Any]) -> int:

@@ -41,6 +41,7 @@ cannot be unpickled is replaced by a RuntimeError with that same cause.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import select
@@ -52,6 +53,7 @@ from mpsched._errors import ProtocolError
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from multiprocessing.connection import Connection
     from typing import Any, Final
 
@@ -171,13 +173,15 @@ def recv_message(conn: Connection) -> tuple[int, tuple[Any, ...]]:
     return decode(head + body)
 
 
-def frame_waiting(conn: Connection) -> bool:
-    """``conn.poll()`` (a frame, or the end of the channel, can be read at once) without
-    ``multiprocessing.connection.wait``'s selector: ~1.5 us here instead of ~10, twice per
-    wake-up of the coordinator by a worker."""
+def frame_watch(conn: Connection) -> Callable[[], list[tuple[int, int]]]:
+    """Made once per connection: a check, true (a non-empty list) when a frame, or the end of
+    the channel, can be read from ``conn`` at once. ``conn.poll()`` without
+    ``multiprocessing.connection.wait``'s selector (~10 us), called at least twice per wake-up
+    of the coordinator by a worker: 0.7 us here, where a poll object made and registered per
+    check took 1.4."""
     poller = select.poll()
     poller.register(conn.fileno(), select.POLLIN)
-    return bool(poller.poll(0))
+    return functools.partial(poller.poll, 0)
 
 
 def _read(fd: int, size: int) -> bytes:

@@ -77,7 +77,7 @@ from mpsched._protocol import (
     Tag,
     dump_exception,
     encode,
-    frame_waiting,
+    frame_watch,
     recv_message,
     send_data,
 )
@@ -142,6 +142,7 @@ class Worker(Children):
         self.wake_fds = [f.fd for f in wake_fds]
         self.my_wake_fd = self.wake_fds[slot]
         self.conn = conn
+        self.frame_waiting = frame_watch(conn)
         self.options = options
         self.fn_cache: dict[int, Callable[..., Any]] = {}
         self.fid_of: dict[Callable[..., Any], int] = {}  # reverse of fn_cache, for children
@@ -355,7 +356,7 @@ class Worker(Children):
                 return
 
     def read_messages(self) -> None:
-        while frame_waiting(self.conn):
+        while self.frame_waiting():
             try:
                 message = recv_message(self.conn)
             except EOFError:  # the coordinator is gone

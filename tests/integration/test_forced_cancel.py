@@ -71,7 +71,7 @@ def test_a_worker_registered_without_a_pidfd_is_never_signalled_by_its_pid() -> 
     then SIGKILL, to whatever process now has it. Here a process of the test stands for it."""
     command = [sys.executable, "-c", "import sys; sys.stdin.read()"]
     with subprocess.Popen(command, stdin=subprocess.PIPE) as bystander:  # ends at stdin's EOF
-        worker = WorkerHandle(0, bystander.pid, cast(Connection, None), -1)
+        worker = WorkerHandle(0, bystander.pid, cast(Connection, None), -1, bool)
         with pytest.raises(ProcessLookupError):
             _coord_cancel.send_signal(worker, signal.SIGKILL)
         assert bystander.poll() is None

@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 import pytest
 
 from mpsched import _protocol
-from mpsched._protocol import Buffer, Tag, encode, frame_waiting, recv_message, send_data
+from mpsched._protocol import Buffer, Tag, encode, frame_watch, recv_message, send_data
 
 
 @pytest.fixture
@@ -102,17 +102,18 @@ def test_the_end_of_the_channel_is_eof_before_a_frame_and_oserror_inside_one(
 
 
 @pytest.mark.timeout(10)
-def test_frame_waiting_says_what_connection_poll_says(
+def test_frame_watch_says_what_connection_poll_says(
     pair: tuple[Connection, Connection],
 ) -> None:
     send, recv = pair
-    assert not frame_waiting(recv)
+    waiting = frame_watch(recv)  # made once, checked many times
+    assert not waiting()
     assert not recv.poll()
     send_data(send, Tag.STASH, 2, b"z")
-    assert frame_waiting(recv)
+    assert waiting()
     assert recv.poll()
     recv_message(recv)
-    assert not frame_waiting(recv)
+    assert not waiting()
     send.close()  # the end of the channel is readable: the reader learns of it at once
-    assert frame_waiting(recv)
+    assert waiting()
     assert recv.poll()
