@@ -32,7 +32,7 @@ from typing import Any
 
 from mpsched._children import announce_result
 from mpsched._protocol import dump_exception
-from mpsched._serialize import dumps
+from mpsched._serialize import dumps, first_unpicklable
 
 
 def run_chunk(
@@ -102,11 +102,10 @@ def _dump_results(results: list[Any], *, first: bool) -> tuple[bytes, bytes | No
         return dumps(results), None
     except Exception as whole:
         error: Exception = whole
-    for index, result in enumerate(results):
-        try:
-            dumps(result)
-        except Exception as exc:
-            if first and index == 0:
-                raise
-            return dumps(results[:index]), dump_exception(exc)
-    raise error  # each pickles alone, not together (state shared between them): as before
+    found = first_unpicklable(results)
+    if found is None:
+        raise error  # each pickles alone, not together (state shared between them): as before
+    index, exc = found
+    if first and index == 0:
+        raise exc
+    return dumps(results[:index]), dump_exception(exc)

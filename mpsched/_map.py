@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from mpsched._chunks import run_chunk
 from mpsched._future import Future
 from mpsched._protocol import PICKLE_PROTOCOL, load_exception, unpickling_failed
+from mpsched._serialize import TaskPicklingError, first_unpicklable
 
 if TYPE_CHECKING:
     from mpsched._pool import Pool
@@ -93,15 +94,23 @@ def map_results(
     # function cache keeps current (by value only once a global it read was rebound).
     fn = pool._functions.portable(fn)
 
-    def send(piece: list[Any]) -> tuple[Future, bool]:
-        # An error met ahead of the results (the input's, a submit's: an item that does
-        # not pickle, the pool shut down) takes the place of its items: the results before
-        # it come first, as with the builtin map (and ProcessPoolExecutor.map).
+    def send(piece: list[Any]) -> tuple[list[tuple[Future, list[Any]]], bool]:
+        # ``in_flight``'s entries for ``piece``, and whether all of it went. An error met
+        # ahead of the results (the input's, a submit's: an item that does not pickle, the
+        # pool shut down) takes the place of its items: the results before it come first, as
+        # with the builtin map. An item that does not pickle fails alone: the items before it
+        # go as a chunk of their own (ProcessPoolExecutor.map drops them with the chunk), and
+        # the error names it (or fn, if fn is what does not pickle).
         try:
             max_bytes = math.inf if chunksize else _stop_bytes(len(piece), out_per_item)
-            return pool.submit(run_chunk, fn, piece, star, budget, max_bytes), True
+            return [(pool.submit(run_chunk, fn, piece, star, budget, max_bytes), piece)], True
         except Exception as exc:  # a BaseException (Ctrl-C) goes on at once
-            return _failed(exc), False
+            found = first_unpicklable([fn, *piece]) if isinstance(exc, TaskPicklingError) else None
+            if found is None:  # items that pickle alone but not together: the chunk's error
+                return [(_failed(exc), piece)], False
+            index, error = found
+            before = send(piece[: index - 1])[0] if index > 1 else []
+            return [*before, (_failed(error), [])], False
 
     try:
         while True:
@@ -120,15 +129,15 @@ def map_results(
                     chunk.extend(itertools.islice(items, max(0, size - len(chunk))))
                 except Exception as exc:
                     if chunk:
-                        in_flight.append((send(chunk)[0], chunk))
+                        in_flight.extend(send(chunk)[0])
                     in_flight.append((_failed(exc), []))
                     exhausted = True
                     break
                 if not chunk:
                     exhausted = True
                     break
-                future, sent = send(chunk)
-                in_flight.append((future, chunk))
+                entries, sent = send(chunk)
+                in_flight.extend(entries)
                 exhausted = not sent  # failed to go: nothing after it is read
             if not in_flight:
                 return
@@ -164,7 +173,7 @@ def map_results(
                 rest = chunk[done:]
                 pieces = [rest[i : i + size] for i in range(0, len(rest), size)]
                 for piece in reversed(pieces):
-                    in_flight.appendleft((send(piece)[0], piece))
+                    in_flight.extendleft(reversed(send(piece)[0]))
             del chunk
             yield from results
     except GeneratorExit:

@@ -386,8 +386,8 @@ class Pool(concurrent.futures.Executor):
                 after this call (infinite: no limit; zero or negative: at once).
             Exception: from the iterator, in input order (after the results before it, as the
                 builtin ``map``): an item's error, an input iterable's (an Exception), or
-                the error of submitting a chunk (TaskPicklingError: an item does not pickle;
-                the results of its chunk's other items are lost with it).
+                the error of submitting a chunk (TaskPicklingError: an item, or ``fn``,
+                does not pickle; the results of the items before it come first).
         """
         if not iterables:  # as the builtin map: at the call, not at the first next()
             raise TypeError("Pool.map() needs at least one iterable")

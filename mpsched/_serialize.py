@@ -75,6 +75,18 @@ def dumps(obj: Any) -> bytes:
             ) from cloud_error
 
 
+def first_unpicklable(objs: list[Any]) -> tuple[int, Exception] | None:
+    """The index of the first of ``objs`` that ``dumps`` cannot pickle alone, and its error;
+    None if each pickles alone. One ``dumps`` per object: for error paths only, once the list
+    as a whole failed (a map chunk's items, its results)."""
+    for index, obj in enumerate(objs):
+        try:
+            dumps(obj)
+        except Exception as exc:
+            return index, exc
+    return None
+
+
 def _cloudpickle() -> Any:
     """cloudpickle, imported on first need (workers that never see a lambda never load it)."""
     import cloudpickle

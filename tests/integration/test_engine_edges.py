@@ -287,20 +287,35 @@ def test_map_input_errors_come_in_input_order(pool2: Pool, chunksize: int | None
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("chunksize", [10, None])
-def test_map_item_that_does_not_pickle_fails_at_its_chunks_position(
+@pytest.mark.parametrize("chunksize", [7, None])
+def test_map_item_that_does_not_pickle_fails_at_its_position(
     pool2: Pool, chunksize: int | None
 ) -> None:
-    """As ProcessPoolExecutor.map: the results of the chunks before it come first. (The
-    read-ahead's submit raised at once: how many results came first depended on how far ahead
-    it read, 30 of 100 here.)"""
+    """As the builtin map: every result before it comes first, those of its own chunk too,
+    and the error names the item. (The read-ahead's submit raised at once: how many results
+    came first depended on how far ahead it read, 30 of 100 here; then the chunk's task
+    failed with the item and dropped the results of the items before it in the chunk, 100 //
+    size * size results, as with ProcessPoolExecutor.map.)"""
     items: list[Any] = [*range(100), threading.Lock(), *range(50)]
     got: list[int] = []
-    with pytest.raises(TaskPicklingError):
+    with pytest.raises(TaskPicklingError, match=r"cannot pickle <unlocked _thread\.lock"):
         got.extend(pool2.map(tasks.ident, items, chunksize=chunksize))
-    size = chunksize or _map.MAP_FIRST_CHUNK  # its chunk is in the first read-ahead
-    assert got == list(range(100 // size * size))
+    assert got == list(range(100))
     assert pool2.submit(tasks.ident, 3).result(timeout=20) == 3
+
+
+@pytest.mark.timeout(60)
+def test_map_with_a_function_that_does_not_pickle_fails_naming_it(
+    pool2: Pool,
+) -> None:
+    """The error names the function (not the task's arguments, which is what map's function
+    is to the chunk's task), and nothing was sent."""
+    lock = threading.Lock()
+    submitted = pool2.statistics().submitted
+    results = pool2.map(lambda x: (lock, x), range(10), chunksize=3)
+    with pytest.raises(TaskPicklingError, match="cannot pickle <function test_map_with_a"):
+        next(results)
+    assert pool2.statistics().submitted == submitted
 
 
 @pytest.mark.timeout(60)
