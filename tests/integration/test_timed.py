@@ -603,3 +603,19 @@ def test_the_run_log_reader_skips_a_line_still_being_written(tmp_path: Path) -> 
     with open(log, "a") as f:
         f.write("('start', 2)")  # the first part of a record, as a reader may see it
     assert tt.read_tags(log) == [("start", 1)]
+
+
+@pytest.mark.timeout(10)
+def test_the_run_log_poll_skips_a_malformed_line_and_the_strict_read_names_it(
+    tmp_path: Path,
+) -> None:
+    """A poll while workers write (``count_records``) does not count a line that is not a
+    record; the final read (``read_tags``) fails on it and shows it."""
+    log = str(tmp_path / "log")
+    tt.log(log, ("start", 1))
+    with open(log, "a") as f:
+        f.write("1.5\n")  # as a poll in test_timed_races once read: a newline and no tab
+    tt.log(log, ("end", 1))
+    assert tt.count_records(log) == 2
+    with pytest.raises(AssertionError, match=r"a malformed line .*: '1\.5'"):
+        tt.read_tags(log)

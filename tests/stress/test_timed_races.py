@@ -532,9 +532,9 @@ def test_recurrences_with_every_overlap_policy_under_cancels_reschedules_and_shu
             elif futures:
                 rng.choice(futures).cancel()
             if step % 4 == 0:  # let a run or two happen in between (bounded: maybe none can)
-                seen = len(tt.read_tags(log))
+                seen = tt.count_records(log)
                 deadline = time.monotonic() + 0.05
-                while len(tt.read_tags(log)) < seen + 2 and time.monotonic() < deadline:
+                while tt.count_records(log) < seen + 2 and time.monotonic() < deadline:
                     time.sleep(0.0005)
     finally:
         pool.shutdown(wait=True)
