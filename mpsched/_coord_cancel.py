@@ -201,7 +201,11 @@ class Cancelling(CoordinatorState):
             except BaseException:
                 # An exception (a Ctrl-C's KeyboardInterrupt) between a withdrawal and its
                 # bookkeeping: end what was withdrawn, and mark it below (a withdrawn version
-                # left handed out kept the drain waiting for ever, and its future pending).
+                # left handed out kept the drain waiting for ever, and its future pending;
+                # one withdrawn from the heap, hit in the heap's bookkeeping, was lost with
+                # the withdraw's return value).
+                if pending is None:
+                    pending = timetable.heap.take_interrupted()
                 if candidate is not None and candidate._withdrawn:
                     self.end_withdrawn(candidate)
                     handed = candidate

@@ -138,31 +138,46 @@ class Draining(CoordinatorState):
         Recurring tasks stop unless ``recurring_after_shutdown``; timed one-shot tasks still run
         when due unless ``timed_after_shutdown`` is False; ``cancel_futures`` cancels all that
         has not started."""
-        with self.lock:
-            self.draining = True
-            # cancel_futures stops kept recurrences too: their next runs are tasks not started,
-            # and a recurrence left going would keep the drain (and an interrupted ``with``
-            # block's exit) waiting for a cancel that nothing will send.
-            keep = self.recurring_after_shutdown and not cancel_futures
-            stopped = [] if keep else self.timetable.stop_recurrences()
-            cancelled = [r.future for r in stopped]
-            for rec in stopped:  # withdraw their next runs that no worker has claimed
-                pending = self.timetable.pending_future(rec.task_id)
-                if pending is not None and self.timetable.withdraw_pending(pending):
-                    cancelled.append(pending)
-                # While ``rec`` is its id's recurrence, the id's handed-out version is a run of
-                # it, or an older version already running (a schedule replacing the recurrence
-                # would have stopped it): an unclaimed one is ``rec``'s next run.
-                handed = self.withdraw_handed(rec.task_id)
-                if handed is not None:
-                    cancelled.append(handed)
-            if cancel_futures or not self.timed_after_shutdown:
-                # Not the next runs of kept recurrences (only left in ``recurring`` by ``keep``):
-                # withdrawn here, such a run would leave its recurrence with no next run and its
-                # future pending for ever.
-                cancelled += self.timetable.cancel_all_pending()
-        for future in cancelled:
-            future._mark_cancelled()
+        cancelled: list[Future] = []
+        try:
+            with self.lock:
+                try:
+                    self.draining = True
+                    # cancel_futures stops kept recurrences too: their next runs are tasks not
+                    # started, and a recurrence left going would keep the drain (and an
+                    # interrupted ``with`` block's exit) waiting for a cancel that nothing will
+                    # send.
+                    keep = self.recurring_after_shutdown and not cancel_futures
+                    stopped = [] if keep else self.timetable.stop_recurrences()
+                    cancelled += [r.future for r in stopped]
+                    for rec in stopped:  # withdraw their next runs that no worker has claimed
+                        pending = self.timetable.pending_future(rec.task_id)
+                        if pending is not None and self.timetable.withdraw_pending(pending):
+                            cancelled.append(pending)
+                        # While ``rec`` is its id's recurrence, the id's handed-out version is
+                        # a run of it, or an older version already running (a schedule
+                        # replacing the recurrence would have stopped it): an unclaimed one is
+                        # ``rec``'s next run.
+                        handed = self.withdraw_handed(rec.task_id)
+                        if handed is not None:
+                            cancelled.append(handed)
+                    if cancel_futures or not self.timed_after_shutdown:
+                        # Not the next runs of kept recurrences (only left in ``recurring`` by
+                        # ``keep``): withdrawn here, such a run would leave its recurrence with
+                        # no next run and its future pending for ever.
+                        self.timetable.cancel_all_pending(cancelled)
+                except BaseException:
+                    # A Ctrl-C's KeyboardInterrupt in the middle (a million pending versions
+                    # take seconds to cancel): the futures withdrawn so far are in
+                    # ``cancelled``, and the heap keeps the one it hit in a withdrawal; left
+                    # pending, they stayed so for ever (a shutdown after it withdraws the rest).
+                    lost = self.timetable.heap.take_interrupted()
+                    if lost is not None:
+                        cancelled.append(lost)
+                    raise
+        finally:
+            for future in cancelled:
+                future._mark_cancelled()
         if cancel_futures:
             self.cancel_everything_unclaimed()
 

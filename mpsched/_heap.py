@@ -182,6 +182,9 @@ class VersionedHeap:
         self._seq = itertools.count()
         self._in_heap = 0  # live entries in _heap
         self._deferred = 0  # pending versions waiting behind a running one of their id
+        # The item of a withdraw that an exception (a Ctrl-C's KeyboardInterrupt) hit after the
+        # removal: its caller's handler must still end it (take_interrupted).
+        self._interrupted: Any = None
 
     # ----------------------------------------------------------------- queries
     def __len__(self) -> int:
@@ -301,7 +304,8 @@ class VersionedHeap:
     def withdraw(self, task_id: Hashable, version: int = 0) -> Any:
         """Cancel the pending version of ``task_id`` (only if it is ``version``, unless that is
         0) and leave a running one alone, unlike ``cancel``. Returns the item it was scheduled
-        with, or None if no such version was pending."""
+        with, or None if no such version was pending. An exception after the removal leaves
+        the item for ``take_interrupted``."""
         rec = self._records.get(task_id)
         if rec is None:
             return None
@@ -323,14 +327,28 @@ class VersionedHeap:
             self._deferred -= 1
         else:
             self._in_heap -= 1
-        if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
-            self._prune()
-        # _note_finished, inlined; with a version running, its finish() notes the id instead
-        if self._remember and not rec[_R_RUNNING]:
-            finished = self._finished
-            finished.append(rec)  # the record stays: its version reads CANCELLED
-            if len(finished) > self._remember:
-                self._trim_finished()
+        try:  # (no cost until an exception)
+            if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
+                self._prune()
+            # _note_finished, inlined; with a version running, its finish() notes the id instead
+            if self._remember and not rec[_R_RUNNING]:
+                finished = self._finished
+                finished.append(rec)  # the record stays: its version reads CANCELLED
+                if len(finished) > self._remember:
+                    self._trim_finished()
+        except BaseException:
+            # Raised as one of these calls returned: the item is out, and only this frame
+            # holds it (the pool's future of the version stayed pending for ever). The tail
+            # is bookkeeping that may be left undone: a prune that did not run, an ended id
+            # not remembered (then never forgotten: one record).
+            self._interrupted = item
+            raise
+        return item
+
+    def take_interrupted(self) -> Any:
+        """The item of the last ``withdraw`` that an exception hit after it removed the
+        version (None if none, or taken already): for the caller's handler to end it."""
+        item, self._interrupted = self._interrupted, None
         return item
 
     def pop_due(self, now: float) -> Due | Wait | None:

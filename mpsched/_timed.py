@@ -159,18 +159,18 @@ class Timetable:
                 return _PENDING
         return state
 
-    def cancel_all_pending(self) -> list[Future]:
+    def cancel_all_pending(self, cancelled: list[Future]) -> None:
         """Shutdown with cancel_futures (or timed_after_shutdown=False): every version still in
         the heap but the next runs of the recurrences still in ``recurring`` (kept after the
-        shutdown: they go on until cancelled); their ids end CANCELLED. Returns their futures
-        (to be marked cancelled outside the lock)."""
+        shutdown: they go on until cancelled); their ids end CANCELLED. Appends their futures
+        to ``cancelled`` (to be marked cancelled outside the lock) one by one, so that the
+        caller has those withdrawn before an exception (a Ctrl-C's KeyboardInterrupt) too."""
         recurring = self.recurring
-        cancelled = (
-            self.cancel_pending(task_id)
-            for task_id in self.heap.pending_ids()
-            if task_id not in recurring
-        )
-        return [f for f in cancelled if f is not None]
+        for task_id in self.heap.pending_ids():
+            if task_id not in recurring:
+                future = self.cancel_pending(task_id)
+                if future is not None:
+                    cancelled.append(future)
 
     def fail_all(self) -> list[Future]:
         """The pool broke: end every version, handed out or waiting in the heap (deferred ones

@@ -5,6 +5,7 @@ KeyboardInterrupt injected at chosen points of a user thread's calls into the po
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import pathlib
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from typing import Any
@@ -650,3 +651,55 @@ def test_a_ctrl_c_in_the_bookkeeping_of_an_injected_tasks_cancel_ends_its_future
         assert future.cancelled()
         tasks.open_gate(fifos.gate)
         assert blocker.result(timeout=20) == 0
+
+
+class _NoteThenInterrupt(collections.deque[Any]):
+    """A pool's ended-id memory (``VersionedHeap._finished``) whose ``after``-th ``append`` in
+    the main thread is interrupted as it returns: a Ctrl-C in ``VersionedHeap.withdraw``, after
+    it took the version out, as it notes the id that ended."""
+
+    def __init__(self, entries: Iterable[Any], after: int) -> None:
+        super().__init__(entries)
+        self.countdown = after
+
+    def append(self, entry: Any) -> None:
+        super().append(entry)
+        if threading.current_thread() is threading.main_thread():
+            self.countdown -= 1
+            if self.countdown == 0:
+                raise KeyboardInterrupt
+
+
+def _interrupt_the_heap_at_its_nth_end(pool: Pool, after: int) -> None:
+    heap = pool._coordinator.timetable.heap
+    heap._finished = _NoteThenInterrupt(heap._finished, after)
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_in_the_heaps_bookkeeping_of_a_cancel_by_id_ends_the_future() -> None:
+    """The version was out of the heap, and only the heap's frame held its future: it stayed
+    pending for ever (its version never runs), and its waiters with it."""
+    with Pool(1) as pool:
+        future = pool.schedule("id", time.monotonic() + 600, 0, tasks.ident, 1)
+        _interrupt_the_heap_at_its_nth_end(pool, 1)
+        with pytest.raises(KeyboardInterrupt):
+            pool.cancel("id")
+        assert future.cancelled()
+        assert pool.state("id") is TaskState.CANCELLED
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_in_the_middle_of_a_cancelling_shutdown_ends_every_future_it_withdrew() -> None:
+    """Interrupted at the fifth of ten withdrawals: the four before it and the one it hit
+    end cancelled at once (they were lost with the half-built list, pending for ever, the
+    next shutdown withdrawing only the rest), and a shutdown after it cancels the rest."""
+    pool = Pool(1)
+    futures = [pool.schedule(i, time.monotonic() + 600, 0, tasks.ident, i) for i in range(10)]
+    try:
+        _interrupt_the_heap_at_its_nth_end(pool, 5)
+        with pytest.raises(KeyboardInterrupt):
+            pool.shutdown(cancel_futures=True)
+        assert [f.cancelled() for f in futures] == [True] * 5 + [False] * 5
+    finally:
+        pool.shutdown(cancel_futures=True)
+    assert all(f.cancelled() for f in futures)

@@ -5,6 +5,7 @@ in, counted, or not at all."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import heapq
 from typing import Any
@@ -97,3 +98,47 @@ def test_an_interrupt_as_a_handed_out_version_ends_still_ends_it_in_the_heap() -
         timetable.end(future, None, cancelled=True)
     assert future._due is None
     assert timetable.heap.state("a") is TaskState.CANCELLED
+
+
+class _AppendThenInterrupt(collections.deque[Any]):
+    """The heap's ended-id memory, whose ``append`` is interrupted as it returns (from the
+    ``after``-th call on)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.calls = 0
+        self.after = after
+
+    def append(self, entry: Any) -> None:
+        super().append(entry)
+        self.calls += 1
+        if self.calls >= self.after:
+            raise KeyboardInterrupt
+
+
+def _interrupt_at_entry(*args: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["ended-id memory", "prune"])
+def test_an_interrupt_in_the_bookkeeping_after_a_withdrawal_keeps_the_item_for_the_caller(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Interrupted after the version was taken out (in the prune, or as the ended-id memory
+    noted it): the item was lost with the return value (the pool's future stayed pending for
+    ever). The caller's handler takes it (``take_interrupted``), once."""
+    heap = VersionedHeap(remember=10)
+    heap.schedule("a", 1.0, 0, "item")
+    if where == "prune":
+        monkeypatch.setattr(_heap, "PRUNE_SLACK", -10)  # the next withdraw prunes
+        monkeypatch.setattr(VersionedHeap, "_prune", _interrupt_at_entry)
+    else:
+        heap._finished = _AppendThenInterrupt(after=1)
+    assert heap.take_interrupted() is None
+    with pytest.raises(KeyboardInterrupt):
+        heap.withdraw("a")
+    assert heap.take_interrupted() == "item"
+    assert heap.take_interrupted() is None
+    assert len(heap) == 0
+    assert heap.state("a") is TaskState.CANCELLED
+    assert heap.pop_due(10.0) is None
