@@ -48,16 +48,6 @@ STOP_WAIT = 0.2  # seconds a SIGSTOPped worker gets to show as stopped before a 
 
 
 class Cancelling(CoordinatorState):
-    def withdraw_handed(self, task_id: Hashable) -> Future | None:
-        """Under ``self.lock``: withdraw and end the version of ``task_id`` that the timetable
-        handed out (ready queue or inbox) if no worker claimed it; returns its future, to be
-        marked cancelled once the lock is released, or None."""
-        handed = self.timetable.handed.get(task_id)
-        if handed is None or not self.withdraw(handed):
-            return None
-        self.timetable.end(handed, None, cancelled=True)
-        return handed
-
     def cancel(self, future: Future) -> bool:
         """Any thread (``Future.cancel``): withdraw a task no worker has claimed. True if it
         will never run."""

@@ -148,19 +148,8 @@ class Draining(CoordinatorState):
                     # interrupted ``with`` block's exit) waiting for a cancel that nothing will
                     # send.
                     keep = self.recurring_after_shutdown and not cancel_futures
-                    stopped = [] if keep else self.timetable.stop_recurrences()
-                    cancelled += [r.future for r in stopped]
-                    for rec in stopped:  # withdraw their next runs that no worker has claimed
-                        pending = self.timetable.pending_future(rec.task_id)
-                        if pending is not None and self.timetable.withdraw_pending(pending):
-                            cancelled.append(pending)
-                        # While ``rec`` is its id's recurrence, the id's handed-out version is
-                        # a run of it, or an older version already running (a schedule
-                        # replacing the recurrence would have stopped it): an unclaimed one is
-                        # ``rec``'s next run.
-                        handed = self.withdraw_handed(rec.task_id)
-                        if handed is not None:
-                            cancelled.append(handed)
+                    if not keep:
+                        self.stop_recurrences(cancelled)
                     if cancel_futures or not self.timed_after_shutdown:
                         # Not the next runs of kept recurrences (only left in ``recurring`` by
                         # ``keep``): withdrawn here, such a run would leave its recurrence with
@@ -180,6 +169,32 @@ class Draining(CoordinatorState):
                 future._mark_cancelled()
         if cancel_futures:
             self.cancel_everything_unclaimed()
+
+    def stop_recurrences(self, cancelled: list[Future]) -> None:
+        """Under ``self.lock`` (``begin_shutdown``): stop every recurrence and withdraw its next
+        run if no worker has claimed it, appending the futures to end cancelled to
+        ``cancelled`` as it goes. A recurrence leaves ``recurring`` only after its last step,
+        and a second pass may redo each step: so a shutdown after an exception here (a
+        Ctrl-C's KeyboardInterrupt) finishes the job. (Stopped all at once first, those not
+        yet withdrawn were found stopped or gone: their next runs waited in the heap, and the
+        drain with them until they were due, their futures pending.)"""
+        timetable = self.timetable
+        recurring = timetable.recurring
+        for task_id in list(recurring):
+            rec = recurring[task_id]
+            rec.active = False
+            cancelled.append(rec.future)
+            pending = timetable.pending_future(task_id)
+            if pending is not None and timetable.withdraw_pending(pending):
+                cancelled.append(pending)
+            # While ``rec`` is its id's recurrence, the id's handed-out version is a run of
+            # it, or an older version already running (a schedule replacing the recurrence
+            # would have stopped it): an unclaimed one is ``rec``'s next run.
+            handed = timetable.handed.get(task_id)
+            if handed is not None and self.withdraw(handed):
+                cancelled.append(handed)  # before end(): marked, whatever happens there
+                timetable.end(handed, None, cancelled=True)
+            del recurring[task_id]
 
     def abort_running(self) -> None:
         """Any thread (an interrupted ``with`` block, after ``begin_shutdown``): stop every

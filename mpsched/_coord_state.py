@@ -26,7 +26,7 @@ import math
 import select
 import signal
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -211,7 +211,6 @@ class CoordinatorState:
         def cancel(self, future: Future) -> bool: ...
         def withdraw(self, future: Future) -> bool: ...
         def end_withdrawn(self, future: Future) -> None: ...
-        def withdraw_handed(self, task_id: Hashable) -> Future | None: ...
 
         # _coord_collect
         def help_wait(self, future: Future) -> None: ...

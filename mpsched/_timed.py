@@ -143,8 +143,12 @@ class Timetable:
         future._due = None  # ended from here on (``Cancelling.end_withdrawn`` reads it)
         try:
             task_id = due.task_id
-            if self.handed.get(task_id) is future:
-                del self.handed[task_id]
+            handed = self.handed
+            # No call up to the removal (``in`` and subscripts are no point where the eval loop
+            # raises a Ctrl-C's KeyboardInterrupt; ``handed.get()`` was: the version stayed
+            # handed out for ever, ``busy()`` true, and the drain waited for it).
+            if task_id in handed and handed[task_id] is future:
+                del handed[task_id]
         finally:
             # Even after an exception as get() returned (a Ctrl-C's KeyboardInterrupt): the
             # version stayed RUNNING in the heap for ever, with no future to end it, and the

@@ -703,3 +703,21 @@ def test_a_ctrl_c_in_the_middle_of_a_cancelling_shutdown_ends_every_future_it_wi
     finally:
         pool.shutdown(cancel_futures=True)
     assert all(f.cancelled() for f in futures)
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_while_a_shutdown_stops_recurrences_leaves_the_rest_to_the_next_shutdown() -> None:
+    """Interrupted as it withdrew the second of four recurrences' next runs (due in 10 min):
+    the recurrences were all stopped first, so the next shutdown found none to stop and the
+    last two runs waited in the heap, and the drain with them, until they were due."""
+    pool = Pool(1)
+    every = pool.with_options(every=600.0)
+    futures = [every.schedule(i, time.monotonic() + 600, 0, tasks.ident, i) for i in range(4)]
+    try:
+        _interrupt_the_heap_at_its_nth_end(pool, 2)
+        with pytest.raises(KeyboardInterrupt):
+            pool.shutdown(wait=False)
+    finally:
+        pool.shutdown(wait=False)
+    assert pool.await_termination(20), "the drain waited for the next runs of stopped ones"
+    assert all(f.cancelled() for f in futures)
