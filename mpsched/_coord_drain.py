@@ -31,7 +31,7 @@ from mpsched._coord_state import (
     logger,
 )
 from mpsched._errors import BrokenPoolError
-from mpsched._future import FINISHING, Future
+from mpsched._future import FINISHING, Future, mark_all_cancelled
 from mpsched._protocol import (
     Tag,
     encode,
@@ -165,8 +165,11 @@ class Draining(CoordinatorState):
                         cancelled.append(lost)
                     raise
         finally:
-            for future in cancelled:
-                future._mark_cancelled()
+            try:
+                mark_all_cancelled(cancelled)
+            except BaseException:  # a Ctrl-C at its very entry marked none (twice is a no-op)
+                mark_all_cancelled(cancelled)
+                raise
         if cancel_futures:
             self.cancel_everything_unclaimed()
 
@@ -207,17 +210,33 @@ class Draining(CoordinatorState):
         self.wakeup()
 
     def cancel_everything_unclaimed(self) -> None:
-        with self.lock:
-            queued = self.ready.drain()
-            injected = list(self.by_handle.values())
-            for future in queued:
-                if future._handle >= 0:  # taken back from an inbox: holds a block
-                    self.withdraw(future)
-                future._withdrawn = True
-                if future._due is not None:
-                    self.timetable.end(future, None, cancelled=True)
-        for future in queued:
-            future._mark_cancelled()
+        queued: list[Future] = []
+        try:
+            with self.lock:
+                queued = self.ready.drain()
+                injected = list(self.by_handle.values())
+                done = 0
+                try:
+                    for future in queued:
+                        if future._handle >= 0:  # taken back from an inbox: holds a block
+                            self.withdraw(future)
+                        future._withdrawn = True
+                        if future._due is not None:
+                            self.timetable.end(future, None, cancelled=True)
+                        done += 1
+                except BaseException:
+                    # A Ctrl-C's KeyboardInterrupt: those not done go back to the queue, for
+                    # the next shutdown to cancel (each step may be done twice); out of the
+                    # queue and not withdrawn, they were nobody's, pending for ever.
+                    self.ready.putback(queued[done:])
+                    del queued[done:]
+                    raise
+        finally:
+            try:
+                mark_all_cancelled(queued)
+            except BaseException:  # a Ctrl-C at its very entry marked none (twice is a no-op)
+                mark_all_cancelled(queued)
+                raise
         for future in injected:
             future.cancel()  # wins only against a claim that has not happened
 

@@ -279,14 +279,15 @@ class Future(concurrent.futures.Future[Any]):
         try:
             if owner is not None and not owner.cancel(self):
                 return False
+            return self._mark_cancelled()
         except BaseException:
             # An exception (a Ctrl-C's KeyboardInterrupt) after the owner withdrew the task
-            # and before it said so: the task never runs, and its future stayed pending for
-            # ever (its waiters with it). (A recurrence's owner marks it itself.)
+            # and before it said so, or at the entry of the mark: the task never runs, and its
+            # future stayed pending for ever (its waiters with it). (A recurrence's owner marks
+            # it itself.)
             if self._withdrawn:
                 self._mark_cancelled()
             raise
-        return self._mark_cancelled()
 
     def set_running_or_notify_cancel(self) -> bool:
         """Refused: an executor's method, and the pool's futures' states are the pool's (a
@@ -354,6 +355,22 @@ class Future(concurrent.futures.Future[Any]):
 
 
 Sink = Callable[[Future], None]
+
+
+def mark_all_cancelled(futures: list[Future]) -> None:
+    """``_mark_cancelled`` each of ``futures``, whose tasks were withdrawn (none will run). An
+    exception (a Ctrl-C's KeyboardInterrupt) at one of them, at the entry of its mark or
+    between two, still marks it and the rest before it goes on: left pending, they stayed so
+    for ever, their waiters with them."""
+    done = 0
+    try:
+        for future in futures:
+            future._mark_cancelled()
+            done += 1
+    except BaseException:
+        for future in futures[done:]:
+            future._mark_cancelled()
+        raise
 
 
 def release_if_left(lock: Any) -> None:

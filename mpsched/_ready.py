@@ -136,12 +136,15 @@ class ReadyQueue:
         out: list[Future] = []
         for priority in reversed(self._order):
             out.extend(self._levels[priority])
-        self._levels.clear()
-        self._order.clear()
-        self.size = 0
-        self._withdrawn_queued = 0
         for item in out:
             item._slot = _ELSEWHERE
+        # No call and no loop from here to the return, so no point where the eval loop raises
+        # a Ctrl-C's KeyboardInterrupt: the queue is emptied only with the list returned
+        # (emptied first, it left the items in no queue and nowhere else when interrupted).
+        self._levels = {}
+        self._order = []
+        self.size = 0
+        self._withdrawn_queued = 0
         return out
 
     def live(self) -> int:

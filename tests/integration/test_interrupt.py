@@ -22,10 +22,12 @@ from typing import Any
 import pytest
 
 import mpsched
-from mpsched import Pool, TaskState, _future
+from mpsched import Pool, TaskState, _coord_drain, _future
 from mpsched._coordinator import Coordinator
+from mpsched._timed import Timetable
 
 from . import tasks
+from .conditions import wait_until
 from .interrupts import sigint_after, sigint_before
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -721,3 +723,95 @@ def test_a_ctrl_c_while_a_shutdown_stops_recurrences_leaves_the_rest_to_the_next
         pool.shutdown(wait=False)
     assert pool.await_termination(20), "the drain waited for the next runs of stopped ones"
     assert all(f.cancelled() for f in futures)
+
+
+def _interrupt_at_entry(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, at: int) -> None:
+    """``owner.name`` raises a Ctrl-C's KeyboardInterrupt at the entry of its ``at``-th call
+    in the main thread (a point where the eval loop raises it), and runs as before otherwise."""
+    real = getattr(owner, name)
+    calls = [0]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            calls[0] += 1
+            if calls[0] == at:
+                raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_at_the_entry_of_a_cancels_mark_still_ends_the_future(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Future.cancel`` after the coordinator withdrew the task, at the entry of the mark
+    (outside the handler's ``try``): the future stayed pending for ever."""
+    with Pool(1) as pool:
+        future = pool.schedule("later", time.monotonic() + 600, 0, tasks.ident, 1)
+        _interrupt_at_entry(monkeypatch, mpsched.Future, "_mark_cancelled", 1)
+        with pytest.raises(KeyboardInterrupt):
+            future.cancel()
+        monkeypatch.undo()
+        assert future.cancelled()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("where", ["a mark", "the marking"])
+def test_a_ctrl_c_as_a_cancelling_shutdown_marks_its_futures_ends_every_one(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """At the entry of the second future's mark (``where``: "a mark"), or of the function that
+    marks them all: the futures not marked yet were out of the heap, and stayed pending for
+    ever (the next shutdown found nothing to withdraw)."""
+    pool = Pool(1)
+    futures = [pool.schedule(i, time.monotonic() + 600, 0, tasks.ident, i) for i in range(4)]
+    try:
+        if where == "a mark":
+            _interrupt_at_entry(monkeypatch, mpsched.Future, "_mark_cancelled", 2)
+        else:
+            _interrupt_at_entry(monkeypatch, _coord_drain, "mark_all_cancelled", 1)
+        with pytest.raises(KeyboardInterrupt):
+            pool.shutdown(cancel_futures=True)
+        monkeypatch.undo()
+        assert all(f.cancelled() for f in futures)
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+@pytest.mark.timeout(30)
+def test_a_ctrl_c_as_a_shutdown_cancels_the_queued_tasks_leaves_the_rest_queued(
+    fifos: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Interrupted after the second of the due versions waiting in the ready queue was taken
+    out of the timetable: the queue had been drained at once, so the rest were in no queue,
+    their versions handed out for ever: futures pending, and the next shutdown's drain waited
+    for ever. Now they go back to the queue, and the next shutdown cancels them."""
+    pool = Pool(1, dispatch_window=1)
+    try:
+        held = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
+        tasks.wait_started(fifos.started)
+        due = [pool.schedule(i, time.monotonic() - 1, 0, tasks.ident, i) for i in range(6)]
+        wait_until(lambda: pool.statistics().pending >= 4, "versions due wait in the ready queue")
+        real_end = Timetable.end
+        calls = [0]
+
+        def end_then_interrupt(self: Timetable, *args: Any, **kwargs: Any) -> None:
+            real_end(self, *args, **kwargs)
+            if threading.current_thread() is threading.main_thread():
+                calls[0] += 1
+                if calls[0] == 2:
+                    raise KeyboardInterrupt
+
+        monkeypatch.setattr(Timetable, "end", end_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            pool.shutdown(wait=False, cancel_futures=True)
+        monkeypatch.undo()
+        pool.shutdown(wait=False, cancel_futures=True)
+        tasks.open_gate(fifos.gate)
+        assert held.result(timeout=20) == 0
+        assert pool.await_termination(20), "the drain waited for versions in no queue"
+        assert all(f.done() for f in due)
+        assert sum(f.cancelled() for f in due) >= 4
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)

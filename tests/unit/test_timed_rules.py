@@ -161,6 +161,39 @@ def test_a_level_emptied_by_take_or_age_is_dropped_at_once() -> None:
     assert (q._order, list(q._levels)) == ([2], [2])
 
 
+class _SlotSetInterrupted(Future):
+    """A future whose ``_slot`` store raises a Ctrl-C's KeyboardInterrupt once ``armed`` (as
+    one landing at the head of ``drain``'s loop over the items, which sets each elsewhere)."""
+
+    armed = False
+
+    @property  # type: ignore[override]
+    def _slot(self) -> int:
+        return int(self.__dict__["slot"])
+
+    @_slot.setter
+    def _slot(self, value: int) -> None:
+        if self.armed:
+            raise KeyboardInterrupt
+        self.__dict__["slot"] = value
+
+
+def test_a_drain_interrupted_before_it_returns_leaves_the_queue_as_it_was() -> None:
+    """An interrupt in ``drain`` before it returned its list: it had emptied the queue first,
+    so the items were in no queue and nowhere else (a cancelling shutdown lost them: their
+    futures pending for ever, the drain waiting for their versions)."""
+    q = ReadyQueue()
+    q.append(_future(1, name="a"), 1)
+    interrupting = _SlotSetInterrupted(None, b"b", 0)
+    q.append(interrupting, 0)
+    interrupting.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        q.drain()
+    interrupting.armed = False
+    assert len(q) == 2
+    assert _names(q.take(5)[0]) == ["a", "b"]
+
+
 def test_aging_promotes_one_level_per_period_waited() -> None:
     q = ReadyQueue()
     old = _future(0, due_at=0.0, name="old")
