@@ -139,6 +139,7 @@ class Draining(CoordinatorState):
         when due unless ``timed_after_shutdown`` is False; ``cancel_futures`` cancels all that
         has not started."""
         cancelled: list[Future] = []
+        injected: list[Future] = []
         try:
             with self.lock:
                 try:
@@ -155,6 +156,8 @@ class Draining(CoordinatorState):
                         # ``keep``): withdrawn here, such a run would leave its recurrence with
                         # no next run and its future pending for ever.
                         self.timetable.cancel_all_pending(cancelled)
+                    if cancel_futures:
+                        injected = self.withdraw_queued(cancelled)
                 except BaseException:
                     # A Ctrl-C's KeyboardInterrupt in the middle (a million pending versions
                     # take seconds to cancel): the futures withdrawn so far are in
@@ -170,8 +173,8 @@ class Draining(CoordinatorState):
             except BaseException:  # a Ctrl-C at its very entry marked none (twice is a no-op)
                 mark_all_cancelled(cancelled)
                 raise
-        if cancel_futures:
-            self.cancel_everything_unclaimed()
+        for future in injected:
+            future.cancel()  # wins only against a claim that has not happened
 
     def stop_recurrences(self, cancelled: list[Future]) -> None:
         """Under ``self.lock`` (``begin_shutdown``): stop every recurrence and withdraw its next
@@ -209,36 +212,29 @@ class Draining(CoordinatorState):
             self.requests.extend((future, True) for future in self.by_handle.values())
         self.wakeup()
 
-    def cancel_everything_unclaimed(self) -> None:
-        queued: list[Future] = []
+    def withdraw_queued(self, cancelled: list[Future]) -> list[Future]:
+        """Under ``self.lock`` (``begin_shutdown`` with ``cancel_futures``): withdraw every task
+        in the ready queue, appending each future to ``cancelled`` as it goes; returns the
+        futures of the tasks in inboxes (to cancel once the lock is released: each races its
+        claim)."""
+        queued = self.ready.drain()
+        done = 0
         try:
-            with self.lock:
-                queued = self.ready.drain()
-                injected = list(self.by_handle.values())
-                done = 0
-                try:
-                    for future in queued:
-                        if future._handle >= 0:  # taken back from an inbox: holds a block
-                            self.withdraw(future)
-                        future._withdrawn = True
-                        if future._due is not None:
-                            self.timetable.end(future, None, cancelled=True)
-                        done += 1
-                except BaseException:
-                    # A Ctrl-C's KeyboardInterrupt: those not done go back to the queue, for
-                    # the next shutdown to cancel (each step may be done twice); out of the
-                    # queue and not withdrawn, they were nobody's, pending for ever.
-                    self.ready.putback(queued[done:])
-                    del queued[done:]
-                    raise
-        finally:
-            try:
-                mark_all_cancelled(queued)
-            except BaseException:  # a Ctrl-C at its very entry marked none (twice is a no-op)
-                mark_all_cancelled(queued)
-                raise
-        for future in injected:
-            future.cancel()  # wins only against a claim that has not happened
+            for future in queued:
+                if future._handle >= 0:  # taken back from an inbox: holds a block
+                    self.withdraw(future)
+                future._withdrawn = True
+                if future._due is not None:
+                    self.timetable.end(future, None, cancelled=True)
+                cancelled.append(future)
+                done += 1
+        except BaseException:
+            # A Ctrl-C's KeyboardInterrupt: those not done go back to the queue, for the next
+            # shutdown to withdraw (each step may be done twice); drained all at once first,
+            # they were in no queue and not withdrawn, pending for ever, the drain waiting.
+            self.ready.putback(queued[done:])
+            raise
+        return list(self.by_handle.values())
 
     def drain_workers(self) -> None:
         """The handshake: DRAIN to every worker, read until DRAINED or EOF, then STOP.
