@@ -150,9 +150,9 @@ class Timetable:
             if task_id in handed and handed[task_id] is future:
                 del handed[task_id]
         finally:
-            # Even after an exception as get() returned (a Ctrl-C's KeyboardInterrupt): the
-            # version stayed RUNNING in the heap for ever, with no future to end it, and the
-            # drain waited for it.
+            # Even after an exception above (a Ctrl-C's KeyboardInterrupt, in a task id's own
+            # __hash__ or __eq__): the version stayed RUNNING in the heap for ever, with no
+            # future to end it, and the drain waited for it.
             self.heap.finish(due, error, cancelled=cancelled)
 
     def state(self, task_id: Hashable, claimed: Callable[[Future], bool]) -> TaskState | None:
