@@ -150,7 +150,7 @@ class Draining(CoordinatorState):
                     # send.
                     keep = self.recurring_after_shutdown and not cancel_futures
                     if not keep:
-                        self.stop_recurrences(cancelled)
+                        self.withdraw_recurrences(cancelled)
                     if cancel_futures or not self.timed_after_shutdown:
                         # Not the next runs of kept recurrences (only left in ``recurring`` by
                         # ``keep``): withdrawn here, such a run would leave its recurrence with
@@ -176,7 +176,7 @@ class Draining(CoordinatorState):
         for future in injected:
             future.cancel()  # wins only against a claim that has not happened
 
-    def stop_recurrences(self, cancelled: list[Future]) -> None:
+    def withdraw_recurrences(self, cancelled: list[Future]) -> None:
         """Under ``self.lock`` (``begin_shutdown``): stop every recurrence and withdraw its next
         run if no worker has claimed it, appending the futures to end cancelled to
         ``cancelled`` as it goes. A recurrence leaves ``recurring`` only after its last step,

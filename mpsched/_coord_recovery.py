@@ -51,7 +51,6 @@ from mpsched._payloads import BlockField
 from mpsched._protocol import (
     Buffer,
     ChildState,
-    ResultStatus,
     dump_exception,
 )
 from mpsched._shm import release_if_orphaned
@@ -353,9 +352,9 @@ class Recovering(CoordinatorState):
         self.drop_stashed([handle], _RESULT_NBYTES)  # overwritten below
         slab.release_result_chain(handle)  # a result the dead worker wrote: overwritten too
         error = WorkerCrashedError(crash_message(worker, code), code)
-        if not slab.write_result(handle, ResultStatus.ERROR, dump_exception(error)):
+        if not slab.write_result(handle, _ERROR, dump_exception(error)):
             raise ProtocolError("a crash report does not fit in a block")
-        parent = slab.get_word(handle, BlockField.PARENT)
+        parent = slab.get_word(handle, _PARENT)
         previous = self.slots[parent].exchange_block_state(slab, handle, _CHILD_DONE)
         self.header.add_live_children(-1)
         if previous == _CHILD_ABANDONED:
