@@ -12,14 +12,14 @@ run as long as all before it), reads the clock after each run, and stops once ``
 seconds have passed. So a chunk holds at most about twice its budget of work (or one item),
 whatever its length: ``Pool.map`` sends the items it did not run again.
 
-A chunk pickles its own results (with the worker's ``dumps``) and returns their bytes: ``map``
+A chunk pickles its own results (``dumps_result``) and returns their bytes: ``map``
 reads their size (``len``) to bound the results of later chunks, and unpickles them itself. The
 worker's own pickling of that tuple copies the bytes once more; it needs no size field of the
 pool's result path for every task. Given a finite ``max_bytes`` (map does, while its results'
 size is unknown or large), a chunk pickles each run's results as the run ends and stops, as at
 its budget, once they hold ``max_bytes``: it returns one piece per run, and a chunk of 64 small
 arguments with 1 MB results no longer returns 64 MB. Otherwise it pickles them once, at the end
-(one piece: each ``dumps`` costs ~1 us, and a chunk of 4,096 tiny results would run 13 of them).
+(one piece: each pickling costs ~1 us, and a chunk of 4,096 tiny results would run 13 of them).
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from typing import Any
 
 from mpsched._children import announce_result
 from mpsched._protocol import dump_exception
-from mpsched._serialize import dumps, first_unpicklable
+from mpsched._serialize import dumps_result, first_unpicklable
 
 
 def run_chunk(
     fn: Callable[..., Any], items: list[Any], star: bool, budget: float, max_bytes: float
 ) -> tuple[list[bytes], float, bytes | None]:
     """``[fn(x) for x in items]`` (``fn(*x)`` if ``star``), or a prefix of it if ``budget``
-    seconds ran out or its pickled results reached ``max_bytes``, pickled (``_serialize.dumps``)
+    seconds ran out or its pickled results reached ``max_bytes``, pickled (``dumps_result``)
     in pieces, each a list, to be concatenated in order; the seconds it took (map sizes chunks
     by it); and None, or the pickled error (``dump_exception``) of the item that raised after
     the ones in the prefix.
@@ -94,18 +94,19 @@ def _run(
 
 
 def _dump_results(results: list[Any], *, first: bool) -> tuple[bytes, bytes | None]:
-    """``dumps(results)`` and None; if a result does not pickle, the results before it pickled
-    and that one's pickling error (``dump_exception``), for ``map`` to raise after yielding
-    them. Raises the error if it is the chunk's first result (``first``: nothing before it in
-    ``pieces``), as for an item that raised. One ``dumps`` per result, on that path only."""
+    """``dumps_result(results)`` and None; if a result does not pickle, the results before it
+    pickled and that one's pickling error (``dump_exception``), for ``map`` to raise after
+    yielding them. Raises the error if it is the chunk's first result (``first``: nothing
+    before it in ``pieces``), as for an item that raised. One ``dumps_result`` per result, on
+    that path only."""
     try:
-        return dumps(results), None
+        return dumps_result(results), None
     except Exception as whole:
         error: Exception = whole
-    found = first_unpicklable(results)
+    found = first_unpicklable(results, dumps_result)
     if found is None:
         raise error  # each pickles alone, not together (state shared between them): as before
     index, exc = found
     if first and index == 0:
         raise exc
-    return dumps(results[:index]), dump_exception(exc)
+    return dumps_result(results[:index]), dump_exception(exc)

@@ -57,7 +57,15 @@ _loads = pickle.loads
 
 
 class TaskPicklingError(pickle.PicklingError, TypeError):
-    """A task's function or arguments cannot be pickled (raised at submit, in the caller)."""
+    """A task's function or arguments cannot be pickled (raised at submit, in the caller), or
+    its result (in the worker: then it is the task's error, on its future)."""
+
+
+_ARGUMENT_ADVICE = "Pass picklable arguments, or share the data another way."
+_RESULT_ADVICE = (
+    "A task's result goes back to the pool's process: return picklable values, or share the "
+    "data another way."
+)
 
 
 def dumps(obj: Any) -> bytes:
@@ -65,23 +73,40 @@ def dumps(obj: Any) -> bytes:
     try:
         return _dumps(obj, PICKLE_PROTOCOL)
     except Exception as plain_error:
-        try:
-            return _cloudpickle().dumps(obj, PICKLE_PROTOCOL)  # type: ignore[no-any-return]
-        except Exception as cloud_error:
-            raise TaskPicklingError(
-                f"cannot pickle {_describe(obj)}: {safe_repr(cloud_error)} (plain pickle: "
-                f"{safe_repr(plain_error)}). Pass picklable arguments, or share the data "
-                "another way."
-            ) from cloud_error
+        what = f"cannot pickle {_describe(obj)}"
+        return _dumps_by_value(obj, plain_error, what, _ARGUMENT_ADVICE)
 
 
-def first_unpicklable(objs: list[Any]) -> tuple[int, Exception] | None:
-    """The index of the first of ``objs`` that ``dumps`` cannot pickle alone, and its error;
-    None if each pickles alone. One ``dumps`` per object: for error paths only, once the list
-    as a whole failed (a map chunk's items, its results)."""
+def dumps_result(obj: Any) -> bytes:
+    """``dumps`` for what a task returned, in the worker: an error that says it is the result
+    (the arguments' advice, given for a result, sent users to the wrong end of the task)."""
+    try:
+        return _dumps(obj, PICKLE_PROTOCOL)
+    except Exception as plain_error:
+        what = f"cannot pickle the result {_describe(obj)}"
+        return _dumps_by_value(obj, plain_error, what, _RESULT_ADVICE)
+
+
+def _dumps_by_value(obj: Any, plain_error: Exception, what: str, advice: str) -> bytes:
+    """``dumps``'s second try, once plain pickle failed with ``plain_error``: cloudpickle, or a
+    TaskPicklingError with both errors."""
+    try:
+        return _cloudpickle().dumps(obj, PICKLE_PROTOCOL)  # type: ignore[no-any-return]
+    except Exception as cloud_error:
+        raise TaskPicklingError(
+            f"{what}: {safe_repr(cloud_error)} (plain pickle: {safe_repr(plain_error)}). {advice}"
+        ) from cloud_error
+
+
+def first_unpicklable(
+    objs: list[Any], dump: Callable[[Any], bytes] = dumps
+) -> tuple[int, Exception] | None:
+    """The index of the first of ``objs`` that ``dump`` cannot pickle alone, and its error;
+    None if each pickles alone. One ``dump`` per object: for error paths only, once the list
+    as a whole failed (a map chunk's items; its results, with ``dumps_result``)."""
     for index, obj in enumerate(objs):
         try:
-            dumps(obj)
+            dump(obj)
         except Exception as exc:
             return index, exc
     return None

@@ -81,7 +81,7 @@ from mpsched._protocol import (
     recv_message,
     send_data,
 )
-from mpsched._serialize import INLINE, decode_call, dumps
+from mpsched._serialize import INLINE, decode_call, dumps_result
 from mpsched._shm import SharedFd
 from mpsched._shm_deque import StealResult
 
@@ -234,7 +234,7 @@ class Worker(Children):
             pushed = True
             value = fn(*args, **kwargs)
             del fn, args, kwargs
-            status, out = _OK, dumps(value)
+            status, out = _OK, dumps_result(value)
             del value
         except TaskCancelled as exc:
             # Cancelled only if asked to: a TaskCancelled raised unprompted is an error.

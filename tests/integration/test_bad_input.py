@@ -193,7 +193,14 @@ def test_a_task_that_exits_crashes_forks_or_starts_threads(case: Case, ctx: Any)
 _CHILD_UNPICKLING_FAILED = "RuntimeError: the task's result could not be unpickled: {}"
 
 PICKLING_CASES = [
-    Case("unpicklable result", tasks.unpicklable_result, (), TaskPicklingError, "pickle"),
+    Case(
+        "unpicklable result",
+        tasks.unpicklable_result,
+        (),
+        TaskPicklingError,
+        # It names the result, and says what to return (not "pass picklable arguments").
+        r"cannot pickle the result <unlocked _thread\.lock.*return picklable values",
+    ),
     Case(
         "unpicklable result whose repr() raises",
         bt.return_instance,
@@ -250,6 +257,18 @@ PICKLING_CASES = [
         (bt.ExitAtUnpickle,),
         check=lambda v: (
             v == [_CHILD_UNPICKLING_FAILED.format("SystemExit('exit at unpickle')")] * 2 + ["2"]
+        ),
+    ),
+    Case(
+        "child result that does not pickle",
+        bt.child_result_asked_twice,
+        (bt.ErrorAtPickle,),
+        check=lambda v: (
+            len(v) == 3
+            and v[0] == v[1]
+            and v[0].startswith("TaskPicklingError: cannot pickle the result <")
+            and "return picklable values" in v[0]
+            and v[2] == "2"
         ),
     ),
     Case(
