@@ -96,6 +96,14 @@ def _coordinator_lock_wrapped(pool: Pool, wrapper: type[_AcquireThenInterrupt]) 
         coordinator.lock = real
 
 
+@pytest.fixture
+def short_left_lock_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``release_if_left`` waits ``LEFT_LOCK_WAIT`` (2 s) for another holder before it decides
+    that the lock is its own thread's: where an ``_AcquireThenInterrupt`` took it, it is, and
+    0.2 s decides the same (~2 s less for each of these tests)."""
+    monkeypatch.setattr(_future, "LEFT_LOCK_WAIT", 0.2)
+
+
 class _AcquireThenInterrupt:
     """A ``threading.Lock`` whose next blocking ``acquire()`` in the main thread takes it, then
     raises a Ctrl-C's KeyboardInterrupt: the eval loop runs signal handlers just after a call
@@ -142,7 +150,7 @@ def _interrupt_cancel(pool: Pool) -> None:
     "call", [_interrupt_submit, _interrupt_schedule, _interrupt_cancel], ids=lambda f: f.__name__
 )
 def test_a_ctrl_c_as_the_coordinators_lock_is_taken_leaves_it_not_taken(
-    call: Callable[[Pool], None],
+    call: Callable[[Pool], None], short_left_lock_wait: None
 ) -> None:
     """A Ctrl-C just after a user thread's ``acquire()`` of the coordinator's lock returned, at
     the call's signal check before the ``try`` that releases it: the lock stayed taken for ever,
@@ -160,7 +168,7 @@ def test_a_ctrl_c_as_the_coordinators_lock_is_taken_leaves_it_not_taken(
 
 @pytest.mark.timeout(30)
 def test_a_ctrl_c_as_the_condition_lock_is_taken_leaves_it_not_taken(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, short_left_lock_wait: None
 ) -> None:
     """The same window in ``Future.cancel`` (``_mark_cancelled``) on the lock that guards the
     creation of every future's condition, of every pool: every later settle waited for it."""
@@ -493,7 +501,7 @@ def test_a_ctrl_c_after_a_cancel_withdrew_the_task_ends_its_future(
 
 @pytest.mark.timeout(30)
 def test_a_ctrl_c_as_a_cancel_takes_the_condition_lock_still_ends_the_future(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, short_left_lock_wait: None
 ) -> None:
     """A Ctrl-C in ``_mark_cancelled`` just after it took ``_CONDITION_LOCK``: the lock was let
     go (``release_if_left``), but the future, withdrawn already, stayed pending for ever."""
