@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import time
 
 from mpsched._errors import InternalError, TaskCancelled, timeout_error
@@ -74,6 +75,15 @@ _CANCEL_REQUESTED = TopState.CANCEL_REQUESTED
 
 # The Worker of this process, set by worker_main; None outside workers.
 _current: Worker | None = None
+
+# Frames of mpsched's own between a task and a task it runs nested in it: ``ChildFuture.result``,
+# ``_wait``, ``join`` and ``Worker.run`` when a join helps; ``submit``, ``spawn`` and
+# ``run_inline`` when a child runs inline. The recursion limit rises by them for the nested
+# run, so that they do not count against the tasks' own recursion: with the default limit of
+# 1,000, a chain of tasks each joining its child stopped at ~230 levels (RecursionError), where
+# the same recursion in one process goes ~990 deep.
+JOIN_FRAMES = 4
+INLINE_FRAMES = 3
 
 
 def submit(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> ChildFuture:
@@ -338,7 +348,7 @@ class Children:
         # Decoding runs user code (the arguments' unpickling, the function's import): its
         # error is the child's, as when a peer runs it (it escaped from mpsched.submit).
         contexts = self.contexts
-        pushed = False
+        pushed = raised = False
         try:
             fid, fn, args, kwargs, _ = decode_call(payload)
             if fid != INLINE:
@@ -347,6 +357,8 @@ class Children:
             # parent's id and version, and its cancel flag (a child has none).
             contexts.append((-1, False))
             pushed = True
+            sys.setrecursionlimit(sys.getrecursionlimit() + INLINE_FRAMES)
+            raised = True
             value = fn(*args, **kwargs)
         except BaseException as exc:  # user code: reported as a child's error is
             return ChildFuture.settled(self, None, dump_exception(exc))
@@ -357,6 +369,13 @@ class Children:
             # child): uncounted, a deep chain or a full deque made the per-worker counts
             # fall short of what ran.
             self.me.count_inline_run()
+            # Last, with no Python call (a helper's frame, or contextlib.suppress's __enter__,
+            # at the limit's depth raised RecursionError instead of lowering it: it crept up).
+            if raised:
+                try:  # noqa: SIM105
+                    sys.setrecursionlimit(sys.getrecursionlimit() - INLINE_FRAMES)
+                except RecursionError:  # the task set a limit under this depth: leave it
+                    pass
         return ChildFuture.settled(self, value, None)
 
     def finish_child(self, handle: int, parent: int) -> None:
@@ -453,7 +472,14 @@ class Children:
                 raise timeout_error("the child task did not finish in time")
             found = self.find_work() if self.depth < MAX_NESTING - 1 else -1
             if found >= 0:
-                self.run(found)
+                sys.setrecursionlimit(sys.getrecursionlimit() + JOIN_FRAMES)
+                try:
+                    self.run(found)
+                finally:  # as in run_inline: no Python call
+                    try:  # noqa: SIM105
+                        sys.setrecursionlimit(sys.getrecursionlimit() - JOIN_FRAMES)
+                    except RecursionError:
+                        pass
                 if self.abandoned:
                     self.release_abandoned()
             else:

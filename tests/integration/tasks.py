@@ -75,6 +75,15 @@ def fib(n: int) -> int:
     return a.result() + b
 
 
+def chain(n: int) -> int:
+    """``n``, counted by a chain of ``n`` nested tasks, each joining the child it spawns."""
+    return 0 if n == 0 else 1 + mpsched.submit(chain, n - 1).result()
+
+
+def recursion_limit() -> int:
+    return sys.getrecursionlimit()
+
+
 def rsum(lo: int, hi: int, leaf: int) -> int:
     if hi - lo <= leaf:
         return sum(range(lo, hi))
