@@ -377,9 +377,9 @@ class Pool(concurrent.futures.Executor):
 
         Raises:
             TypeError: no iterable (as the builtin ``map``); ``fn`` is not callable;
-                ``timeout`` is not a number (a bool is not) or None.
-            ValueError: ``chunksize`` is not a positive int (a bool is not) or None;
-                ``timeout`` is NaN.
+                ``chunksize`` is not an int (a bool is not) or None; ``timeout`` is not a
+                number (a bool is not) or None.
+            ValueError: ``chunksize`` is less than 1; ``timeout`` is NaN.
             PoolClosedError: the pool is shutting down or shut down (from the iterator too,
                 where a chunk could not be sent, after the results of those sent before).
             TimeoutError: from the iterator, if a result is not ready ``timeout`` seconds
@@ -391,10 +391,11 @@ class Pool(concurrent.futures.Executor):
         """
         if not iterables:  # as the builtin map: at the call, not at the first next()
             raise TypeError("Pool.map() needs at least one iterable")
-        if chunksize is not None and (
-            isinstance(chunksize, bool) or not isinstance(chunksize, int) or chunksize < 1
-        ):
-            raise ValueError(f"chunksize must be a positive int or None, not {chunksize!r}")
+        if chunksize is not None:
+            if isinstance(chunksize, bool) or not isinstance(chunksize, int):
+                raise TypeError(f"chunksize must be an int or None, not {type(chunksize).__name__}")
+            if chunksize < 1:
+                raise ValueError(f"chunksize must be at least 1, not {chunksize}")
         if not callable(fn):  # as submit: at the call, not from the first chunk
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         if timeout is not None:

@@ -296,10 +296,22 @@ def test_map_chunksize_beyond_sys_maxsize_is_one_chunk(pool2: Pool) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("chunksize", [0, -1, 1.5, "2", True, False], ids=repr)
-def test_map_bad_chunksize(pool2: Pool, chunksize: object) -> None:
-    """At the call, not at the first ``next()``; a bool is not a chunk size (True is 1)."""
-    with pytest.raises(ValueError, match="chunksize"):
+@pytest.mark.parametrize(
+    ("chunksize", "error"),
+    [
+        (0, ValueError),
+        (-1, ValueError),
+        (1.5, TypeError),
+        ("2", TypeError),
+        (True, TypeError),
+        (False, TypeError),
+    ],
+    ids=repr,
+)
+def test_map_bad_chunksize(pool2: Pool, chunksize: object, error: type[Exception]) -> None:
+    """At the call, not at the first ``next()``; a wrong type is a TypeError (as for
+    ``timeout``), a value below 1 a ValueError; a bool is not a chunk size (True is 1)."""
+    with pytest.raises(error, match="chunksize"):
         pool2.map(tasks.ident, [1], chunksize=chunksize)  # type: ignore[arg-type]
 
 
