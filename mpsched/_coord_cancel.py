@@ -31,6 +31,7 @@ import os
 import signal
 import time
 from collections.abc import Hashable, Iterable
+from concurrent.futures._base import PENDING
 
 from mpsched._coord_state import (
     _STATE,
@@ -53,7 +54,13 @@ class Cancelling(CoordinatorState):
         will never run."""
         if self.disowned:  # a fork child's copy: the task is the parent's (see __init__)
             return False
-        with self.lock:
+        lock = self.lock
+        try:
+            lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+        except BaseException:  # a Ctrl-C may leave it taken: see _future.LEFT_LOCK_WAIT
+            release_if_left(lock)
+            raise
+        try:
             try:
                 if not self.withdraw(future):
                     return False
@@ -71,6 +78,8 @@ class Cancelling(CoordinatorState):
             if due is not None and due < self.sleep_until:  # as schedule() does
                 self.sleep_until = due
                 wake = True
+        finally:
+            lock.release()
         if wake:
             self.wakeup()
         return True
@@ -111,7 +120,7 @@ class Cancelling(CoordinatorState):
         if future._owner is FINISHING:  # it ran; its outcome is being set (end_runs)
             return False
         if future._handle < 0:  # in the ready queue or the timetable: dispatch skips it
-            if future._withdrawn or future.done():
+            if future._withdrawn or future._state != PENDING:  # done(), a frame less
                 # Cancelled by a racing cancel by id or reschedule (which mark the future
                 # after taking its version out of the heap): it will not run either.
                 return future._withdrawn or future.cancelled()

@@ -273,8 +273,9 @@ class Future(concurrent.futures.Future[Any]):
         Returns:
             True if the future is cancelled; False if the task was claimed or has finished.
         """
-        if self.done():
-            return self.cancelled()
+        state = self._state
+        if state in _DONE_STATES:  # done() and cancelled(), two frames less
+            return state in _CANCELLED_STATES
         owner = self._owner
         try:
             if owner is not None and not owner.cancel(self):

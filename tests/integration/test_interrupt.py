@@ -167,6 +167,26 @@ def test_a_ctrl_c_as_the_coordinators_lock_is_taken_leaves_it_not_taken(
 
 
 @pytest.mark.timeout(30)
+def test_a_ctrl_c_as_future_cancel_takes_the_coordinators_lock_leaves_it_not_taken(
+    short_left_lock_wait: None,
+) -> None:
+    """The same window in ``Future.cancel`` (``Coordinator.cancel`` takes the lock bare, as the
+    other per-task paths do); interrupted before its withdrawal, the task is still there to
+    cancel."""
+    with Pool(1) as pool:
+        future = pool.schedule("later", time.monotonic() + 600, 0, tasks.ident, 1)
+        with _coordinator_lock_wrapped(pool, _AcquireThenInterrupt) as real:
+            with pytest.raises(KeyboardInterrupt):
+                future.cancel()
+            _poll(lambda: real.acquire(False) and (real.release() or True), "lock left taken")
+            if real.locked() and not _released_within(real, 3.0):
+                real.release()  # the failure above is the finding; let the exit go on
+        assert not future.done()
+        assert future.cancel()
+        assert future.cancelled()
+
+
+@pytest.mark.timeout(30)
 def test_a_ctrl_c_as_the_condition_lock_is_taken_leaves_it_not_taken(
     monkeypatch: pytest.MonkeyPatch, short_left_lock_wait: None
 ) -> None:
