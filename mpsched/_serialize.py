@@ -73,8 +73,7 @@ def dumps(obj: Any) -> bytes:
     try:
         return _dumps(obj, PICKLE_PROTOCOL)
     except Exception as plain_error:
-        what = f"cannot pickle {_describe(obj)}"
-        return _dumps_by_value(obj, plain_error, what, _ARGUMENT_ADVICE)
+        return _dumps_by_value(obj, plain_error, "", _ARGUMENT_ADVICE)
 
 
 def dumps_result(obj: Any) -> bytes:
@@ -83,18 +82,19 @@ def dumps_result(obj: Any) -> bytes:
     try:
         return _dumps(obj, PICKLE_PROTOCOL)
     except Exception as plain_error:
-        what = f"cannot pickle the result {_describe(obj)}"
-        return _dumps_by_value(obj, plain_error, what, _RESULT_ADVICE)
+        return _dumps_by_value(obj, plain_error, "the result ", _RESULT_ADVICE)
 
 
 def _dumps_by_value(obj: Any, plain_error: Exception, what: str, advice: str) -> bytes:
     """``dumps``'s second try, once plain pickle failed with ``plain_error``: cloudpickle, or a
-    TaskPicklingError with both errors."""
+    TaskPicklingError that names ``obj`` (after ``what``) and gives both errors. The name is
+    made only then: a repr runs user code, and a lambda result pickles here at every task."""
     try:
         return _cloudpickle().dumps(obj, PICKLE_PROTOCOL)  # type: ignore[no-any-return]
     except Exception as cloud_error:
         raise TaskPicklingError(
-            f"{what}: {safe_repr(cloud_error)} (plain pickle: {safe_repr(plain_error)}). {advice}"
+            f"cannot pickle {what}{_describe(obj)}: {safe_repr(cloud_error)} (plain pickle: "
+            f"{safe_repr(plain_error)}). {advice}"
         ) from cloud_error
 
 

@@ -68,6 +68,28 @@ def test_unpicklable_argument_names_the_arguments() -> None:
         encode_call(0, None, (threading.Lock(),), {}, ("ok",))
 
 
+@pytest.mark.parametrize("dump", [_serialize.dumps, _serialize.dumps_result])
+def test_what_cloudpickle_takes_is_pickled_without_a_repr(dump: Callable[[Any], bytes]) -> None:
+    """Plain pickle fails on a local class, cloudpickle takes it: no repr is made for an error
+    message that never comes (it runs user code, at every such task's result)."""
+    reprs = []
+
+    class Local:
+        def __repr__(self) -> str:
+            reprs.append(1)
+            return "Local()"
+
+    assert type(pickle.loads(dump(Local()))).__name__ == "Local"
+    assert reprs == []
+
+
+def test_a_result_that_does_not_pickle_is_named_as_the_result() -> None:
+    with pytest.raises(TaskPicklingError, match=r"cannot pickle the result <unlocked.*return"):
+        _serialize.dumps_result(threading.Lock())
+    with pytest.raises(TaskPicklingError, match=r"cannot pickle <unlocked.*Pass picklable"):
+        _serialize.dumps(threading.Lock())
+
+
 def test_lambda_goes_inline_by_value() -> None:
     offset = 5
     data = encode_call(INLINE, lambda x: x + offset, (1,), {})
