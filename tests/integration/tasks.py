@@ -80,6 +80,14 @@ def chain(n: int) -> int:
     return 0 if n == 0 else 1 + mpsched.submit(chain, n - 1).result()
 
 
+def chain_raise(n: int) -> int:
+    """A chain of ``n`` nested tasks, each joining its child; the last raises ValueError("leaf"),
+    and each level re-raises its child's error."""
+    if n == 0:
+        raise ValueError("leaf")
+    return 1 + mpsched.submit(chain_raise, n - 1).result()
+
+
 def recursion_limit() -> int:
     return sys.getrecursionlimit()
 
