@@ -38,7 +38,7 @@ from mpsched._coord_state import (
     CoordinatorState,
     WorkerHandle,
 )
-from mpsched._future import FINISHING, Future, release_if_left
+from mpsched._future import FINISHING, Future, mark_all_cancelled, release_if_left
 from mpsched._options import TaskOptions
 from mpsched._protocol import TopState
 from mpsched._scheduler import check_task_id
@@ -220,26 +220,14 @@ class Cancelling(CoordinatorState):
         except BaseException as exc:
             # Before, or during, the marks: every future withdrawn above is marked (a mark
             # done already is a no-op), or it stayed pending for ever with its waiters.
-            self.mark_cancelled(pending, rec, handed)
+            withdrawn = (pending, None if rec is None else rec.future, handed)
+            mark_all_cancelled([f for f in withdrawn if f is not None])
             if isinstance(exc, TypeError):
                 check_task_id(task_id)  # unhashable: say so, as Pool.state does
             raise
         if wake:  # only this thread may touch a running task's block: see apply_requests
             self.wakeup()
         return pending is not None or rec is not None or handed is not None or wake
-
-    @staticmethod
-    def mark_cancelled(
-        pending: Future | None, rec: Recurrence | None, handed: Future | None
-    ) -> None:
-        """``cancel_id``'s marks again, in its exception handler (``_mark_cancelled`` is a
-        no-op for a future marked already)."""
-        if pending is not None:
-            pending._mark_cancelled()
-        if rec is not None:
-            rec.future._mark_cancelled()
-        if handed is not None:
-            handed._mark_cancelled()
 
     def apply_requests(self) -> None:
         """Cancel requests for running tasks: set the flag the task polls, or kill its worker
