@@ -8,6 +8,7 @@ side-effect log (O_APPEND lines written by the tasks themselves).
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import random
@@ -547,7 +548,8 @@ def test_an_unhashable_id_is_named_by_cancel_and_state() -> None:
 
 def test_cancel_keeps_its_signature_and_a_subclass_keeps_its_override() -> None:
     """A pool binds its coordinator's cancel as ``cancel`` (a frame less per call): ``force``
-    stays keyword-only, and a subclass's own ``cancel`` is the one called."""
+    stays keyword-only, help() and inspect show the public method (not the coordinator's
+    docstring and its recurrence argument), and a subclass's own ``cancel`` is the one called."""
     calls = []
 
     class Tracing(Pool):
@@ -556,6 +558,9 @@ def test_cancel_keeps_its_signature_and_a_subclass_keeps_its_override() -> None:
             return super().cancel(task_id, force=force)  # type: ignore[arg-type]
 
     with Pool(1) as pool:
+        assert pool.cancel.__doc__ == Pool.cancel.__doc__
+        assert list(inspect.signature(pool.cancel).parameters) == ["task_id", "force"]
+        assert pool.cancel.__qualname__ == "Pool.cancel"
         pool.schedule("t", time.monotonic() + 3600, 0, tasks.ident, 1)
         with pytest.raises(TypeError):
             pool.cancel("t", True)  # type: ignore[misc]
