@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import importlib
 
-from mpsched._errors import BrokenPoolError as BrokenPoolError
 from mpsched._errors import InvalidTransition as InvalidTransition
 from mpsched._errors import MpschedError as MpschedError
 from mpsched._errors import PoolClosedError as PoolClosedError
 from mpsched._errors import SchedulerClosed as SchedulerClosed
 from mpsched._errors import TaskCancelled as TaskCancelled
-from mpsched._errors import WorkerCrashedError as WorkerCrashedError
 
 # typing.TYPE_CHECKING without importing typing: the zygote imports this package and the
 # worker-side modules, and typing would add a few ms to every pool's start-up (the modules the
@@ -39,6 +37,8 @@ if TYPE_CHECKING:
     from mpsched._options import TaskOptions as TaskOptions
     from mpsched._pool import Pool as Pool
     from mpsched._pool import TaskSubmitter as TaskSubmitter
+    from mpsched._pool_errors import BrokenPoolError as BrokenPoolError
+    from mpsched._pool_errors import WorkerCrashedError as WorkerCrashedError
     from mpsched._scheduler import Scheduler as Scheduler
     from mpsched._serialize import TaskPicklingError as TaskPicklingError
     from mpsched._statistics import PoolStatistics as PoolStatistics
@@ -48,9 +48,11 @@ if TYPE_CHECKING:
     from mpsched._task import Wait as Wait
 
 # Imported on first use: the zygote and the workers import this package too, and must not pay
-# for the coordinator's side (concurrent.futures, threads, the pool, the scheduler's types and
-# the enum and named tuple classes they build) on every start-up.
+# for the coordinator's side (concurrent.futures, threads, the pool, the scheduler's types,
+# the enum and named tuple classes they build, the errors that are concurrent.futures') on
+# every start-up.
 _LAZY = {
+    "BrokenPoolError": "mpsched._pool_errors",
     "ChildFuture": "mpsched._children",
     "Due": "mpsched._task",
     "Future": "mpsched._future",
@@ -63,6 +65,7 @@ _LAZY = {
     "TaskState": "mpsched._task",
     "TaskSubmitter": "mpsched._pool",
     "Wait": "mpsched._task",
+    "WorkerCrashedError": "mpsched._pool_errors",
     "WorkerStatistics": "mpsched._statistics",
     "current_task": "mpsched._children",
     "submit": "mpsched._children",

@@ -35,13 +35,13 @@ from mpsched._coord_state import (
     CoordinatorState,
 )
 from mpsched._errors import (
-    BrokenPoolError,
     InternalError,
     ProtocolError,
     timeout_error,
 )
 from mpsched._future import FINISHING, Future, defer_callbacks, invoke_all
 from mpsched._payloads import BlockField
+from mpsched._pool_errors import BrokenPoolError
 from mpsched._protocol import (
     Buffer,
     dump_exception,

@@ -30,8 +30,8 @@ from mpsched._coord_state import (
     WorkerHandle,
     logger,
 )
-from mpsched._errors import BrokenPoolError
 from mpsched._future import FINISHING, Future, mark_all_cancelled
+from mpsched._pool_errors import BrokenPoolError
 from mpsched._protocol import (
     Tag,
     encode,

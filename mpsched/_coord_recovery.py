@@ -40,14 +40,10 @@ from mpsched._coord_state import (
     logger,
     signal_description,
 )
-from mpsched._errors import (
-    BrokenPoolError,
-    ProtocolError,
-    WorkerCrashedError,
-    timeout_error,
-)
+from mpsched._errors import ProtocolError, timeout_error
 from mpsched._future import Future
 from mpsched._payloads import BlockField
+from mpsched._pool_errors import BrokenPoolError, WorkerCrashedError
 from mpsched._protocol import (
     Buffer,
     ChildState,

@@ -56,12 +56,12 @@ from mpsched._coord_timed import Timing
 from mpsched._errors import (
     POOL_CLOSED_MESSAGE,
     POOL_NOT_PICKLABLE_MESSAGE,
-    BrokenPoolError,
     PoolClosedError,
     ProtocolError,
 )
 from mpsched._future import Future, defer_callbacks, release_if_left
 from mpsched._payloads import BlockField
+from mpsched._pool_errors import BrokenPoolError
 from mpsched._protocol import (
     Tag,
     decode,

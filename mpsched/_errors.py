@@ -1,5 +1,9 @@
 """The mpsched exception hierarchy; every class here is public through ``mpsched``.
 
+The two that are also ``concurrent.futures``' (``BrokenPoolError``, ``WorkerCrashedError``) are
+in ``_pool_errors``: this module is the zygote's and the workers', which must not import
+``concurrent.futures`` (~15-30 ms of their start-up, for its logging).
+
 Messages say what happened, the likely causes and what to do next. ``timeout_error`` makes the
 ``TimeoutError`` of a wait or a task out of time, of the class a ``Future`` raises.
 """
@@ -27,22 +31,6 @@ POOL_NOT_PICKLABLE_MESSAGE = (
     "cannot use the pool; inside a task, use mpsched.submit() for child tasks and return what "
     "the caller should do with the pool"
 )
-
-
-class BrokenPoolError(MpschedError, RuntimeError):
-    """The pool cannot be used any more because of an internal failure (see ``__cause__``)."""
-
-
-class WorkerCrashedError(MpschedError):
-    """The worker process running this task died while the task was running.
-
-    Attributes:
-        exitcode: the worker's exit code; negative for a signal (``-9`` is SIGKILL).
-    """
-
-    def __init__(self, message: str, exitcode: int | None = None) -> None:
-        super().__init__(message)
-        self.exitcode = exitcode
 
 
 class TaskCancelled(MpschedError):

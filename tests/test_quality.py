@@ -80,6 +80,7 @@ ZYGOTE_AVOIDS = {
     "mpsched._coord_collect",
     "mpsched._coord_recovery",
     "mpsched._coord_drain",
+    "mpsched._pool_errors",
     "mpsched._task",
 }
 

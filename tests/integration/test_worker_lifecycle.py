@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 
@@ -56,6 +57,7 @@ def test_failing_initializer_breaks_the_pool_with_its_error_and_no_respawn_loop(
         with pytest.raises(BrokenPoolError) as info:
             future.result(timeout=20)
         error = info.value
+    assert isinstance(error, BrokenProcessPool)  # as ProcessPoolExecutor's, for its users' code
     chain = []
     while error is not None:
         chain.append(error)

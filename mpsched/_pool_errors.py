@@ -1,0 +1,36 @@
+"""The pool's errors that are ``concurrent.futures``' too: code written for
+``ProcessPoolExecutor`` (``except BrokenProcessPool``, ``except BrokenExecutor``) catches them.
+
+Raised by the coordinator's side only (``_coordinator`` and its ``_coord_*`` parts), in the
+pool's process, which has ``concurrent.futures`` loaded anyway; a worker loads this module only
+to unpickle one (a child task's crash, reported to the worker that joins it). Kept apart from
+``_errors`` for the zygote's and the workers' start-up (see there).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures.process import BrokenProcessPool
+
+from mpsched._errors import MpschedError
+
+
+class BrokenPoolError(MpschedError, BrokenProcessPool):
+    """The pool cannot be used any more because of an internal failure (see ``__cause__``):
+    an initializer that raised, a zygote that died. A ``RuntimeError`` and a
+    ``concurrent.futures.process.BrokenProcessPool``, as ``ProcessPoolExecutor`` raises then."""
+
+
+class WorkerCrashedError(MpschedError, BrokenProcessPool):
+    """The worker process running this task died while the task was running.
+
+    Only this task fails: the pool replaces the worker and goes on (where
+    ``ProcessPoolExecutor`` fails every pending future with ``BrokenProcessPool``, whose
+    subclass this is, so that code written for it catches this too).
+
+    Attributes:
+        exitcode: the worker's exit code; negative for a signal (``-9`` is SIGKILL).
+    """
+
+    def __init__(self, message: str, exitcode: int | None = None) -> None:
+        super().__init__(message)
+        self.exitcode = exitcode
