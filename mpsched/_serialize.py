@@ -78,11 +78,22 @@ def dumps(obj: Any) -> bytes:
 
 def dumps_result(obj: Any) -> bytes:
     """``dumps`` for what a task returned, in the worker: an error that says it is the result
-    (the arguments' advice, given for a result, sent users to the wrong end of the task)."""
+    (the arguments' advice, given for a result, sent users to the wrong end of the task).
+
+    A SystemExit or KeyboardInterrupt raised here is the result's own (its ``__reduce__``: a
+    worker ignores SIGINT), so it fails the result as any pickling error does: passed on, it
+    ended the future as if the task had called ``sys.exit()``, and a ``map`` chunk lost the
+    results before it."""
     try:
-        return _dumps(obj, PICKLE_PROTOCOL)
-    except Exception as plain_error:
-        return _dumps_by_value(obj, plain_error, "the result ", _RESULT_ADVICE)
+        try:
+            return _dumps(obj, PICKLE_PROTOCOL)
+        except Exception as plain_error:
+            return _dumps_by_value(obj, plain_error, "the result ", _RESULT_ADVICE)
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise TaskPicklingError(
+            f"cannot pickle the result {_describe(obj)}: its pickling raised {safe_repr(exc)}. "
+            f"{_RESULT_ADVICE}"
+        ) from exc
 
 
 def _dumps_by_value(obj: Any, plain_error: Exception, what: str, advice: str) -> bytes:

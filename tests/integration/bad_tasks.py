@@ -38,6 +38,18 @@ class ExitAtPickle:
         raise SystemExit("exit at pickle")
 
 
+class InterruptAtPickle:
+    """Pickling raises KeyboardInterrupt (a BaseException, not an Exception)."""
+
+    def __reduce__(self) -> Any:
+        raise KeyboardInterrupt("interrupt at pickle")
+
+
+def exit_at_pickle_at(i: int, bad: int) -> Any:
+    """``i``, or at ``bad`` a result whose pickling raises SystemExit."""
+    return ExitAtPickle() if i == bad else i
+
+
 class ErrorAtUnpickle:
     """Pickles fine; unpickling raises a ValueError."""
 

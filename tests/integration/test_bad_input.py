@@ -18,6 +18,7 @@ code or signal in the message) and is replaced; nothing is ever lost or hung.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import threading
 import time
@@ -216,13 +217,6 @@ PICKLING_CASES = [
         "error at pickle",
     ),
     Case(
-        "result whose pickling exits",
-        bt.return_instance,
-        (bt.ExitAtPickle,),
-        SystemExit,
-        "exit at pickle",
-    ),
-    Case(
         "result that cannot be unpickled",
         bt.return_instance,
         (bt.ErrorAtUnpickle,),
@@ -321,6 +315,20 @@ PICKLING_CASES = [
         r"result could not be unpickled.*ReprRaisesError",
     ),
     Case(
+        "result whose pickling exits",
+        bt.return_instance,
+        (bt.ExitAtPickle,),
+        TaskPicklingError,
+        r"cannot pickle the result .*SystemExit\('exit at pickle'\)",
+    ),
+    Case(
+        "result whose pickling raises KeyboardInterrupt",
+        bt.return_instance,
+        (bt.InterruptAtPickle,),
+        TaskPicklingError,
+        r"cannot pickle the result .*KeyboardInterrupt\('interrupt at pickle'\)",
+    ),
+    Case(
         "exception whose pickling exits",
         bt.raise_error,
         ("exit-at-pickle",),
@@ -350,6 +358,19 @@ def test_a_map_result_that_cannot_be_unpickled_fails_at_its_position() -> None:
         results = pool.map(bt.return_instance, [int, bt.InterruptAtUnpickle], chunksize=1)
         assert next(results) == 0
         with pytest.raises(KeyboardInterrupt, match="interrupt at unpickle"):
+            next(results)
+        assert_pool_works(pool)
+
+
+@pytest.mark.timeout(60)
+def test_a_map_result_whose_pickling_exits_fails_at_its_position() -> None:
+    """In the worker, a result's SystemExit at pickling is that result's error: the results
+    before it in its chunk still come (they were lost with the chunk, and the map raised a
+    bare SystemExit)."""
+    with bounded_pool(None) as pool:
+        results = pool.map(functools.partial(bt.exit_at_pickle_at, bad=5), range(8), chunksize=8)
+        assert [next(results) for _ in range(5)] == [0, 1, 2, 3, 4]
+        with pytest.raises(TaskPicklingError, match="SystemExit"):
             next(results)
         assert_pool_works(pool)
 
