@@ -104,7 +104,7 @@ def zygote_main(cfg: ZygoteConfig) -> None:
         _print_exc()
         code = 1
     finally:
-        sys.stderr.flush()
+        _flush_std_streams()
         os._exit(code)
 
 
@@ -186,8 +186,7 @@ class _Zygote:
         except BaseException:
             _print_exc()
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            _flush_std_streams()
             os._exit(code)
 
     def _on_child_exit(self, pidfd: int) -> None:
@@ -229,9 +228,7 @@ class ForkedZygote:
     """
 
     def __init__(self, cfg: ZygoteConfig) -> None:
-        for stream in (sys.stdout, sys.stderr):  # buffered output must not be written twice
-            with contextlib.suppress(AttributeError, ValueError):
-                stream.flush()
+        _flush_std_streams()  # buffered output must not be written twice
         parent_pid = os.getpid()
         stdin = None
         if sys.stdin is not None:  # the child's sys.stdin: a reader of fd 0 (/dev/null there)
@@ -279,4 +276,14 @@ class ForkedZygote:
 def _print_exc() -> None:
     import traceback  # only on this path: a few ms at every zygote's start-up otherwise
 
-    traceback.print_exc(file=sys.stderr)
+    with contextlib.suppress(Exception):  # sys.stderr may be None or closed (a task's doing)
+        traceback.print_exc(file=sys.stderr)
+
+
+def _flush_std_streams() -> None:
+    """Flush stdout and stderr before ``os._exit`` or a fork. A task may have replaced or
+    closed them (``sys.stdout = None``): that is no error of the worker's exit (it printed a
+    traceback that blamed the zygote's code, and the worker exited with code 1)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            stream.flush()

@@ -383,6 +383,36 @@ def test_main_module_tasks_and_a_pool_never_shut_down(
     assert not alive, f"processes of the script still alive after its exit: {alive}"
 
 
+# Tasks that take their worker's stdout and stderr away: the workers' exits (retired after a
+# task, then at shutdown) flush them.
+STREAMS_TAKEN = """
+def take_streams(which):
+    if which == "none":
+        sys.stdout = sys.stderr = None
+    else:
+        sys.stdout.close()
+    return which
+
+if __name__ == "__main__":
+    with mpsched.Pool(2, start_method=sys.argv[1], max_tasks_per_worker=1) as pool:
+        print(sorted(pool.map(take_streams, ["none", "closed", "none", "closed"], chunksize=1)))
+        print(pool.statistics().crashes, flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_task_that_takes_its_workers_streams_away_leaves_a_clean_exit(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    """The worker's exit printed a traceback that blamed the zygote's code (``flush`` of a
+    ``None`` stdout) and exited with code 1."""
+    result = _run(tmp_path, STREAMS_TAKEN, start_method, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout.splitlines() == ["['closed', 'closed', 'none', 'none']", "0"]
+
+
 # A user's fork child that outlives its parent; the parent is then SIGKILLed.
 USER_FORK_OUTLIVES = """
 import json, os, signal
