@@ -147,6 +147,17 @@ def make_bytes(n: int) -> bytes:
     return b"x" * n
 
 
+class Blob:
+    """A result that a weak reference can watch (bytes cannot be weakly referenced)."""
+
+    def __init__(self, n: int) -> None:
+        self.data = b"x" * n
+
+
+def make_blob(n: int) -> Blob:
+    return Blob(n)
+
+
 def nested_big(n: int) -> int:
     child = mpsched.submit(make_bytes, n)
     return len(child.result())

@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, wait
 from pathlib import Path
@@ -285,6 +286,22 @@ def test_a_pool_is_an_executor_that_asyncio_can_run_in(pool2: Pool) -> None:
         )
 
     assert asyncio.run(run_all()) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunksize", [1, 25, None])
+def test_map_lets_go_of_each_big_result_once_the_caller_did(
+    pool2: Pool, chunksize: int | None
+) -> None:
+    """As the stdlib's map (bpo-14406): a result is freed once the caller drops it (a chunk's
+    list kept all of its results, and their memory, until its last was yielded)."""
+    seen = 0
+    for blob in pool2.map(tasks.make_blob, [4096] * 60, chunksize=chunksize):
+        ref = weakref.ref(blob)
+        del blob
+        assert ref() is None
+        seen += 1
+    assert seen == 60
 
 
 @pytest.mark.timeout(60)
