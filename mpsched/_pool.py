@@ -493,11 +493,15 @@ class Pool(concurrent.futures.Executor):
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
-        # Leaving on Ctrl-C (or another non-Exception interrupt) means "stop now": what no
-        # worker has claimed is cancelled, and running tasks are stopped too (their workers are
-        # killed, as by cancel(force=True); their futures end cancelled), so that the exit
-        # cannot wait on a long task. Workers ignore SIGINT, so none prints a traceback.
-        interrupted = exc_type is not None and not issubclass(exc_type, Exception)
+        # Leaving on Ctrl-C (or another non-Exception interrupt: SystemExit, asyncio's
+        # CancelledError, which is how Ctrl-C reaches a coroutine under asyncio.run) means
+        # "stop now": what no worker has claimed is cancelled, and running tasks are stopped
+        # too (their workers are killed, as by cancel(force=True); their futures end
+        # cancelled), so that the exit cannot wait on a long task. Workers ignore SIGINT, so
+        # none prints a traceback. GeneratorExit is no interrupt: a generator closed by its
+        # consumer or by the garbage collector (it killed the running tasks of a generator
+        # whose consumer stopped early).
+        interrupted = exc_type is not None and not issubclass(exc_type, (Exception, GeneratorExit))
         if interrupted and self._started:
             self.shutdown(wait=False, cancel_futures=True)
             self._coordinator.abort_running()

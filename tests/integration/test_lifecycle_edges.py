@@ -5,10 +5,13 @@ and what a shut-down pool answers."""
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +19,7 @@ import pytest
 from mpsched import Pool, PoolClosedError
 
 from . import tasks
+from .conditions import Fifos, wait_until
 
 
 @pytest.mark.parametrize(
@@ -115,3 +119,55 @@ def test_a_fork_pool_made_while_another_pool_lives(first: str) -> None:
         assert (name, daemon, parent, parent_alive) == ("mpsched-zygote", True, os.getpid(), True)
         assert a.submit(tasks.add, 1, 2).result(timeout=20) == 3
         assert b.submit(tasks.add, 3, 4).result(timeout=20) == 7
+
+
+def _open_gate_while_read(gate: str, give_up: Callable[[], bool]) -> None:
+    """Release a task waiting at ``gate`` once it reads it; a task that was killed never
+    does: then stop once ``give_up()``."""
+
+    def release() -> bool:
+        try:
+            fd = os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:  # ENXIO: no reader yet (or any more)
+            if exc.errno != errno.ENXIO:
+                raise
+            return give_up()
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+        return True
+
+    wait_until(release, "the task reads its gate (or ended)")
+
+
+@pytest.mark.timeout(60)
+def test_a_generator_closed_inside_a_with_block_lets_the_running_task_finish(
+    tmp_path: Path,
+) -> None:
+    """GeneratorExit (a generator closed by its consumer, or by the garbage collector) leaves
+    the ``with`` block as any ordinary exit does, as with ProcessPoolExecutor: the running
+    task finishes. It was taken for a Ctrl-C, which kills the workers that run tasks."""
+    fifos = Fifos(tmp_path)
+    pools: list[Pool] = []
+
+    def produce() -> Iterator[Any]:
+        with Pool(1) as pool:
+            pools.append(pool)
+            yield pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 7)
+            yield None  # never reached: the consumer closes the generator
+
+    gen = produce()
+    future = next(gen)
+    tasks.wait_started(fifos.started)
+
+    def release() -> None:
+        wait_until(lambda: pools[0]._closed, "the with block's shutdown began")
+        _open_gate_while_read(fifos.gate, future.done)
+
+    opener = threading.Thread(target=release)
+    opener.start()
+    gen.close()  # the with block's exit: it returns once the pool ended
+    opener.join()
+    assert not future.cancelled()
+    assert future.result(timeout=0) == 7
