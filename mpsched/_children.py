@@ -32,6 +32,7 @@ import os
 import pickle
 import sys
 import time
+from _thread import get_ident
 
 from mpsched._errors import InternalError, TaskCancelled, timeout_error
 from mpsched._payloads import BlockField
@@ -86,6 +87,16 @@ JOIN_FRAMES = 4
 INLINE_FRAMES = 3
 
 
+# A worker's children (their deque, blocks and futures) are the state of the thread that runs
+# its tasks, unlocked on its side: from another thread of a task, a submit or a join raced it
+# (InternalError "not the innermost running task": a broken pool; or a join asleep for good).
+_OFF_THREAD = (
+    "{} only works in the thread that runs the task (a worker's children and their futures "
+    "belong to it), not in another thread the task started: submit and join the children "
+    "there, and pass their results to the other threads"
+)
+
+
 def submit(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> ChildFuture:
     """Inside a task: run ``fn(*args, **kwargs)`` as a child task on this worker's own deque.
 
@@ -102,6 +113,8 @@ def submit(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> ChildFuture:
             "mpsched.submit() only works inside a task running in an mpsched pool; "
             "outside one, use pool.submit()"
         )
+    if get_ident() != worker.thread:
+        raise RuntimeError(_OFF_THREAD.format("mpsched.submit()"))
     if not callable(fn):
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
     return worker.spawn(fn, args, kwargs)
@@ -177,8 +190,9 @@ class ChildFuture:
     """The future of a child task (``mpsched.submit``); lives in the spawning worker only.
 
     ``result()`` and ``exception()`` help: while the child is not done, this worker runs other
-    tasks (its own deque first, where the child most likely still is). Not thread-safe, and not
-    picklable: it refers to a block of this pool's shared memory.
+    tasks (its own deque first, where the child most likely still is). Only for the thread that
+    runs the task (RuntimeError in another: ``_OFF_THREAD``; once settled, any thread may read
+    it), and not picklable: it refers to a block of this pool's shared memory.
 
     It has the query methods of ``concurrent.futures.Future`` (``done``, ``running``,
     ``cancelled``, ``cancel``, ``result``, ``exception``) but no callbacks. A child cannot be
@@ -213,8 +227,10 @@ class ChildFuture:
         return fut
 
     def done(self) -> bool:
-        if not self._settled and self._worker.child_state(self._handle) == CHILD_DONE:
-            self._settle()
+        if not self._settled:
+            self._check_thread("ChildFuture.done()")
+            if self._worker.child_state(self._handle) == CHILD_DONE:
+                self._settle()
         return self._settled
 
     def running(self) -> bool:
@@ -258,8 +274,14 @@ class ChildFuture:
 
     def _wait(self, timeout: float | None) -> None:
         if not self._settled:
+            self._check_thread("a child's result() or exception()")
             self._worker.join(self, timeout)
             self._settle()
+
+    def _check_thread(self, what: str) -> None:
+        """RuntimeError unless called in the thread that runs the tasks (``_OFF_THREAD``)."""
+        if get_ident() != self._worker.thread:
+            raise RuntimeError(_OFF_THREAD.format(what))
 
     def _settle(self) -> None:
         status, value = self._worker.collect_child(self._handle)
@@ -288,6 +310,7 @@ class Children:
 
     if TYPE_CHECKING:  # Worker's attributes (Worker.__init__) and methods this part uses
         slot: int
+        thread: int
         me: SlotQueues
         slots: tuple[SlotQueues, ...]
         slab: Slab

@@ -53,6 +53,7 @@ import select
 import signal
 import sys
 import time
+from _thread import get_ident
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -133,6 +134,7 @@ class Worker(Children):
         options: WorkerOptions,
     ) -> None:
         self.slot = slot
+        self.thread = get_ident()  # the thread that runs the tasks: children are its alone
         self.views = views
         self.me = views.slots[slot]
         self.peers = [q for k, q in enumerate(views.slots) if k != slot]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import threading
 import time
 from typing import Any
 
@@ -327,3 +328,23 @@ def lock_at(x: int, bad: int = 3) -> Any:
     import threading
 
     return threading.Lock() if x == bad else x
+
+
+def children_from_another_thread() -> list[Any]:
+    """From a thread this task started, ``mpsched.submit``, a child's ``result()`` and its
+    ``done()`` each raise RuntimeError (True for each that names the rule); the task's own
+    thread then joins the child (5)."""
+    child = mpsched.submit(ident, 5)
+    named: list[bool] = []
+
+    def other() -> None:
+        for call in (lambda: mpsched.submit(ident, 1), child.result, child.done):
+            try:
+                call()
+            except RuntimeError as exc:
+                named.append("the thread that runs the task" in str(exc))
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    return [*named, child.result()]

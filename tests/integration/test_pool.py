@@ -352,6 +352,22 @@ def test_a_child_future_has_the_future_query_methods_and_cannot_be_cancelled() -
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_children_belong_to_the_thread_that_runs_the_task(workers: int) -> None:
+    """A task's other threads get a RuntimeError from ``mpsched.submit`` and from an unsettled
+    child future: the worker's children are that thread's state, without locks on its side,
+    and two threads at it broke the pool (InternalError) or left a join asleep for good."""
+    with Pool(workers) as pool:
+        assert pool.submit(tasks.children_from_another_thread).result(timeout=30) == [
+            True,
+            True,
+            True,
+            5,
+        ]
+        assert pool.submit(tasks.fib, 10).result(timeout=30) == 55  # the pool goes on
+
+
+@pytest.mark.timeout(60)
 def test_a_child_future_is_running_once_a_peer_started_it(tmp_path: Path) -> None:
     fifos = Fifos(tmp_path)
     with Pool(2) as pool:
