@@ -45,6 +45,7 @@ from mpsched._future import Future
 from mpsched._payloads import BlockField
 from mpsched._pool_errors import BrokenPoolError, WorkerCrashedError
 from mpsched._protocol import (
+    USER_ERROR_EXIT,
     Buffer,
     ChildState,
     dump_exception,
@@ -387,12 +388,21 @@ def release_orphaned_locks(state: CoordinatorState, suspects_only: bool) -> None
 
 
 def crash_message(worker: WorkerHandle, code: int | None) -> str:
+    if code == USER_ERROR_EXIT:
+        causes = (
+            "if it was the worker's own exit, user code raised outside a task (a signal handler "
+            "that a task installed, a finalizer; the traceback is on the worker's stderr); "
+            "else os._exit() by a task"
+        )
+    else:
+        causes = (
+            "it ran out of memory and was killed (check dmesg for the OOM killer), a crash in "
+            "native code (a C extension), or os._exit() / a signal sent to it"
+        )
     return (
         f"the worker process (pid {worker.pid}, slot {worker.slot}) running this task died "
-        f"with {signal_description(code)}. Likely causes: it ran out of memory and was killed "
-        "(check dmesg for the OOM killer), a crash in native code (a C extension), or "
-        "os._exit() / a signal sent to it. The pool goes on, and replaces the worker unless "
-        "it is shutting down with nothing left to run."
+        f"with {signal_description(code)}. Likely causes: {causes}. The pool goes on, and "
+        "replaces the worker unless it is shutting down with nothing left to run."
     )
 
 

@@ -65,6 +65,12 @@ PICKLE_PROTOCOL = 5  # out-of-band capable; the newest every supported Python re
 # 3.3 s to propagate. The first half holds the root error, the last the outer frames; one task's
 # traceback, however deep its recursion (Python folds repeated lines), is far shorter.
 TRACEBACK_TEXT_MAX = 32 * 1024
+# A worker's exit code after user code raised outside any task (a signal handler a task left
+# installed, a finalizer) into the worker's own code: it exits as if killed there (the crash
+# recovery covers every point), after printing the traceback, and is replaced; the coordinator
+# names the code in the crash's message. 70 (EX_SOFTWARE) is an mpsched bug: the pool breaks.
+USER_ERROR_EXIT = 75
+MPSCHED_BUG_EXIT = 70
 
 
 class Tag(Constants):

@@ -73,6 +73,8 @@ from mpsched._errors import InternalError, TaskCancelled
 from mpsched._layout import SegmentViews
 from mpsched._payloads import BlockField
 from mpsched._protocol import (
+    MPSCHED_BUG_EXIT,
+    USER_ERROR_EXIT,
     Buffer,
     ResultStatus,
     Tag,
@@ -91,6 +93,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+# mpsched's own code: an error raised in a frame elsewhere is user code's (_raised_by_user_code).
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 STEAL_RETRY_ROUNDS = 64  # full rounds over the peers while some answered RETRY, then sleep
 # Before sleeping, watch the own queues this long (s): a caller that waits for each result
 # before it submits the next task (a latency-bound loop) hands the next one over within tens of
@@ -409,17 +413,41 @@ def worker_main(
         # initializer failed) or is gone, and the zygote is about to kill us. The same as EOF
         # in read_messages: exit quietly, not with a traceback that blames mpsched.
         return 0
-    except BaseException:
+    except BaseException as exc:
         import traceback  # here, not at the top: see _protocol.dump_exception
 
         text = traceback.format_exc()
+        if _raised_by_user_code(exc):
+            with contextlib.suppress(Exception):  # a task may have taken stderr away
+                sys.stderr.write(
+                    f"mpsched: worker {slot} (pid {os.getpid()}): user code raised outside a "
+                    f"task (a signal handler a task installed? a finalizer?); the worker exits "
+                    f"and is replaced:\n{text}"
+                )
+            return USER_ERROR_EXIT
         try:
             conn.send_bytes(encode(Tag.FATAL, slot, text))
         except OSError:
             sys.stderr.write(text)
-        return 70  # EX_SOFTWARE: an mpsched bug
+        return MPSCHED_BUG_EXIT
     finally:
         _children._current = None
+
+
+def _raised_by_user_code(exc: BaseException) -> bool:
+    """Whether ``exc``, escaping the worker's loop, came from user code run outside any task:
+    its innermost frame is not mpsched's (a Python signal handler, a ``__del__``), or it is
+    what mpsched never raises there (KeyboardInterrupt and SystemExit: a worker ignores SIGINT;
+    MemoryError, as an OOM kill would be). Such an error costs the worker, not the pool: it
+    broke the pool as an internal error (a SIGALRM handler raising after its task returned)."""
+    if not isinstance(exc, Exception) or isinstance(exc, MemoryError):
+        return True
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return not tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)
 
 
 def _forked_by_a_task(conn: Connection) -> None:

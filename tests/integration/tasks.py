@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import struct
 import sys
 import threading
@@ -348,3 +349,17 @@ def children_from_another_thread() -> list[Any]:
     thread.start()
     thread.join()
     return [*named, child.result()]
+
+
+class HandlerError(Exception):
+    """Raised by ``raise_on_sigusr1``'s handler."""
+
+
+def _raise_handler_error(signum: int, frame: object) -> None:
+    raise HandlerError(f"signal {signum} after the task returned")
+
+
+def raise_on_sigusr1() -> int:
+    """Leave a SIGUSR1 handler that raises installed in this worker; return its pid."""
+    signal.signal(signal.SIGUSR1, _raise_handler_error)
+    return os.getpid()

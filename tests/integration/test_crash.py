@@ -12,6 +12,7 @@ import pytest
 from mpsched import Pool, WorkerCrashedError
 
 from . import tasks
+from .conditions import wait_until
 
 
 @pytest.mark.timeout(60)
@@ -56,3 +57,22 @@ def test_a_worker_dying_with_a_lock_held_stalls_nobody(which: str, record_pid: b
             doomed.result(timeout=30)
         assert [f.result(timeout=30) for f in futures] == [21] * 200
         assert pool.statistics().crashes == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["forkserver", "fork"])
+def test_a_signal_handler_that_raises_between_tasks_costs_its_worker_not_the_pool(
+    start_method: str,
+) -> None:
+    """A task leaves a handler that raises; the signal comes while its worker runs mpsched's
+    code (idle here). The worker exits as if killed there and is replaced: it broke the pool
+    (BrokenPoolError "worker 0 hit an internal error") for an error of user code."""
+    with Pool(2, start_method=start_method) as pool:
+        pid = pool.submit(tasks.raise_on_sigusr1).result(timeout=30)
+        os.kill(pid, signal.SIGUSR1)
+        wait_until(lambda: pool.statistics().respawns == 1, "the worker was replaced")
+        assert pool.statistics().crashes == 1
+        assert [
+            f.result(timeout=30) for f in [pool.submit(tasks.add, i, i) for i in range(50)]
+        ] == [2 * i for i in range(50)]
+        assert pid not in [w.pid for w in pool.statistics().per_worker]
