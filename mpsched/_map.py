@@ -1,25 +1,29 @@
 """Pool.map: reading the input in chunks, sizing them, and yielding the results in input order.
 
-Owns the map's iterator (``map_results``), the default chunk sizing (``_next_chunksize``,
-``_max_chunk`` from the arguments' bytes, ``_bytes_cap`` from the results', ``_stop_bytes``
-for a chunk's own stop, the ``MAP_*`` constants), the unpickling of the chunks' results
-(``_load``: ``run_chunk`` returns them pickled, so that their size is known) and the failed
-future that takes the place of an error met ahead of the results (``_failed``). The chunks are
-ordinary top-level tasks (``_chunks.run_chunk``), sent through ``Pool.submit``; nothing here
-touches the coordinator but ``cancel_later``. The reasons and measurements are in
-docs/design.md, "Pool.map".
+Owns a map's state (``MapRun``: its input, chunks in flight and sizing), its iterator
+(``ordered_results``), the default chunk sizing (``_next_chunksize``, ``_max_chunk`` from the
+arguments' bytes, ``_bytes_cap`` from the results', ``_stop_bytes`` for a chunk's own stop, the
+``MAP_*`` constants), the unpickling of the chunks' results (``_load``: ``run_chunk`` returns
+them pickled, so that their size is known) and the failed future that takes the place of an
+error met ahead of the results (``_failed``). The chunks are ordinary top-level tasks
+(``_chunks.run_chunk``), sent through ``Pool.submit``; nothing here touches the coordinator but
+``cancel_later``. The reasons and measurements are in docs/design.md, "Pool.map".
 
-Called from: ``Pool.map`` (a user thread), which checks the arguments and the pool, then returns
-``map_results``' generator. The generator runs in whichever thread iterates it; its cleanup
-(``close()``) may run in any thread, inside the garbage collector, so it takes no lock there.
+Called from: ``Pool.map`` (a user thread), which checks the arguments and the pool, then calls
+``map_results``: it sends the first window at once and returns the run and its iterator. The
+iterator runs in whichever thread iterates it; its cleanup (``close()``) may run in any thread,
+inside the garbage collector, so it takes no lock there. ``Pool.shutdown`` (any thread) calls
+``MapRun.send_rest`` for a map whose input has a length. ``MapRun.lock`` orders the reads of
+the input, the sends and the changes of ``in_flight`` between those threads.
 
 Invariants: ``in_flight`` holds the chunks sent and not yet yielded, in input order (the rest
 of a chunk that stopped at its budget goes back to its front); new input is read only while
-fewer than ``MAP_PREFETCH_PER_WORKER`` chunks per worker are in flight; every chunk still
-in flight when the generator ends is cancelled: at once when it ends by its own error, timeout
-or Ctrl-C, by the coordinator thread (``cancel_later``) when it is closed. An error met ahead
-of the results (the input's, a chunk's submit) is raised only after every earlier result was
-yielded, and nothing after it is read.
+fewer than ``MAP_PREFETCH_PER_WORKER`` chunks per worker are in flight (one a worker before a
+result was measured), or by ``send_rest``; every chunk still in flight when the iterator ends
+is cancelled: at once when it ends by its own error, timeout or Ctrl-C, by the coordinator
+thread (``cancel_later``) when it is closed. An error met ahead of the results (the input's, a
+chunk's submit) is raised only after every earlier result was yielded, and nothing after it is
+sent.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import itertools
 import math
 import pickle
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -67,6 +72,188 @@ MAP_FIRST_CHUNK = 64  # items per chunk before any chunk was measured (bounded b
 MAP_CHUNK_BUDGET = 0.01
 
 
+class MapRun:
+    """One ``Pool.map``'s input, its chunks in flight and its sizing state: the generator
+    (``results``) reads from it in whichever thread iterates, ``fill`` sends ahead at the call
+    and as results are consumed, and ``Pool.shutdown`` may send the rest (``send_rest``) from
+    its own thread. ``lock`` orders the input's reads, the sends and ``in_flight``'s changes
+    among those; ``results``' cleanup on ``close()`` takes no lock (see there)."""
+
+    __slots__ = (
+        "__weakref__",
+        "budget",
+        "cap",
+        "chunksize",
+        "closed",
+        "deadline",
+        "exhausted",
+        "fn",
+        "in_flight",
+        "items",
+        "limit",
+        "lock",
+        "out_per_item",
+        "per_item",
+        "pool",
+        "size",
+        "star",
+        "window",
+    )
+
+    def __init__(
+        self,
+        pool: Pool,
+        fn: Callable[..., Any],
+        items: Iterator[Any],
+        star: bool,
+        chunksize: int | None,
+        deadline: float | None,
+    ) -> None:
+        self.pool = pool
+        # fn travels in each chunk's arguments, not through the function table: a __main__
+        # function needs its copy by value there too (see _serialize.portable), the one the
+        # pool's function cache keeps current (by value only once a global it read was rebound).
+        self.fn = pool._functions.portable(fn)
+        self.items = items
+        self.star = star
+        self.chunksize = chunksize
+        self.deadline = deadline
+        # In input order: each chunk's future and its items (a chunk that stopped at its budget
+        # leaves the rest of its items to go again, before every later chunk's results).
+        self.in_flight: collections.deque[tuple[Future, list[Any]]] = collections.deque()
+        # islice takes at most sys.maxsize: a bigger chunksize means the same (one chunk).
+        self.size = min(chunksize, sys.maxsize) if chunksize else MAP_FIRST_CHUNK
+        self.budget = math.inf if chunksize else MAP_CHUNK_BUDGET
+        self.per_item: float | None = None
+        self.cap = 0  # largest default chunk, from the first chunk's bytes per item; 0: not yet
+        # pickled result bytes per item (a running mean); None: none came yet
+        self.out_per_item: float | None = None
+        self.limit = MAP_PREFETCH_PER_WORKER * pool._workers
+        # Until a result came back, a default chunk's results have no known size: one chunk
+        # per worker (a full window of 64-item chunks of 1 MB results was 512 MB on the way
+        # back).
+        self.window = pool._workers if chunksize is None else self.limit
+        self.exhausted = False
+        self.closed = False  # the iterator was closed: nothing more is sent
+        self.lock = threading.Lock()
+
+    def fill(self) -> None:
+        """Send chunks while fewer than the window are in flight (the bounded read-ahead)."""
+        with self.lock:
+            if not self.cap and self.chunksize is None and not self.exhausted:
+                self._send_first_window()
+            while not self.exhausted and len(self.in_flight) < self.window:
+                self._send_next()
+
+    def send_rest(self) -> None:
+        """``Pool.shutdown``, before it closes the pool, for a map whose input has a length:
+        send the rest of its input, so that its results all come, also once the pool ended
+        (as ``ProcessPoolExecutor.map``, which sends it all at the call)."""
+        with self.lock:
+            while not self.exhausted and not self.closed:
+                self._send_next()
+
+    def _send_first_window(self) -> None:
+        """The first window of default chunks, before anything was measured (under ``lock``):
+        the first ``MAP_SAMPLE_ITEMS`` items give the bytes per item (``cap``: the bytes bound
+        every chunk from the first on; read 64 to a chunk, 1 MB items made 512 MB in flight
+        before the first result), then up to a window of chunks of ``size`` items is read at
+        once. An input that ends within it is split evenly over the window (a chunk a worker):
+        sent in chunks from the front, a short map of slow items ran on one worker while the
+        others idled (2 items of 0.5 s took 1 s on 2 workers, where ProcessPoolExecutor.map
+        takes 0.5 s)."""
+        items = self.items
+        chunk: list[Any] = []
+        error: Exception | None = None
+        try:
+            chunk.extend(itertools.islice(items, MAP_SAMPLE_ITEMS))
+            if chunk:
+                self.cap = _max_chunk(chunk)
+                self.size = min(self.size, self.cap)
+            whole = self.window * self.size
+            chunk.extend(itertools.islice(items, max(0, whole - len(chunk))))
+        except Exception as exc:  # keeps what came before the input's error
+            error = exc
+            whole = self.window * self.size
+        per = self.size if len(chunk) >= whole else max(1, -(-len(chunk) // self.window))
+        for start in range(0, len(chunk), per):
+            entries, sent = self._send(chunk[start : start + per])
+            self.in_flight.extend(entries)
+            if not sent:  # failed to go: nothing after it is sent
+                self.exhausted = True
+                return
+        if error is not None:
+            self.in_flight.append((_failed(error), []))
+        self.exhausted = error is not None or len(chunk) < whole
+
+    def _send_next(self) -> None:
+        """Read the next chunk of the input and send it (under ``lock``); ``exhausted`` once
+        the input ended, failed or a chunk could not be sent (nothing after it is read)."""
+        chunk: list[Any] = []
+        try:
+            chunk.extend(itertools.islice(self.items, self.size))  # keeps what came before an error
+        except Exception as exc:
+            if chunk:
+                self.in_flight.extend(self._send(chunk)[0])
+            self.in_flight.append((_failed(exc), []))
+            self.exhausted = True
+            return
+        if not chunk:
+            self.exhausted = True
+            return
+        entries, sent = self._send(chunk)
+        self.in_flight.extend(entries)
+        self.exhausted = not sent  # failed to go: nothing after it is read
+
+    def _send(self, piece: list[Any]) -> tuple[list[tuple[Future, list[Any]]], bool]:
+        """``in_flight``'s entries for ``piece``, and whether all of it went. An error met
+        ahead of the results (the input's, a submit's: an item that does not pickle, the pool
+        shut down) takes the place of its items: the results before it come first, as with
+        the builtin map. An item that does not pickle fails alone: the items before it go as
+        a chunk of their own (ProcessPoolExecutor.map drops them with the chunk), and the
+        error names it (or fn, if fn is what does not pickle)."""
+        fn = self.fn
+        try:
+            max_bytes = math.inf if self.chunksize else _stop_bytes(len(piece), self.out_per_item)
+            future = self.pool.submit(run_chunk, fn, piece, self.star, self.budget, max_bytes)
+            return [(future, piece)], True
+        except Exception as exc:  # a BaseException (Ctrl-C) goes on at once
+            found = first_unpicklable([fn, *piece]) if isinstance(exc, TaskPicklingError) else None
+            if found is None:  # items that pickle alone but not together: the chunk's error
+                return [(_failed(exc), piece)], False
+            index, error = found
+            before = self._send(piece[: index - 1])[0] if index > 1 else []
+            return [*before, (_failed(error), [])], False
+
+    def measured(self, seconds: float, nbytes: int, done: int) -> None:
+        """A default chunk's results came (``done`` items in ``seconds``, ``nbytes`` pickled):
+        size the next chunks from them."""
+        with self.lock:
+            sample = seconds / done
+            per_item = self.per_item
+            per_item = sample if per_item is None else 0.5 * per_item + 0.5 * sample
+            self.per_item = per_item
+            # Results bound the chunks too: small inputs with big results (1 MB each) made
+            # chunks of thousands of items, each returning one huge list.
+            sample = nbytes / done
+            out = self.out_per_item
+            self.out_per_item = out = sample if out is None else 0.5 * out + 0.5 * sample
+            self.window = self.limit
+            self.size = _next_chunksize(per_item, done, _bytes_cap(self.cap, out))
+
+    def send_again(self, rest: list[Any]) -> None:
+        """The items a chunk left at its budget go again, ahead of every later chunk."""
+        with self.lock:
+            size = self.size
+            pieces = [rest[i : i + size] for i in range(0, len(rest), size)]
+            for piece in reversed(pieces):
+                self.in_flight.extendleft(reversed(self._send(piece)[0]))
+
+    def next_in_flight(self) -> tuple[Future, list[Any]] | None:
+        with self.lock:
+            return self.in_flight.popleft() if self.in_flight else None
+
+
 def map_results(
     pool: Pool,
     fn: Callable[..., Any],
@@ -74,77 +261,29 @@ def map_results(
     star: bool,
     chunksize: int | None,
     deadline: float | None,
-) -> Iterator[Any]:
-    """``Pool.map``'s iterator, after its checks: ``items`` (argument tuples if ``star``) in
-    chunks, their results in input order, until ``deadline`` (``time.monotonic()``; None: no
-    limit)."""
-    # In input order: each chunk's future and its items (a chunk that stopped at its budget
-    # leaves the rest of its items to go again, before every later chunk's results).
-    in_flight: collections.deque[tuple[Future, list[Any]]] = collections.deque()
-    # islice takes at most sys.maxsize: a bigger chunksize means the same (one chunk).
-    size = min(chunksize, sys.maxsize) if chunksize else MAP_FIRST_CHUNK
-    budget = math.inf if chunksize else MAP_CHUNK_BUDGET
-    per_item = None
-    cap = 0  # largest default chunk, from the first chunk's bytes per item; 0: not yet
-    out_per_item = None  # pickled result bytes per item (a running mean); None: none came yet
-    limit = MAP_PREFETCH_PER_WORKER * pool._workers
-    # Until a result came back, a default chunk's results have no known size: one chunk per
-    # worker (a full window of 64-item chunks of 1 MB results was 512 MB on the way back).
-    window = pool._workers if chunksize is None else limit
-    exhausted = False
-    # fn travels in each chunk's arguments, not through the function table: a __main__
-    # function needs its copy by value there too (see _serialize.portable), the one the pool's
-    # function cache keeps current (by value only once a global it read was rebound).
-    fn = pool._functions.portable(fn)
+) -> tuple[MapRun, Iterator[Any]]:
+    """``Pool.map``'s run and iterator, after its checks: ``items`` (argument tuples if
+    ``star``) in chunks, their results in input order, until ``deadline``
+    (``time.monotonic()``; None: no limit). The first window of chunks is sent here, at the
+    call, as ``ProcessPoolExecutor.map`` sends its tasks: a map nobody iterated yet ran
+    nothing, and its timeout, counted from the call, ran out before its work began."""
+    run = MapRun(pool, fn, items, star, chunksize, deadline)
+    run.fill()
+    return run, ordered_results(run)
 
-    def send(piece: list[Any]) -> tuple[list[tuple[Future, list[Any]]], bool]:
-        # ``in_flight``'s entries for ``piece``, and whether all of it went. An error met
-        # ahead of the results (the input's, a submit's: an item that does not pickle, the
-        # pool shut down) takes the place of its items: the results before it come first, as
-        # with the builtin map. An item that does not pickle fails alone: the items before it
-        # go as a chunk of their own (ProcessPoolExecutor.map drops them with the chunk), and
-        # the error names it (or fn, if fn is what does not pickle).
-        try:
-            max_bytes = math.inf if chunksize else _stop_bytes(len(piece), out_per_item)
-            return [(pool.submit(run_chunk, fn, piece, star, budget, max_bytes), piece)], True
-        except Exception as exc:  # a BaseException (Ctrl-C) goes on at once
-            found = first_unpicklable([fn, *piece]) if isinstance(exc, TaskPicklingError) else None
-            if found is None:  # items that pickle alone but not together: the chunk's error
-                return [(_failed(exc), piece)], False
-            index, error = found
-            before = send(piece[: index - 1])[0] if index > 1 else []
-            return [*before, (_failed(error), [])], False
 
+def ordered_results(run: MapRun) -> Iterator[Any]:
+    """The results of ``run``'s chunks in input order, sending more as they are consumed."""
+    in_flight = run.in_flight
+    deadline = run.deadline
     try:
         while True:
-            while not exhausted and len(in_flight) < window:
-                chunk: list[Any] = []
-                try:
-                    if not cap and chunksize is None:
-                        # The bytes per item bound every chunk from the first on: big
-                        # items read 64 to a chunk made a read-ahead of 64 items per
-                        # chunk in flight (512 MB of 1 MB items) before the first result.
-                        chunk.extend(itertools.islice(items, MAP_SAMPLE_ITEMS))
-                        if chunk:
-                            cap = _max_chunk(chunk)
-                            size = min(size, cap)
-                    # keeps what came before an error of the input
-                    chunk.extend(itertools.islice(items, max(0, size - len(chunk))))
-                except Exception as exc:
-                    if chunk:
-                        in_flight.extend(send(chunk)[0])
-                    in_flight.append((_failed(exc), []))
-                    exhausted = True
-                    break
-                if not chunk:
-                    exhausted = True
-                    break
-                entries, sent = send(chunk)
-                in_flight.extend(entries)
-                exhausted = not sent  # failed to go: nothing after it is read
-            if not in_flight:
+            run.fill()
+            entry = run.next_in_flight()
+            if entry is None:
                 return
-            future, chunk = in_flight.popleft()
+            future, chunk = entry
+            del entry
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 pickled, seconds, error = future.result(remaining)
@@ -162,36 +301,28 @@ def map_results(
                 del chunk
                 yield from _handed_out(results, nbytes)
                 raise load_exception(error)
-            if chunksize is None:
-                sample = seconds / len(results)
-                per_item = sample if per_item is None else 0.5 * per_item + 0.5 * sample
-                # Results bound the chunks too: small inputs with big results (1 MB each)
-                # made chunks of thousands of items, each returning one huge list.
-                sample = nbytes / len(results)
-                out_per_item = sample if out_per_item is None else 0.5 * out_per_item + 0.5 * sample
-                window = limit
-                size = _next_chunksize(per_item, len(results), _bytes_cap(cap, out_per_item))
             done = len(results)
+            if run.chunksize is None:
+                run.measured(seconds, nbytes, done)
             if done < len(chunk):  # stopped at its budget: the rest goes again, first
-                rest = chunk[done:]
-                pieces = [rest[i : i + size] for i in range(0, len(rest), size)]
-                for piece in reversed(pieces):
-                    in_flight.extendleft(reversed(send(piece)[0]))
+                run.send_again(chunk[done:])
             del chunk
             yield from _handed_out(results, nbytes)
     except GeneratorExit:
         # close(): by the caller, or by the garbage collector finalizing the generator,
         # which may run inside any allocation, also while this thread holds a lock that
-        # future.cancel() takes (Coordinator.lock, the futures' module lock, a slot lock):
-        # cancelling here would wait for this thread forever. The coordinator thread
-        # cancels them instead, on its next pass (docs/design.md, Pool.map).
-        pool._coordinator.cancel_later([future for future, _ in in_flight])
+        # future.cancel() takes (Coordinator.lock, the futures' module lock, a slot lock, the
+        # run's own lock): cancelling here would wait for this thread forever. The
+        # coordinator thread cancels them instead, on its next pass (docs/design.md,
+        # Pool.map). ``list()`` copies the deque in one C call, without a lock.
+        run.closed = True
+        run.pool._coordinator.cancel_later([future for future, _ in list(in_flight)])
         in_flight.clear()
         raise
     finally:
         # The map's own error, timeout or Ctrl-C, raised in this frame (every lock taken
         # below it was released on the way out): cancel at once.
-        for future, _ in in_flight:
+        for future, _ in list(in_flight):
             future.cancel()
 
 

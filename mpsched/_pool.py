@@ -26,7 +26,8 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable, Hashable, Iterable, Iterator
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sized
 from typing import Any
 
 from mpsched._coordinator import Coordinator
@@ -35,7 +36,7 @@ from mpsched._function_cache import FunctionCache
 from mpsched._future import Future
 from mpsched._layout import SegmentViews
 from mpsched._lifecycle import PoolResources, live_pools
-from mpsched._map import map_results
+from mpsched._map import MapRun, map_results
 from mpsched._options import TaskOptions, check_seconds
 from mpsched._payloads import CHAIN_BYTES_MAX
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
@@ -182,6 +183,8 @@ class Pool(concurrent.futures.Executor):
         self._timed_after_shutdown = bool(timed_after_shutdown)
         self._recurring_after_shutdown = bool(recurring_after_shutdown)
         self._shutdown_lock = threading.Lock()
+        self._maps: weakref.WeakSet[MapRun] = weakref.WeakSet()  # maps of inputs with a length
+        self._maps_lock = threading.Lock()
         self._closed = False
         self._closed_message = POOL_CLOSED_MESSAGE  # another one in a forked child
         self._started = False
@@ -367,8 +370,14 @@ class Pool(concurrent.futures.Executor):
     ) -> Iterator[Any]:
         """Like ``map(fn, *iterables)``, run in the pool; results in input order.
 
-        The input is read lazily, at most a few chunks per worker ahead of the results.
-        ``chunksize=None`` adapts: chunks of 64 items first, then chunks of about 2 ms of
+        The work starts at the call, as ``ProcessPoolExecutor.map``'s. The input is read
+        lazily, at most a few chunks per worker ahead of the results; at ``shutdown`` (also
+        the end of a ``with`` block) the rest of an input with a length (a list, a range, ...)
+        is sent, and its results come after the pool ended too. An iterator's rest cannot be
+        read then (it may be endless): its results come as far as it was sent, then
+        PoolClosedError. To abandon a map, close its iterator (or drop it).
+        ``chunksize=None`` adapts: chunks of 64 items first (a chunk a worker; an input that
+        ends sooner is split evenly over the workers), then chunks of about 2 ms of
         work each (at most 4096 items); every chunk holds about 512 KiB of pickled arguments
         at most (but for the first, which holds the first 8 items), and, once results came
         back, returns about 512 KiB of pickled results at most (one item at least); a chunk
@@ -405,8 +414,16 @@ class Pool(concurrent.futures.Executor):
             raise PoolClosedError(self._closed_message)
         deadline = None if timeout is None else time.monotonic() + timeout
         if len(iterables) == 1:  # the items go as they are (see _chunks)
-            return map_results(self, fn, iter(iterables[0]), False, chunksize, deadline)
-        return map_results(self, fn, zip(*iterables, strict=False), True, chunksize, deadline)
+            run, results = map_results(self, fn, iter(iterables[0]), False, chunksize, deadline)
+        else:
+            items = zip(*iterables, strict=False)
+            run, results = map_results(self, fn, items, True, chunksize, deadline)
+        # An input with a length is finite (zip stops at the shortest): shutdown sends the
+        # rest of it (see shutdown). Weakly held: a map dropped is forgotten.
+        if any(isinstance(it, Sized) for it in iterables):
+            with self._maps_lock:
+                self._maps.add(run)
+        return results
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -416,6 +433,17 @@ class Pool(concurrent.futures.Executor):
         futures the pool settled (docs/design.md, "Where done-callbacks run"). Called from such
         a callback, it waits for the end but not for the callbacks that come after it in the
         pool's callback thread (they would wait for it)."""
+        if not cancel_futures and self._started and not self._closed:
+            # What a map was given is work submitted, as ProcessPoolExecutor.map submits it
+            # all at the call: a map of an input with a length sends the rest of it now, so
+            # that its iterator yields every result after the pool ended (the usual
+            # ``with Pool() as p: results = p.map(f, items)``, read after the block). One of
+            # an iterator cannot be read to its end here (it may be endless): its iterator
+            # raises PoolClosedError once it needs to send more.
+            with self._maps_lock:
+                maps = list(self._maps)
+            for run in maps:
+                run.send_rest()
         self._closed = True  # the fast early check; the coordinator's draining flag decides
         if self._started:
             self._coordinator.begin_shutdown(cancel_futures)

@@ -320,17 +320,33 @@ def test_map_with_a_function_that_does_not_pickle_fails_naming_it(
 
 @pytest.mark.timeout(60)
 def test_map_across_shutdown_yields_the_results_of_the_chunks_sent_before() -> None:
-    """The chunks sent before ``shutdown()`` ran (it lets them finish): their results come,
-    then PoolClosedError, where the next chunk could not go. (The read-ahead's submit raised
-    at once, dropping them.)"""
+    """A map reading an iterator (maybe endless: shutdown cannot read it to its end): the
+    chunks sent before ``shutdown()`` ran (it lets them finish), their results come, then
+    PoolClosedError, where the next chunk could not go. (The read-ahead's submit raised at
+    once, dropping them.)"""
     pool = Pool(1)
-    results = pool.map(tasks.ident, range(1000), chunksize=10)
+    results = pool.map(tasks.ident, iter(range(1000)), chunksize=10)
     assert next(results) == 0
     pool.shutdown()
     got: list[int] = []
     with pytest.raises(PoolClosedError):
         got.extend(results)
     assert got == list(range(1, 10 * _map.MAP_PREFETCH_PER_WORKER))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("consumed", [0, 1])
+def test_map_of_an_input_with_a_length_yields_every_result_after_shutdown(consumed: int) -> None:
+    """``with Pool() as p: results = p.map(f, items)``, read after the block, as with
+    ProcessPoolExecutor: shutdown sends the rest of an input with a length (finite), and lets
+    it run, and the iterator yields every result (it raised PoolClosedError after the first
+    window's)."""
+    with Pool(1) as pool:
+        results = pool.map(tasks.ident, range(1000), chunksize=10)
+        assert [next(results) for _ in range(consumed)] == list(range(consumed))
+        mixed = pool.map(tasks.add, range(500), iter(range(10**9)))  # zip ends with the range
+    assert list(results) == list(range(consumed, 1000))
+    assert list(mixed) == [2 * i for i in range(500)]
 
 
 @pytest.mark.timeout(60)
@@ -346,11 +362,13 @@ def test_two_maps_interleaved_and_unequal_iterables(pool2: Pool) -> None:
 def test_map_after_and_across_shutdown() -> None:
     pool = Pool(1)
     results = pool.map(tasks.ident, range(10))
+    never_read = pool.map(tasks.ident, range(10, 20))
     pool.shutdown()
     with pytest.raises(PoolClosedError):
         pool.map(tasks.ident, range(10))
-    with pytest.raises(PoolClosedError):
-        next(results)
+    assert list(results) == list(range(10))  # sent at the call, run before the pool ended
+    del never_read  # it ran all the same, as ProcessPoolExecutor.map's tasks do
+    assert pool.statistics().completed == 2
 
 
 @pytest.fixture

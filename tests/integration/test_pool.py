@@ -289,6 +289,24 @@ def test_a_pool_is_an_executor_that_asyncio_can_run_in(pool2: Pool) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_map_starts_its_work_at_the_call_and_splits_a_short_input_over_the_workers(
+    pool2: Pool,
+) -> None:
+    """As ProcessPoolExecutor.map: the work starts at the call, not at the first ``next()``
+    (a map never iterated ran nothing, and its timeout ran from the call while no work ran).
+    A short input goes as a chunk a worker: sent from the front in chunks of 64, it ran on one
+    worker while the other idled."""
+    before = pool2.statistics()
+    results = pool2.map(tasks.ident, iter(range(10)))
+    wait_until(
+        lambda: pool2.statistics().completed - before.completed == 2,
+        "both chunks ran before any next()",
+    )
+    assert pool2.statistics().submitted - before.submitted == 2
+    assert list(results) == list(range(10))
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("chunksize", [1, 25, None])
 def test_map_lets_go_of_each_big_result_once_the_caller_did(
     pool2: Pool, chunksize: int | None

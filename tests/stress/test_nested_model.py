@@ -206,10 +206,16 @@ def run_map(
 
         inputs = [Counted(k) for k in lengths]
         results = pool.map(functools.partial(nt.map_item, log, bad), *inputs, chunksize=chunksize)
-        assert all(i.taken == 0 for i in inputs), "map read its input before the first next()"
         ahead = _map.MAP_PREFETCH_PER_WORKER * workers * (chunksize or _map.MAP_MAX_CHUNK)
         # zip takes one more item from the iterables before the one that ends first
         extra = 1 if len(lengths) > 1 else 0
+        # The work starts at the call: the first window is read and sent (of default chunks,
+        # one a worker while nothing was measured), and no more.
+        if chunksize is None:
+            first_window = workers * _map.MAP_FIRST_CHUNK
+        else:
+            first_window = _map.MAP_PREFETCH_PER_WORKER * workers * chunksize
+        assert max(i.taken for i in inputs) <= first_window + extra, "read ahead at the call"
         got: list[Any] = []
         error = None
         while stop is None or len(got) < stop:
