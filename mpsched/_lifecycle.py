@@ -94,6 +94,10 @@ class PoolResources:
         self._pool_ref: weakref.ref[Any] | None = None
         self._teardown_lock = threading.Lock()
         self._released = False  # under _teardown_lock
+        # The shared memory is gone (set under memory_lock before it is unmapped): a user
+        # thread reads it only under that lock and while this is False (Pool.statistics).
+        self.memory_lock = threading.Lock()
+        self.memory_released = False
 
     def watch(self, pool: object) -> None:
         """The pool started: be told when it is collected; count as unreleased."""
@@ -116,8 +120,8 @@ class PoolResources:
             self.coordinator.on_lock_stall(kind, index, lock, waited)
 
     def request_release(self) -> None:
-        """Any thread but the coordinator's, once ``coordinator.finished`` is set: let the
-        coordinator thread tear down and end (join it next)."""
+        """Any thread but the coordinator's: let the coordinator thread tear down and end once
+        its loop ended (``Pool._release`` joins it next; ``shutdown(wait=False)`` does not)."""
         self.release_requested = True
         self.wakeup.wakeup()
 
@@ -157,6 +161,8 @@ class PoolResources:
         self.wakeup.close()
         for fd in self.wake_fds:
             fd.close()
+        with self.memory_lock:  # no statistics() is reading it
+            self.memory_released = True
         self.segment.close()
 
     def disown(self) -> None:
@@ -191,6 +197,13 @@ def run_coordinator(resources: PoolResources) -> None:
         coordinator.run()
     finally:
         if not coordinator.start_aborted:  # else _startup.abort_start tears down
+            # The last look at the slots' counters: the loop has ended, so they are final
+            # (statistics() reads them from here on). A worker that died in the drain sent no
+            # DRAINED (and one recycled or crashed before counted in its slot, which its
+            # successor goes on from): its slot kept what it ran.
+            final = coordinator.final_stats
+            for k, slot in enumerate(coordinator.slots):
+                final[k] = slot.counters()
             resources.wait_release_requested()
             resources.teardown()
 

@@ -447,7 +447,10 @@ class Pool(concurrent.futures.Executor):
         self._closed = True  # the fast early check; the coordinator's draining flag decides
         if self._started:
             self._coordinator.begin_shutdown(cancel_futures)
-            self._wakeup.wakeup()
+            # The thread tears down once its loop ended, without waiting for
+            # await_termination: after shutdown(wait=False) it stayed blocked, with the
+            # pool's fds and memory, until then, the pool's collection or the exit.
+            self._resources.request_release()
             # Not from the coordinator thread (no done-callback runs there, but a finalizer
             # may): it would wait for its own end, forever.
             if wait and threading.get_ident() != self._coordinator.thread_id:
@@ -492,12 +495,6 @@ class Pool(concurrent.futures.Executor):
         resource (PoolResources.teardown), and wait for that."""
         if not self._started:
             return
-        # The last look at the slots' counters: the loop has ended, so they are final. A worker
-        # that died in the drain sent no DRAINED (and one recycled or crashed before counted
-        # in its slot, which its successor goes on from): its slot kept what it ran.
-        final = self._coordinator.final_stats
-        for k, slot in enumerate(self._views.slots):
-            final[k] = slot.counters()
         self._resources.request_release()
         self._thread.join()
         # Cleared only now (statistics() reads no shared memory from here on; it takes the

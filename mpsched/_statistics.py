@@ -1,10 +1,12 @@
 """Pool.statistics: the snapshot's types (``PoolStatistics``, ``WorkerStatistics``) and its read.
 
-Called from: ``Pool.statistics`` (any user thread), under the pool's ``_shutdown_lock``, so the
-shared memory is not released while ``snapshot`` reads it. Nothing here writes: the values are
-racy reads of counters that the workers and the coordinator write (hints). While the pool runs,
-a slot's counters come from shared memory; once it ended, from ``Coordinator.final_stats``
-(which ``Pool._release`` fills before the memory goes), and queue depths and pids read 0.
+Called from: ``Pool.statistics`` (any user thread), under the pool's ``_shutdown_lock``; the
+shared memory is read under ``PoolResources.memory_lock`` and only while it is there (the
+coordinator thread unmaps it under that lock once its loop ended after a shutdown). Nothing
+here writes: the values are racy reads of counters that the workers and the coordinator write
+(hints). While the pool runs, a slot's counters come from shared memory; once it ended, from
+``Coordinator.final_stats`` (which the coordinator thread fills before the memory goes), and
+queue depths and pids read 0.
 """
 
 from __future__ import annotations
@@ -71,24 +73,28 @@ def snapshot(pool: Pool) -> PoolStatistics:
     """``Pool.statistics``, under the pool's ``_shutdown_lock`` (the memory is not released
     while this reads it)."""
     coord = pool._coordinator
-    live = pool._started
+    resources = pool._resources
     with coord.lock:
         pending = coord.ready.live()
     per_worker = []
-    for k, slot in enumerate(pool._views.slots):
-        counters = coord.final_stats.get(k) or (slot.counters() if live else _NO_COUNTERS)
-        worker = coord.workers[k]
-        deque_, inbox = slot.depths() if live else (0, 0)
-        per_worker.append(
-            WorkerStatistics(
-                slot=k,
-                pid=worker.pid if worker is not None else 0,
-                executed=counters["executed"],
-                stolen=counters["stolen"],
-                inbox_depth=inbox,
-                deque_depth=deque_,
+    # The coordinator thread may unmap the memory once its loop ended (after a shutdown):
+    # read it only while it is there, under the lock the unmapping takes.
+    with resources.memory_lock:
+        live = pool._started and not resources.memory_released
+        for k, slot in enumerate(pool._views.slots):
+            counters = coord.final_stats.get(k) or (slot.counters() if live else _NO_COUNTERS)
+            worker = coord.workers[k]
+            deque_, inbox = slot.depths() if live else (0, 0)
+            per_worker.append(
+                WorkerStatistics(
+                    slot=k,
+                    pid=worker.pid if worker is not None else 0,
+                    executed=counters["executed"],
+                    stolen=counters["stolen"],
+                    inbox_depth=inbox,
+                    deque_depth=deque_,
+                )
             )
-        )
     return PoolStatistics(
         workers=pool._workers,
         submitted=coord.submitted,
