@@ -9,8 +9,9 @@ error met ahead of the results (``_failed``). The chunks are ordinary top-level 
 (``_chunks.run_chunk``), sent through ``Pool.submit``; nothing here touches the coordinator but
 ``cancel_later``. The reasons and measurements are in docs/design.md, "Pool.map".
 
-Called from: ``Pool.map`` (a user thread), which checks the arguments and the pool, then calls
-``map_results``: it sends the first window at once and returns the run and its iterator. The
+Called from: ``Pool.map`` (a user thread), which checks the arguments and the pool, then makes
+a ``MapRun`` (``items`` are argument tuples if ``star``) and ``start``s it: it sends the first
+window at once and returns its iterator. The
 iterator runs in whichever thread iterates it; its cleanup (``close()``) may run in any thread,
 inside the garbage collector, so it takes no lock there. ``Pool.shutdown`` (any thread) calls
 ``MapRun.send_rest`` for a map whose input has a length. ``MapRun.lock`` orders the reads of
@@ -137,6 +138,15 @@ class MapRun:
         self.closed = False  # the iterator was closed: nothing more is sent
         self.lock = threading.Lock()
 
+    def start(self) -> Iterator[Any]:
+        """``Pool.map``'s iterator, after its checks: the items in chunks, their results in
+        input order, until ``deadline`` (``time.monotonic()``; None: no limit). The first
+        window of chunks is sent here, at the call, as ``ProcessPoolExecutor.map`` sends its
+        tasks: a map nobody iterated yet ran nothing, and its timeout, counted from the call,
+        ran out before its work began."""
+        self.fill()
+        return ordered_results(self)
+
     def fill(self) -> None:
         """Send chunks while fewer than the window are in flight (the bounded read-ahead)."""
         with self.lock:
@@ -252,24 +262,6 @@ class MapRun:
     def next_in_flight(self) -> tuple[Future, list[Any]] | None:
         with self.lock:
             return self.in_flight.popleft() if self.in_flight else None
-
-
-def map_results(
-    pool: Pool,
-    fn: Callable[..., Any],
-    items: Iterator[Any],
-    star: bool,
-    chunksize: int | None,
-    deadline: float | None,
-) -> tuple[MapRun, Iterator[Any]]:
-    """``Pool.map``'s run and iterator, after its checks: ``items`` (argument tuples if
-    ``star``) in chunks, their results in input order, until ``deadline``
-    (``time.monotonic()``; None: no limit). The first window of chunks is sent here, at the
-    call, as ``ProcessPoolExecutor.map`` sends its tasks: a map nobody iterated yet ran
-    nothing, and its timeout, counted from the call, ran out before its work began."""
-    run = MapRun(pool, fn, items, star, chunksize, deadline)
-    run.fill()
-    return run, ordered_results(run)
 
 
 def ordered_results(run: MapRun) -> Iterator[Any]:

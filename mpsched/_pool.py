@@ -36,7 +36,7 @@ from mpsched._function_cache import FunctionCache
 from mpsched._future import Future
 from mpsched._layout import SegmentViews
 from mpsched._lifecycle import PoolResources, live_pools
-from mpsched._map import MapRun, map_results
+from mpsched._map import MapRun
 from mpsched._options import TaskOptions, check_seconds
 from mpsched._payloads import CHAIN_BYTES_MAX
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
@@ -414,10 +414,10 @@ class Pool(concurrent.futures.Executor):
             raise PoolClosedError(self._closed_message)
         deadline = None if timeout is None else time.monotonic() + timeout
         if len(iterables) == 1:  # the items go as they are (see _chunks)
-            run, results = map_results(self, fn, iter(iterables[0]), False, chunksize, deadline)
+            run = MapRun(self, fn, iter(iterables[0]), False, chunksize, deadline)
         else:
-            items = zip(*iterables, strict=False)
-            run, results = map_results(self, fn, items, True, chunksize, deadline)
+            run = MapRun(self, fn, zip(*iterables, strict=False), True, chunksize, deadline)
+        results = run.start()
         # An input with a length is finite (zip stops at the shortest): shutdown sends the
         # rest of it (see shutdown). Weakly held: a map dropped is forgotten.
         if any(isinstance(it, Sized) for it in iterables):
