@@ -11,9 +11,9 @@ error met ahead of the results (``_failed``). The chunks are ordinary top-level 
 
 Called from: ``Pool.map`` (a user thread), which checks the arguments and the pool, then makes
 a ``MapRun`` (``items`` are argument tuples if ``star``) and ``start``s it: it sends the first
-window at once and returns its iterator. The
-iterator runs in whichever thread iterates it; its cleanup (``close()``) may run in any thread,
-inside the garbage collector, so it takes no lock there. ``Pool.shutdown`` (any thread) calls
+window at once and returns its iterator. The iterator runs in whichever thread iterates it; its
+cleanup (``close()``) may run in any thread, inside the garbage collector, so it takes no lock
+there. ``Pool.shutdown`` (any thread) calls
 ``MapRun.send_rest`` for a map whose input has a length. ``MapRun.lock`` orders the reads of
 the input, the sends and the changes of ``in_flight`` between those threads.
 
@@ -74,11 +74,12 @@ MAP_CHUNK_BUDGET = 0.01
 
 
 class MapRun:
-    """One ``Pool.map``'s input, its chunks in flight and its sizing state: the generator
-    (``results``) reads from it in whichever thread iterates, ``fill`` sends ahead at the call
-    and as results are consumed, and ``Pool.shutdown`` may send the rest (``send_rest``) from
-    its own thread. ``lock`` orders the input's reads, the sends and ``in_flight``'s changes
-    among those; ``results``' cleanup on ``close()`` takes no lock (see there)."""
+    """One ``Pool.map``'s input, its chunks in flight and its sizing state: the iterator
+    (``ordered_results``) reads from it in whichever thread iterates, ``fill`` sends ahead at
+    the call and as results are consumed, and ``Pool.shutdown`` may send the rest
+    (``send_rest``) from its own thread. ``lock`` orders the input's reads, the sends and
+    ``in_flight``'s changes among those; the iterator's cleanup on ``close()`` takes no lock
+    (see there)."""
 
     __slots__ = (
         "__weakref__",
