@@ -269,6 +269,10 @@ def ordered_results(run: MapRun) -> Iterator[Any]:
     """The results of ``run``'s chunks in input order, sending more as they are consumed."""
     in_flight = run.in_flight
     deadline = run.deadline
+    pool = run.pool
+    if run in pool._unread_maps:  # read from now on: dropped, it is abandoned (see Pool.map)
+        with pool._maps_lock:
+            pool._unread_maps.discard(run)
     try:
         while True:
             run.fill()

@@ -183,7 +183,11 @@ class Pool(concurrent.futures.Executor):
         self._timed_after_shutdown = bool(timed_after_shutdown)
         self._recurring_after_shutdown = bool(recurring_after_shutdown)
         self._shutdown_lock = threading.Lock()
-        self._maps: weakref.WeakSet[MapRun] = weakref.WeakSet()  # maps of inputs with a length
+        # Maps of inputs with a length, whose rest shutdown sends (see there): weakly held once
+        # their iterator is read (a map dropped then is abandoned), strongly until then (one
+        # dropped unread is fire-and-forget: it runs to its end, as ProcessPoolExecutor's).
+        self._maps: weakref.WeakSet[MapRun] = weakref.WeakSet()
+        self._unread_maps: set[MapRun] = set()
         self._maps_lock = threading.Lock()
         self._closed = False
         self._closed_message = POOL_CLOSED_MESSAGE  # another one in a forked child
@@ -375,7 +379,8 @@ class Pool(concurrent.futures.Executor):
         the end of a ``with`` block) the rest of an input with a length (a list, a range, ...)
         is sent, and its results come after the pool ended too. An iterator's rest cannot be
         read then (it may be endless): its results come as far as it was sent, then
-        PoolClosedError. To abandon a map, close its iterator (or drop it).
+        PoolClosedError. To abandon a map, close its iterator (or drop it once read: one of
+        an input with a length dropped unread runs to its end, its rest sent at shutdown).
         ``chunksize=None`` adapts: chunks of 64 items first (a chunk a worker; an input that
         ends sooner is split evenly over the workers), then chunks of about 2 ms of
         work each (at most 4096 items); every chunk holds about 512 KiB of pickled arguments
@@ -419,10 +424,11 @@ class Pool(concurrent.futures.Executor):
             run = MapRun(self, fn, zip(*iterables, strict=False), True, chunksize, deadline)
         results = run.start()
         # An input with a length is finite (zip stops at the shortest): shutdown sends the
-        # rest of it (see shutdown). Weakly held: a map dropped is forgotten.
+        # rest of it (see shutdown).
         if any(isinstance(it, Sized) for it in iterables):
             with self._maps_lock:
                 self._maps.add(run)
+                self._unread_maps.add(run)
         return results
 
     # ------------------------------------------------------------------ shutdown
@@ -442,6 +448,7 @@ class Pool(concurrent.futures.Executor):
             # raises PoolClosedError once it needs to send more.
             with self._maps_lock:
                 maps = list(self._maps)
+                self._unread_maps.clear()
             for run in maps:
                 run.send_rest()
         self._closed = True  # the fast early check; the coordinator's draining flag decides

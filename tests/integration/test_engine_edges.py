@@ -350,6 +350,23 @@ def test_map_of_an_input_with_a_length_yields_every_result_after_shutdown(consum
 
 
 @pytest.mark.timeout(60)
+def test_a_map_dropped_unread_runs_to_its_end_and_one_dropped_while_read_is_abandoned() -> None:
+    """``pool.map(f, items)`` as a statement (for its side effects) runs every item, as with
+    ProcessPoolExecutor (its first window ran, the rest never); a map whose reader dropped it
+    is abandoned: what was not sent never is."""
+    with Pool(1) as pool:
+        pool.map(tasks.ident, range(1000), chunksize=10)  # dropped at once, unread
+        read = pool.map(tasks.ident, range(1000), chunksize=10)
+        assert next(read) == 0
+        del read
+    # the second sent no more than its read-ahead: the chunk read and those in flight
+    assert 100 <= pool.statistics().completed <= 100 + 1 + _map.MAP_PREFETCH_PER_WORKER
+    with Pool(1) as pool:
+        pool.map(tasks.ident, range(1000), chunksize=10)
+    assert pool.statistics().completed == 100
+
+
+@pytest.mark.timeout(60)
 def test_two_maps_interleaved_and_unequal_iterables(pool2: Pool) -> None:
     a = pool2.map(tasks.ident, range(300), chunksize=7)
     b = pool2.map(tasks.add, range(1000), iter(range(250)), chunksize=11)
