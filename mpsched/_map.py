@@ -36,10 +36,12 @@ import pickle
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from mpsched._chunks import run_chunk
+from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
 from mpsched._future import Future
 from mpsched._protocol import PICKLE_PROTOCOL, load_exception, unpickling_failed
 from mpsched._serialize import TaskPicklingError, first_unpicklable
@@ -111,7 +113,10 @@ class MapRun:
         chunksize: int | None,
         deadline: float | None,
     ) -> None:
-        self.pool = pool
+        # Weak: the pool holds its unread maps (Pool._unread_maps), and a cycle would keep a
+        # dropped pool alive until a garbage collection. The iterator holds the pool (as a
+        # reference to the pool keeps it alive: it sends more as it is read).
+        self.pool = weakref.ref(pool)
         # fn travels in each chunk's arguments, not through the function table: a __main__
         # function needs its copy by value there too (see _serialize.portable), the one the
         # pool's function cache keeps current (by value only once a global it read was rebound).
@@ -146,7 +151,9 @@ class MapRun:
         tasks: a map nobody iterated yet ran nothing, and its timeout, counted from the call,
         ran out before its work began."""
         self.fill()
-        return ordered_results(self)
+        pool = self.pool()
+        assert pool is not None  # the caller's
+        return ordered_results(self, pool)
 
     def fill(self) -> None:
         """Send chunks while fewer than the window are in flight (the bounded read-ahead)."""
@@ -226,7 +233,10 @@ class MapRun:
         fn = self.fn
         try:
             max_bytes = math.inf if self.chunksize else _stop_bytes(len(piece), self.out_per_item)
-            future = self.pool.submit(run_chunk, fn, piece, self.star, self.budget, max_bytes)
+            pool = self.pool()
+            if pool is None:  # unreachable while the iterator or a shutdown holds the pool
+                raise PoolClosedError(POOL_CLOSED_MESSAGE)
+            future = pool.submit(run_chunk, fn, piece, self.star, self.budget, max_bytes)
             return [(future, piece)], True
         except Exception as exc:  # a BaseException (Ctrl-C) goes on at once
             found = first_unpicklable([fn, *piece]) if isinstance(exc, TaskPicklingError) else None
@@ -265,11 +275,10 @@ class MapRun:
             return self.in_flight.popleft() if self.in_flight else None
 
 
-def ordered_results(run: MapRun) -> Iterator[Any]:
+def ordered_results(run: MapRun, pool: Pool) -> Iterator[Any]:
     """The results of ``run``'s chunks in input order, sending more as they are consumed."""
     in_flight = run.in_flight
     deadline = run.deadline
-    pool = run.pool
     if run in pool._unread_maps:  # read from now on: dropped, it is abandoned (see Pool.map)
         with pool._maps_lock:
             pool._unread_maps.discard(run)
@@ -313,7 +322,7 @@ def ordered_results(run: MapRun) -> Iterator[Any]:
         # coordinator thread cancels them instead, on its next pass (docs/design.md,
         # Pool.map). ``list()`` copies the deque in one C call, without a lock.
         run.closed = True
-        run.pool._coordinator.cancel_later([future for future, _ in list(in_flight)])
+        pool._coordinator.cancel_later([future for future, _ in list(in_flight)])
         in_flight.clear()
         raise
     finally:

@@ -69,6 +69,29 @@ def test_the_futures_of_a_dropped_pool_still_resolve() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_pool_dropped_with_maps_ends_without_a_garbage_collection() -> None:
+    """A map's state is held by the pool (maps to finish at shutdown) and refers to it only
+    weakly: no reference cycle keeps the dropped pool alive until a collection. Its iterator
+    keeps it alive while it is read."""
+    pool = Pool(1)
+    pool.map(tasks.ident, range(10))  # dropped unread
+    results = pool.map(tasks.ident, range(10))
+    ref = weakref.ref(pool)
+    processes = _processes(pool)
+    thread = pool._thread
+    gc.disable()
+    try:
+        del pool
+        assert ref() is not None  # the iterator's
+        assert list(results) == list(range(10))
+        del results
+        assert ref() is None, "a reference cycle keeps the dropped pool alive"
+    finally:
+        gc.enable()
+    _assert_ended(thread, processes)
+
+
+@pytest.mark.timeout(120)
 def test_a_pool_shut_down_without_waiting_then_dropped_ends() -> None:
     pool = Pool(1)
     future = pool.submit(tasks.add, 1, 1)
