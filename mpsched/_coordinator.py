@@ -89,6 +89,10 @@ DRAIN_POLL_INTERVAL = 0.05  # seconds
 # A poll timeout shorter than this is waited with select() on the epoll fd: epoll rounds its
 # timeout up to whole milliseconds, which would make every timed task ~0.5 ms late on average.
 FINE_WAIT = 0.002  # seconds
+# The longest single wait (s): epoll takes at most 2**31 - 1 ms (~24.8 days; a task due further
+# ahead raised OverflowError in the loop and broke the pool), so a far due time is waited for in
+# waits of at most this, each followed by a pass that finds nothing due and waits again.
+MAX_WAIT = 3600.0
 
 
 class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
@@ -278,13 +282,15 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
         with self.lock:  # sleep_until under the lock: see schedule()
             due = self.next_due
             self.sleep_until = math.inf if due is None else due
-        if due is not None and due - time.monotonic() < timeout:
+        if due is not None and due - time.monotonic() < min(timeout, MAX_WAIT):
             timeout = max(0.0, due - time.monotonic())
             if timeout < FINE_WAIT:  # epoll would round up to whole ms; select() waits in us
                 select.select([self.epoll.fileno()], [], [], timeout)
                 timeout = 0.0
             else:  # wake up to 1 ms early (epoll rounds up), then wait the rest with select()
                 timeout -= 0.001
+        elif due is not None:  # far ahead: wake before it, to wait again (see MAX_WAIT)
+            timeout = min(timeout, MAX_WAIT)
         events = self.epoll.poll(-1 if timeout == math.inf else timeout)
         return [fd for fd, _ in events]
 

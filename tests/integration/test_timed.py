@@ -546,6 +546,26 @@ def test_an_unhashable_id_is_named_by_cancel_and_state() -> None:
         assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
 
 
+@pytest.mark.timeout(60)
+def test_a_task_due_months_or_aeons_ahead_waits_without_breaking_the_pool() -> None:
+    """epoll takes at most ~24.8 days: a finite ``run_at`` further ahead (or a recurrence's
+    next run) raised OverflowError in the coordinator's loop, and the pool broke."""
+    with Pool(1) as pool:
+        now = time.monotonic()
+        for k, ahead in enumerate([30 * 86400.0, 1e12, 1e300]):
+            pool.schedule(("far", k), now + ahead, 0, tasks.ident, k)
+        recurring = pool.with_options(every=30 * 86400.0).schedule(
+            "monthly", now, 0, tasks.ident, 1
+        )
+        wait_until(lambda: pool.statistics().completed == 1, "the recurrence's first run")
+        assert pool.submit(tasks.ident, 42).result(timeout=20) == 42  # the loop goes on
+        assert pool._coordinator.broken is None
+        assert all(pool.state(("far", k)) is TaskState.PENDING for k in range(3))
+        assert pool.cancel("monthly")
+        assert recurring.cancelled()
+        assert all(pool.cancel(("far", k)) for k in range(3))
+
+
 def test_cancel_keeps_its_signature_and_a_subclass_keeps_its_override() -> None:
     """A pool binds its coordinator's cancel as ``cancel`` (a frame less per call): ``force``
     stays keyword-only, help() and inspect show the public method (not the coordinator's
