@@ -101,7 +101,8 @@ def submit(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> ChildFuture:
     """Inside a task: run ``fn(*args, **kwargs)`` as a child task on this worker's own deque.
 
     The child may be stolen by an idle worker. ``result()`` on the returned future runs other
-    tasks while it waits (join-helping), so recursive fork-join finishes even with one worker.
+    children while it waits (join-helping), so recursive fork-join finishes even with one
+    worker.
 
     Raises:
         RuntimeError: called outside a task running in an mpsched pool (use ``Pool.submit``).
@@ -190,7 +191,8 @@ class ChildFuture:
     """The future of a child task (``mpsched.submit``); lives in the spawning worker only.
 
     ``result()`` and ``exception()`` help: while the child is not done, this worker runs other
-    tasks (its own deque first, where the child most likely still is). Only for the thread that
+    children (its own deque first, where the child most likely still is; never a top-level
+    task: see ``Children.join``). Only for the thread that
     runs the task (RuntimeError in another: ``_OFF_THREAD``; once settled, any thread may read
     it), and not picklable: it refers to a block of this pool's shared memory.
 
@@ -252,7 +254,7 @@ class ChildFuture:
         return False
 
     def result(self, timeout: float | None = None) -> Any:
-        """The child's return value; re-raises its exception. Runs other tasks while waiting.
+        """The child's return value; re-raises its exception. Runs other children meanwhile.
 
         The exception raised is a new copy at each call (equal type and arguments, not the
         object ``exception()`` returns): the raise gives it a traceback holding the caller's
@@ -324,7 +326,7 @@ class Children:
         uid_base: int
         stash_counter: int
 
-        def find_work(self) -> int: ...
+        def find_child_work(self) -> int: ...
         def run(self, handle: int) -> None: ...
         def load_function(self, fid: int) -> Callable[..., Any]: ...
         def idle(self, awaited: int | None, deadline: float | None = None) -> None: ...
@@ -487,13 +489,21 @@ class Children:
                 self.free_unread_child(handle)
 
     def join(self, future: ChildFuture, timeout: float | None) -> None:
-        """Help until ``future``'s child is done: run other tasks, or sleep until woken."""
+        """Help until ``future``'s child is done: run other children (from the own deque, or
+        stolen from a peer's), or sleep until woken.
+
+        Never a top-level task from an inbox, as Java's ForkJoinPool never runs an external
+        submission inside a join: run nested above the waiting task, an unrelated task that
+        waited for that task's progress (a later task joining a child future the waiting
+        task keeps, or polling for what it writes after its join) waited for ever, and so
+        did the pool's shutdown; and a top-level task's forced timeout or cancel, which kills
+        its worker, killed the task it was nested in. Its peers take those (see ``idle``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         handle = future._handle
         while self.child_state(handle) != CHILD_DONE:
             if deadline is not None and time.monotonic() >= deadline:
                 raise timeout_error("the child task did not finish in time")
-            found = self.find_work() if self.depth < MAX_NESTING - 1 else -1
+            found = self.find_child_work() if self.depth < MAX_NESTING - 1 else -1
             if found >= 0:
                 sys.setrecursionlimit(sys.getrecursionlimit() + JOIN_FRAMES)
                 try:

@@ -202,8 +202,9 @@ class SlotQueues(SlotRepair, BlockHandshake):
             w[INJECTED_TAKEN] += 1
         return handle
 
-    def pop_or_take(self, mark_running: bool = False) -> int:
-        """Owner only, one lock round: the deque's back if any, else the inbox's front.
+    def pop_or_take(self, mark_running: bool = False, take_inbox: bool = True) -> int:
+        """Owner only, one lock round: the deque's back if any, else the inbox's front (not
+        with ``take_inbox`` False: a join helps with children only, see ``Worker.join``).
 
         "Finish what we started before we take on something new" (rayon): children first.
         Returns -1 if both are empty.
@@ -226,6 +227,8 @@ class SlotQueues(SlotRepair, BlockHandshake):
                     w[RUN_DEPTH] = depth + 1
                 w[DEQUE_BACK] = back  # commit
                 return handle
+            if not take_inbox:
+                return EMPTY_HANDLE
             front = w[INBOX_FRONT]
             back = w[INBOX_BACK]
             handle = EMPTY_HANDLE
@@ -295,8 +298,9 @@ class SlotQueues(SlotRepair, BlockHandshake):
             w[HOLDER_PID] = 0
             self._release()
 
-    def announce_sleep(self) -> bool:
-        """Owner only: set ``sleeping`` if, under the lock, both rings are empty.
+    def announce_sleep(self, children_only: bool = False) -> bool:
+        """Owner only: set ``sleeping`` if, under the lock, both rings are empty (the deque,
+        with ``children_only``: a joining worker takes nothing from its inbox).
 
         The "announce" of "announce, then recheck": a waker that injects (``inject_wake``) or
         clears the flag (``clear_sleeping``) afterwards sees it under the same lock and must
@@ -310,7 +314,9 @@ class SlotQueues(SlotRepair, BlockHandshake):
             self._acquire_contended()
         try:
             w[HOLDER_PID] = _pid
-            if w[DEQUE_BACK] > w[DEQUE_FRONT] or w[INBOX_BACK] > w[INBOX_FRONT]:
+            if w[DEQUE_BACK] > w[DEQUE_FRONT] or (
+                not children_only and w[INBOX_BACK] > w[INBOX_FRONT]
+            ):
                 return False
             w[SLEEPING] = 1
         finally:
@@ -425,19 +431,20 @@ class SlotQueues(SlotRepair, BlockHandshake):
 
     # Thieves (any process but the owner).
 
-    def steal(self, into: SlotQueues | None = None) -> tuple[int, int]:
+    def steal(self, into: SlotQueues | None = None, take_inbox: bool = True) -> tuple[int, int]:
         """Claim the deque's front, else the inbox's front. Never blocks: one try-lock.
 
         Args:
             into: the thief's OWN slot; the handle is recorded in its run_stack before the
                 victim's commit (so a thief's crash cannot lose it), and counted as stolen.
+            take_inbox: False for a joining thief, which helps with children only.
 
         Returns:
             ``(SUCCESS, handle)``, ``(EMPTY, -1)`` or ``(RETRY, -1)``.
         """
         w = self._w
         # hint only: racy, maybe stale; a false EMPTY is a missed steal, never a lost task
-        if w[DEQUE_BACK] <= w[DEQUE_FRONT] and w[INBOX_BACK] <= w[INBOX_FRONT]:
+        if w[DEQUE_BACK] <= w[DEQUE_FRONT] and (not take_inbox or w[INBOX_BACK] <= w[INBOX_FRONT]):
             return _STEAL_EMPTY
         if not self._acquire(False):
             return _STEAL_RETRY
@@ -454,8 +461,10 @@ class SlotQueues(SlotRepair, BlockHandshake):
                     record_in[RUN_STACK + depth] = handle
                     record_in[RUN_DEPTH] = depth + 1
                 w[DEQUE_FRONT] = front + 1  # commit
-            else:
+            elif take_inbox:
                 handle = self._claim_inbox(record_in)
+            else:
+                handle = EMPTY_HANDLE
         finally:
             w[HOLDER_PID] = 0
             self._release()
@@ -465,8 +474,9 @@ class SlotQueues(SlotRepair, BlockHandshake):
             record_in[STOLEN] += 1
         return _SUCCESS, handle
 
-    def probe(self) -> bool:
-        """Whether a live handle is queued, read under the lock (a fence, unlike ``len``).
+    def probe(self, children_only: bool = False) -> bool:
+        """Whether a live handle is queued (in the deque only, with ``children_only``), read
+        under the lock (a fence, unlike ``len``).
 
         Use it as the "recheck" of announce-then-recheck before sleeping.
         """
@@ -477,7 +487,7 @@ class SlotQueues(SlotRepair, BlockHandshake):
             w[HOLDER_PID] = _pid
             if w[DEQUE_BACK] > w[DEQUE_FRONT]:
                 return True
-            return any(
+            return not children_only and any(
                 h != TOMBSTONE
                 for lo, hi in _segments(w[INBOX_FRONT], w[INBOX_BACK], self._imask)
                 for h in self._inbox[lo:hi].tolist()

@@ -11,7 +11,9 @@ two parts: the children's side (spawn, finish, collect, join) and the task-side 
 find_work, in order (rayon's ``find_work``; "finish what we started before we take on something
 new"): the own deque's back (LIFO: the children our tasks just spawned), then the own inbox's
 front (FIFO: the coordinator's order), then a steal from the front of a peer's deque or inbox,
-starting at a random peer and retrying only while some peer answered RETRY (crossbeam).
+starting at a random peer and retrying only while some peer answered RETRY (crossbeam). A
+join (``Children.join``) helps with children only (``find_child_work``): the own deque, then a
+peer's deque, never an inbox's top-level task.
 
 Claims are exactly-once by the rings (``_shm_deque``: removal under the slot lock is the claim),
 and each claim is recorded in this worker's run stack in the same lock hold.
@@ -192,9 +194,15 @@ class Worker(Children):
 
     def find_work(self) -> int:
         handle = self.me.pop_or_take(True)
-        return handle if handle >= 0 else self.steal()
+        return handle if handle >= 0 else self.steal(True)
 
-    def steal(self) -> int:
+    def find_child_work(self) -> int:
+        """``find_work`` for a join: children only, from the own deque or a peer's, never a
+        top-level task from an inbox (see ``Children.join``)."""
+        handle = self.me.pop_or_take(True, False)
+        return handle if handle >= 0 else self.steal(False)
+
+    def steal(self, take_inbox: bool) -> int:
         peers = self.peers
         n = len(peers)
         if not n:
@@ -204,7 +212,7 @@ class Worker(Children):
             retry = False
             start = self.rng.randrange(n)
             for k in range(n):
-                result, handle = peers[(start + k) % n].steal(me)
+                result, handle = peers[(start + k) % n].steal(me, take_inbox)
                 if result is _SUCCESS:
                     return handle
                 if result is _RETRY:
@@ -322,12 +330,13 @@ class Worker(Children):
                     break
             else:
                 return  # work arrived: back to find_work
+        joining = awaited is not None  # helps with children only: the inboxes are no work
         header.add_sleepers(1)
         try:
-            if not me.announce_sleep():
+            if not me.announce_sleep(joining):
                 return
             if (awaited is not None and me.block_state(self.slab, awaited) == CHILD_DONE) or any(
-                peer.probe() for peer in self.peers
+                peer.probe(joining) for peer in self.peers
             ):
                 if not me.clear_sleeping():
                     self.consume_wake()  # a waker got there first and wrote our eventfd
@@ -347,7 +356,10 @@ class Worker(Children):
         # into a sleeping inbox wakes only its owner), and this worker takes one task of it.
         # Were more queued, a peer that slept through their publication would sleep on while
         # they wait behind our task. Off the per-task path: only after an announced sleep.
-        if header.sleepers() and sum(len(slot) for slot in self.slots) > 1:
+        # A joining worker leaves its inbox's tasks to its peers: one that sleeps is woken
+        # for them (the coordinator woke this worker, the inbox's owner, for them).
+        queued = sum(len(slot) for slot in self.slots)
+        if header.sleepers() and (queued > 1 or (joining and len(me))):
             self.wake_one_sleeper()
 
     def consume_wake(self) -> None:

@@ -363,3 +363,28 @@ def raise_on_sigusr1() -> int:
     """Leave a SIGUSR1 handler that raises installed in this worker; return its pid."""
     signal.signal(signal.SIGUSR1, _raise_handler_error)
     return os.getpid()
+
+
+def _gated_child(path: str) -> str:
+    gate(path)
+    return "child"
+
+
+def join_a_stolen_child(joining: str, gate_path: str) -> int:
+    """Spawn a child that waits at ``gate_path``, let a peer steal it, then tell the test
+    (FIFO ``joining``) and join it: the join has nothing of its own to help with."""
+    child = mpsched.submit(_gated_child, gate_path)
+    deadline = time.monotonic() + 20
+    while not child.running():  # a state, not a time: the idle peer steals it
+        if time.monotonic() > deadline:
+            raise TimeoutError("no peer stole the child")
+        time.sleep(0.001)
+    with open(joining, "wb") as fifo:
+        fifo.write(b"j")
+    assert child.result() == "child"
+    return os.getpid()
+
+
+def flag_seen(path: str) -> tuple[int, bool]:
+    """This worker's pid, and whether the file ``path`` exists."""
+    return os.getpid(), os.path.exists(path)

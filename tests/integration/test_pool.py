@@ -386,6 +386,30 @@ def test_children_belong_to_the_thread_that_runs_the_task(workers: int) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_join_never_runs_a_top_level_task_nested_above_the_waiting_task(tmp_path: Path) -> None:
+    """A join helps with children only: a top-level task run nested above the waiting task
+    made that task wait for it, and one that waited for the waiting task's progress (a child
+    future it keeps, a file it writes after its join) hung the worker and the shutdown."""
+    joining, gate_path = str(tmp_path / "joining"), str(tmp_path / "gate")
+    opened = str(tmp_path / "opened")
+    os.mkfifo(joining)
+    os.mkfifo(gate_path)
+    with Pool(2) as pool:
+        parent = pool.submit(tasks.join_a_stolen_child, joining, gate_path)
+        with open(joining, "rb") as fifo:
+            assert fifo.read(1) == b"j"
+        # The parent's worker sleeps in its join, its peer runs the gated child: the task goes
+        # to an inbox, and only a run nested in the join could start it before the gate opens.
+        later = pool.submit(tasks.flag_seen, opened)
+        wait_until(lambda: pool.statistics().pending == 0, "the task was handed to a worker")
+        Path(opened).touch()
+        tasks.open_gate(gate_path)
+        parent_pid = parent.result(timeout=20)
+        pid, seen = later.result(timeout=20)
+        assert seen, f"ran before the child ended (worker {pid}, the joining one: {parent_pid})"
+
+
+@pytest.mark.timeout(60)
 def test_a_child_future_is_running_once_a_peer_started_it(tmp_path: Path) -> None:
     fifos = Fifos(tmp_path)
     with Pool(2) as pool:

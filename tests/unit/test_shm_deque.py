@@ -119,6 +119,24 @@ def test_is_empty(sq: SlotQueues) -> None:
     assert sq.is_empty()
 
 
+def test_a_joiner_sees_the_deque_only(sq: SlotQueues) -> None:
+    """``take_inbox``/``children_only`` False: a join helps with children, never with the
+    inbox's top-level tasks, and may sleep while they wait there (for its peers)."""
+    sq.inject([5, 6])
+    assert sq.pop_or_take(take_inbox=False) == -1
+    assert sq.steal(take_inbox=False) == (EMPTY, -1)
+    assert not sq.probe(children_only=True)
+    assert sq.probe()
+    sq.push(1)
+    assert sq.probe(children_only=True)
+    assert sq.pop_or_take(take_inbox=False) == 1
+    assert sq.announce_sleep(children_only=True)
+    assert sq.clear_sleeping()
+    assert not sq.announce_sleep()  # an ordinary sleep: the inbox is work
+    assert sq.steal() == (SUCCESS, 5)
+    assert sq.pop_or_take() == 6
+
+
 def test_owner_sees_lifo_thieves_see_fifo(sq: SlotQueues) -> None:
     for h in range(10):
         assert sq.push(h)
