@@ -179,7 +179,7 @@ class Timing(CoordinatorState):
             # may have replaced meanwhile: that next version superseded the new schedule's,
             # whose future never settled (test_a_retried_run_of_a_superseded_recurrence_...).
             or run.retries_left != options.retries
-            or not is_misfire(run.run_at, time.monotonic(), options.misfire_grace)
+            or not is_misfire(run.misfire_from, time.monotonic(), options.misfire_grace)
         ):
             return False
         self.misfires += 1
@@ -245,10 +245,12 @@ class Timing(CoordinatorState):
         # A skipped misfire goes to the grid after now, whatever the overlap policy.
         policy = "skip" if skipped else options.overlap
         every: float = options.every  # type: ignore[assignment]  # set on every recurrence
-        run_at, dropped = next_run_at(run_future._run.run_at, every, time.monotonic(), policy)
+        now = time.monotonic()
+        run_at, dropped = next_run_at(run_future._run.run_at, every, now, policy)
         self.skipped_runs += dropped
         future = Future(self, rec.call, rec.priority)
-        future._run = TaskRun(options, rec, run_at)
+        future._run = run = TaskRun(options, rec, run_at)
+        run.misfire_from = max(run_at, now)  # a catch-up run could not start before now
         # Each run is a task of its own (``completed`` counts each): submitted counted only
         # the schedule() call, and a recurrence made completed exceed submitted.
         self.submitted += 1

@@ -257,9 +257,10 @@ class Pool(concurrent.futures.Executor):
     ) -> Future:
         """Run ``fn(*args, **kwargs)`` as version of ``task_id`` due at ``run_at``.
 
-        ``run_at`` is an absolute ``time.monotonic()`` time (in the past: due at once). Among
-        due tasks, the higher ``priority`` starts first, then the earlier ``run_at``, then
-        the earlier call. Scheduling an id again supersedes its previous version: one that has
+        ``run_at`` is an absolute ``time.monotonic()`` time (in the past: due at once, at the
+        call). Among due tasks, the higher ``priority`` starts first, then the one that became
+        due first (at its ``run_at``, or at the call if that had passed), then the earlier
+        call. Scheduling an id again supersedes its previous version: one that has
         not started is cancelled (its future too) and never runs; one that runs is not
         interrupted, and the new version starts only after it ended.
 

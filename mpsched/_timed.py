@@ -206,6 +206,7 @@ class TaskRun:
     __slots__ = (
         "cancel_requested",
         "forced",
+        "misfire_from",
         "options",
         "recurrence",
         "retries_left",
@@ -220,6 +221,11 @@ class TaskRun:
         self.options = options
         self.recurrence = recurrence  # set on each run of a recurring id (and its future)
         self.run_at = run_at  # due time of this run of a recurring id
+        # When this run could first start, from which its misfire grace counts: its run_at,
+        # or, for a catch-up run of "queue"/"coalesce" due at a grid time that passed while
+        # the previous run went on, the end of that run (judged from its grid time, every
+        # such run was a misfire, even on an idle pool).
+        self.misfire_from = run_at
         self.retries_left = options.retries
         self.started_at: float | None = None  # first seen on a run stack (timeouts)
         self.timed_out = False  # the cooperative cancel of the timeout was sent

@@ -553,6 +553,23 @@ def test_a_recurrence_scheduled_in_the_past_is_no_misfire(tmp_path: Path) -> Non
         assert rec.cancelled()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", ["coalesce", "queue"])
+def test_a_catch_up_run_is_judged_from_when_it_could_start(tmp_path: Path, overlap: str) -> None:
+    """The first run outlasts a grid time by more than the grace; the catch-up run that
+    "coalesce" or "queue" makes is due at that past grid time, but could not start before the
+    first run ended: its grace counts from then (it was dropped as a misfire, on an idle pool).
+    """
+    log = str(tmp_path / "log")
+    with Pool(2) as pool:
+        options = pool.with_options(every=1.0, overlap=overlap, misfire="skip", misfire_grace=0.5)
+        rec = options.schedule("r", time.monotonic(), 0, tt.recurring_run, log, 1.6, 2)
+        with pytest.raises(LookupError, match="run 2 ends the recurrence"):
+            rec.result(timeout=CONDITION_TIMEOUT)
+        assert pool.statistics().misfires == 0
+        assert [version for version, _ in tt.read_tags(log)] == [1, 2]
+
+
 # ---------------------------------------------------------------- cancel requests
 class SlabHook:
     """Stands for the coordinator's slab: calls ``before_flag()`` before the cancel flag is
