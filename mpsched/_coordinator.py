@@ -327,7 +327,8 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
                 continue
             self.inbox_low[k] = _NO_LOW
             futures = [self.by_handle[h] for h in self.slots[k].drain(include_deque=False)]
-            self.ready.putback(futures)  # (which marks them queued: out of the inbox)
+            # (which marks them queued: out of the inbox), at their aged levels
+            self.ready.putback(futures, time.monotonic(), self.aging)
 
     def take_ready(self, n: int) -> tuple[list[Future], int]:
         """Under ``self.lock``: up to ``n`` due tasks, minus recurring runs that misfired."""

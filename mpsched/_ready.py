@@ -77,11 +77,19 @@ class ReadyQueue:
         item._slot = QUEUED
         self.size += 1
 
-    def putback(self, items: Iterable[Future]) -> None:
-        """Return ``items`` (in their original order) to the front of their base levels: they
-        were taken before everything still queued there."""
+    def putback(
+        self, items: Iterable[Future], now: float = 0.0, aging: float | None = None
+    ) -> None:
+        """Return ``items`` (in their original order) to the front of their levels: they were
+        taken before everything still queued there. With ``aging``, a level is the item's
+        aged one at ``now`` (as ``age`` would have made it): taken back from an inbox at its
+        base level, a low task that had waited there lost its aging each time a higher one
+        came, and a stream of those kept it waiting for ever."""
         for item in reversed(list(items)):
-            self._level(item._priority).appendleft(item)
+            level = item._priority
+            if aging is not None:
+                level += int((now - item._due_at) / aging)
+            self._level(level).appendleft(item)
             if item._withdrawn:
                 item._slot = QUEUED_WITHDRAWN
                 self._withdrawn_queued += 1

@@ -208,6 +208,19 @@ def test_aging_promotes_one_level_per_period_waited() -> None:
     assert _names(batch) == ["hi0", "hi1", "hi2", "old"]
 
 
+def test_a_task_taken_back_from_an_inbox_keeps_its_aging() -> None:
+    """A low task waiting in an inbox is taken back when a higher one comes: at its base
+    level, it went behind every such one again, and a stream of them starved it."""
+    q = ReadyQueue()
+    low = _future(0, due_at=0.0, name="low")
+    q.append(_future(3, due_at=4.5, name="high"), 3)
+    q.putback([low], now=5.0, aging=1.0)  # waited 5 periods: level 5
+    assert _names(q.take(10)[0]) == ["low", "high"]
+    q.putback([low])  # no aging: its base level
+    q.append(_future(3, due_at=4.5, name="high"), 3)
+    assert _names(q.take(10)[0]) == ["high", "low"]
+
+
 def test_aging_lets_a_long_waiting_task_overtake_a_stream_of_higher_ones() -> None:
     q = ReadyQueue()
     q.append(_future(0, due_at=0.0, name="low"), 0)
