@@ -158,8 +158,6 @@ class MapRun:
     def fill(self) -> None:
         """Send chunks while fewer than the window are in flight (the bounded read-ahead)."""
         with self.lock:
-            if not self.cap and self.chunksize is None and not self.exhausted:
-                self._send_first_window()
             while not self.exhausted and len(self.in_flight) < self.window:
                 self._send_next()
 
@@ -171,29 +169,35 @@ class MapRun:
             while not self.exhausted and not self.closed:
                 self._send_next()
 
-    def _send_first_window(self) -> None:
-        """The first window of default chunks, before anything was measured (under ``lock``):
-        the first ``MAP_SAMPLE_ITEMS`` items give the bytes per item (``cap``: the bytes bound
-        every chunk from the first on; read 64 to a chunk, 1 MB items made 512 MB in flight
-        before the first result), then up to a window of chunks of ``size`` items is read at
-        once. An input that ends within it is split evenly over the window (a chunk a worker):
-        sent in chunks from the front, a short map of slow items ran on one worker while the
-        others idled (2 items of 0.5 s took 1 s on 2 workers, where ProcessPoolExecutor.map
-        takes 0.5 s)."""
+    def _send_next(self) -> None:
+        """Read the next chunk of the input and send it (under ``lock``); ``exhausted`` once
+        the input ended, failed or a chunk could not be sent (nothing after it is sent).
+
+        The first default chunks, before anything was measured, go as a window: the first
+        ``MAP_SAMPLE_ITEMS`` items give the bytes per item (``cap``: the bytes bound every
+        chunk from the first on; read 64 to a chunk, 1 MB items made 512 MB in flight before
+        the first result), then a window of chunks of ``size`` items is read at once, and an
+        input that ends within it is split evenly over the window (a chunk a worker): sent in
+        chunks from the front, a short map of slow items ran on one worker while the others
+        idled (2 items of 0.5 s took 1 s on 2 workers, where ProcessPoolExecutor.map takes
+        0.5 s)."""
         items = self.items
         chunk: list[Any] = []
         error: Exception | None = None
+        parts = 1
         try:
-            chunk.extend(itertools.islice(items, MAP_SAMPLE_ITEMS))
-            if chunk:
-                self.cap = _max_chunk(chunk)
-                self.size = min(self.size, self.cap)
-            whole = self.window * self.size
-            chunk.extend(itertools.islice(items, max(0, whole - len(chunk))))
+            if not self.cap and self.chunksize is None:
+                parts = self.window
+                chunk.extend(itertools.islice(items, MAP_SAMPLE_ITEMS))
+                if chunk:
+                    self.cap = _max_chunk(chunk)
+                    self.size = min(self.size, self.cap)
+            wanted = parts * self.size
+            chunk.extend(itertools.islice(items, max(0, wanted - len(chunk))))
         except Exception as exc:  # keeps what came before the input's error
             error = exc
-            whole = self.window * self.size
-        per = self.size if len(chunk) >= whole else max(1, -(-len(chunk) // self.window))
+            wanted = parts * self.size
+        per = max(1, -(-len(chunk) // parts))  # ``size``, unless the input ended sooner
         for start in range(0, len(chunk), per):
             entries, sent = self._send(chunk[start : start + per])
             self.in_flight.extend(entries)
@@ -202,26 +206,7 @@ class MapRun:
                 return
         if error is not None:
             self.in_flight.append((_failed(error), []))
-        self.exhausted = error is not None or len(chunk) < whole
-
-    def _send_next(self) -> None:
-        """Read the next chunk of the input and send it (under ``lock``); ``exhausted`` once
-        the input ended, failed or a chunk could not be sent (nothing after it is read)."""
-        chunk: list[Any] = []
-        try:
-            chunk.extend(itertools.islice(self.items, self.size))  # keeps what came before an error
-        except Exception as exc:
-            if chunk:
-                self.in_flight.extend(self._send(chunk)[0])
-            self.in_flight.append((_failed(exc), []))
-            self.exhausted = True
-            return
-        if not chunk:
-            self.exhausted = True
-            return
-        entries, sent = self._send(chunk)
-        self.in_flight.extend(entries)
-        self.exhausted = not sent  # failed to go: nothing after it is read
+        self.exhausted = error is not None or len(chunk) < wanted
 
     def _send(self, piece: list[Any]) -> tuple[list[tuple[Future, list[Any]]], bool]:
         """``in_flight``'s entries for ``piece``, and whether all of it went. An error met

@@ -505,8 +505,7 @@ class Pool(concurrent.futures.Executor):
             return
         self._resources.request_release()
         self._thread.join()
-        # Cleared only now (statistics() reads no shared memory from here on; it takes the
-        # lock, as we hold it): shutdown() and await_termination() read it without the lock,
+        # Cleared only now: shutdown() and await_termination() read it without the lock,
         # and cleared before the join, a shutdown(wait=True) racing this one returned while
         # the teardown was still going on (tests/stress/test_lifecycle_races.py).
         self._started = False
@@ -519,8 +518,7 @@ class Pool(concurrent.futures.Executor):
         that crashed or was recycled keeps its counts, and its replacement adds to them. After
         ``shutdown`` (once ``await_termination`` returned True), the final counters: queue
         depths and pids read 0 then."""
-        with self._shutdown_lock:  # the memory is not released while we read it
-            return snapshot(self)
+        return snapshot(self)  # reads the memory under PoolResources.memory_lock
 
     def __enter__(self) -> Pool:
         return self

@@ -1,7 +1,7 @@
 """Pool.statistics: the snapshot's types (``PoolStatistics``, ``WorkerStatistics``) and its read.
 
-Called from: ``Pool.statistics`` (any user thread), under the pool's ``_shutdown_lock``; the
-shared memory is read under ``PoolResources.memory_lock`` and only while it is there (the
+Called from: ``Pool.statistics`` (any user thread). The shared memory is read under
+``PoolResources.memory_lock`` and only while it is there (the
 coordinator thread unmaps it under that lock once its loop ended after a shutdown). Nothing
 here writes: the values are racy reads of counters that the workers and the coordinator write
 (hints). While the pool runs, a slot's counters come from shared memory; once it ended, from
@@ -70,8 +70,8 @@ class PoolStatistics:
 
 
 def snapshot(pool: Pool) -> PoolStatistics:
-    """``Pool.statistics``, under the pool's ``_shutdown_lock`` (the memory is not released
-    while this reads it)."""
+    """``Pool.statistics``: the shared memory is read under ``PoolResources.memory_lock``, so
+    it is not unmapped meanwhile."""
     coord = pool._coordinator
     resources = pool._resources
     with coord.lock:

@@ -358,8 +358,9 @@ class Worker(Children):
         # they wait behind our task. Off the per-task path: only after an announced sleep.
         # A joining worker leaves its inbox's tasks to its peers: one that sleeps is woken
         # for them (the coordinator woke this worker, the inbox's owner, for them).
-        queued = sum(len(slot) for slot in self.slots)
-        if header.sleepers() and (queued > 1 or (joining and len(me))):
+        if header.sleepers() and (
+            sum(len(slot) for slot in self.slots) > 1 or (joining and len(me))
+        ):
             self.wake_one_sleeper()
 
     def consume_wake(self) -> None:
