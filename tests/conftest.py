@@ -17,6 +17,7 @@ import multiprocessing.context
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -83,6 +84,16 @@ def _our_children(before: set[int]) -> list[psutil.Process]:
             continue
         out.append(proc)
     return out
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A suite started with SIGINT ignored (``cmd &`` in a shell without job control ignores it)
+    would pass that on to every script it starts, whose Ctrl-C tests then see no
+    KeyboardInterrupt: give the suite Python's own handler, which an exec resets to the
+    default, so the scripts get theirs."""
+    del config
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
