@@ -65,6 +65,13 @@ class Timing(CoordinatorState):
                 if self.broken is not None or self.draining:
                     self.check_usable()
                 self.submitted += 1
+                now = time.monotonic()
+                if run_at <= now:
+                    # Due at the call (the API's words), so it queues behind what became due
+                    # before the call and ahead of later submits (make_ready). Left 0.0 for a
+                    # run_at ahead: a float per pending future would be one more object for
+                    # each full collection to visit in each (see _heap's module doc).
+                    future._due_at = now
                 if timetable.known(task_id):  # an id seen before: supersede what it has
                     superseded = []
                     self.supersede(task_id, recurrence, superseded)
@@ -157,14 +164,22 @@ class Timing(CoordinatorState):
         """Move the timetable's due versions to the ready queue (and age the ready queue)."""
         now = time.monotonic()
         with self.lock:
-            self.next_due = self.timetable.release_due(now, self.make_ready)
+            self.release_due_locked(now)
             if self.aging is not None and self.ready:
                 self.ready.age(now, self.aging)
 
+    def release_due_locked(self, now: float) -> None:
+        """Under ``self.lock``: ``release_due`` without the aging (also ``dispatch``'s)."""
+        self.next_due = self.timetable.release_due(now, self.make_ready)
+
     def make_ready(self, future: Future, priority: int) -> None:
-        """Under ``self.lock``: a version came due (the timetable hands it out)."""
-        future._due_at = time.monotonic()
-        self.ready.append(future, priority)
+        """Under ``self.lock``: a version came due (the timetable hands it out, its ``_due``
+        set). It became due at its ``run_at``, unless that had passed at its schedule call
+        (``_due_at`` set there): it queues behind what became due before it, not behind the
+        submits made since (the loop runs this some time after)."""
+        if not future._due_at:
+            future._due_at = future._due.run_at
+        self.ready.append_due(future, priority)
 
     def misfired(self, future: Future) -> bool:
         """Under ``self.lock``: drop a recurring run that is too late, if its policy says so."""
@@ -251,6 +266,8 @@ class Timing(CoordinatorState):
         future = Future(self, rec.call, rec.priority)
         future._run = run = TaskRun(options, rec, run_at)
         run.misfire_from = max(run_at, now)  # a catch-up run could not start before now
+        if run_at <= now:  # due now (a catch-up run): queues behind what is due already
+            future._due_at = now
         # Each run is a task of its own (``completed`` counts each): submitted counted only
         # the schedule() call, and a recurrence made completed exceed submitted.
         self.submitted += 1

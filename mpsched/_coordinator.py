@@ -158,12 +158,20 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
                 if self.broken is not None or self.draining:
                     self.check_usable()
                 self.submitted += 1
-                if self.aging is not None:
-                    # Before the direct dispatch too: a task injected here may be taken back to
-                    # the ready queue (take_back_lower), whose aging reads this; left at 0.0 it
-                    # read as waiting since the clock's epoch and jumped above every priority.
-                    future._due_at = time.monotonic()
-                if not self.ready and not self.by_handle and self.dispatch_one(future):
+                # When it became due: a timed version released later queues ahead of it if it
+                # became due first (ReadyQueue.append_due); and aging reads it, also for a task
+                # injected here and taken back (take_back_lower): left at 0.0 it read as waiting
+                # since the clock's epoch and jumped above every priority.
+                future._due_at = now = time.monotonic()
+                # Not past a timed version that is due and not yet out of the heap (the loop
+                # moves it to the ready queue, ahead of this task: it became due first).
+                due = self.next_due
+                if (
+                    not self.ready
+                    and not self.by_handle
+                    and (due is None or due > now)
+                    and self.dispatch_one(future)
+                ):
                     return future._run is not None  # a timeout needs the loop's watch
                 self.ready.append(future, future._priority)
             finally:
@@ -298,6 +306,12 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
     def dispatch(self) -> None:
         n = self.n_workers
         with self.lock:
+            due = self.next_due
+            if due is not None and due <= (now := time.monotonic()):
+                # A version fell due (or was scheduled due at the call) since this pass read
+                # next_due: released first, or the submits queued since would be injected
+                # ahead of it, though it became due before them.
+                self.release_due_locked(now)
             top = self.ready.top_priority()
             if top is not None:
                 self.take_back_lower(top)

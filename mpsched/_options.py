@@ -30,6 +30,7 @@ in ``PoolStatistics.misfires`` and logs a warning: never silently.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,6 +41,10 @@ OVERLAP_POLICIES = ("skip", "coalesce", "queue")
 MISFIRE_POLICIES = ("run_late", "skip")
 DEFAULT_TIMEOUT_GRACE = 1.0  # seconds between the cooperative cancel of a timeout and the kill
 DEFAULT_MISFIRE_GRACE = 1.0  # seconds late a recurring run may start before it is a misfire
+_FLOAT_INT_MAX = int(sys.float_info.max)  # the largest int a float holds (a seconds bound)
+# next_run_at: grid steps counted exactly up to here (floats hold every integer below 2**53);
+# beyond, the grid is finer than a float resolves at now, and now is the last time passed.
+_EXACT_STEPS = 2**53
 
 
 def check_seconds(name: str, value: object, *, allow_none: bool, positive: bool) -> None:
@@ -47,7 +52,9 @@ def check_seconds(name: str, value: object, *, allow_none: bool, positive: bool)
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+    # An int past the float range is not finite either (math.isfinite raised OverflowError).
+    too_big = isinstance(value, int) and abs(value) > _FLOAT_INT_MAX
+    if too_big or not math.isfinite(value) or value < 0 or (positive and value == 0):
         qualifier = "positive" if positive else "non-negative"
         raise ValueError(f"{name} must be a finite {qualifier} number of seconds, not {value!r}")
 
@@ -119,8 +126,13 @@ def next_run_at(due: float, every: float, now: float, overlap: OverlapPolicy) ->
     if overlap == "queue":
         return following, 0
     # The last grid time that has passed: following + m * every <= now.
-    missed = int((now - following) // every) + 1
-    last_passed = following + (missed - 1) * every
+    steps = (now - following) // every
+    if steps < _EXACT_STEPS:
+        missed = int(steps) + 1
+        last_passed = following + (missed - 1) * every
+    else:  # a grid finer than floats resolve at now (a subnormal every: steps is inf)
+        missed = _EXACT_STEPS
+        last_passed = now
     if overlap == "coalesce":
         return last_passed, missed - 1
     return last_passed + every, missed  # "skip"

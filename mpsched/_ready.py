@@ -1,11 +1,14 @@
 """ReadyQueue: the coordinator's due tasks that no worker has been handed yet.
 
 Owns the order among due tasks: the highest priority first, then the order in which tasks
-became due (FIFO within a priority). A task becomes due when ``Pool.submit`` queues it (due now)
-or when the coordinator moves it out of the scheduler heap at its ``run_at``; the heap releases
-tasks in ``(run_at, -priority, seq)`` order, so within one priority the FIFO order is the
-``(run_at, seq)`` order, except that a submit may slip ahead of a timed task whose ``run_at`` had
-passed by less than the coordinator's wake-up delay (tens of microseconds).
+became due (FIFO within a priority). Each item carries when it became due (``_due_at``, a
+``time.monotonic()`` time): a ``Pool.submit`` at its call; a timed version at its ``run_at``, or
+at the call if that had passed (``Timing.schedule``). ``append`` (a submit) puts an item at the
+back of its level; ``append_due`` (a timed version that the coordinator moves out of the heap,
+some time after it became due) puts it behind the items of its level that became due no later,
+so that the submits made meanwhile (the loop's wake-up delay: up to a GIL switch interval while
+the caller submits) do not pass it. Within a level the items are in ``_due_at`` order, but for
+``putback`` (taken back from inboxes, to the front) and aging promotions (to the back).
 
 One deque per priority level plus a sorted list of the levels present: ``append`` and
 ``popleft`` are O(1) for the common case of a few levels (``append`` of a new level is O(levels)).
@@ -74,6 +77,25 @@ class ReadyQueue:
         if level is None:
             level = self._level(priority)
         level.append(item)
+        item._slot = QUEUED
+        self.size += 1
+
+    def append_due(self, item: Future, priority: int) -> None:
+        """Queue ``item``, a live timed version that came out of the heap, behind the items of
+        its level that became due no later than it (module doc)."""
+        level = self._levels.get(priority)
+        if level is None:
+            level = self._level(priority)
+        due_at = item._due_at
+        passed = 0  # items at the back that became due after it: they go behind it
+        for other in reversed(level):
+            if other._due_at <= due_at:
+                break
+            passed += 1
+        if passed:
+            level.insert(len(level) - passed, item)
+        else:
+            level.append(item)
         item._slot = QUEUED
         self.size += 1
 

@@ -21,6 +21,7 @@ id never seen).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -178,18 +179,25 @@ class Timetable:
 
     def fail_all(self) -> list[Future]:
         """The pool broke: end every version, handed out or waiting in the heap (deferred ones
-        included), as FAILED, as their futures are about to fail. Returns the futures of those
-        that waited in the heap (the caller has the handed-out ones). Afterwards nothing is
+        included), as FAILED, as their futures are about to fail. Returns their futures (the
+        handed-out ones too: one whose end raised had left the pool's in-flight map, and its
+        future stayed pending for ever after the pool broke). Afterwards nothing is
         handed out, so ``state()`` never reads the pool's shared memory again (it is released
         when the pool ends)."""
-        for handed in list(self.handed.values()):
-            self.end(handed, _BROKEN, cancelled=False)  # a deferred version may enter the heap
+        # One entry that cannot be ended (an id whose __hash__ or __eq__ changed or raises,
+        # which may be what broke the pool) must not stop the rest: every future fails, and
+        # what the heap cannot end stays as it is (state() is the id's own riddle then).
+        futures: list[Future] = list(self.handed.values())
+        for handed in futures:
+            with contextlib.suppress(Exception):
+                self.end(handed, _BROKEN, cancelled=False)  # a deferred one may enter the heap
+        self.handed.clear()
         heap = self.heap
-        futures: list[Future] = []
         while isinstance(due := heap.pop_due(math.inf), Due):
-            heap.finish(due, _BROKEN)
             future: Any = due.fn  # the heap's item: the version's future
             futures.append(future)
+            with contextlib.suppress(Exception):
+                heap.finish(due, _BROKEN)
         return futures
 
     def stop_recurrences(self) -> list[Recurrence]:

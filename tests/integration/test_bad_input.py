@@ -28,7 +28,14 @@ from typing import Any
 
 import pytest
 
-from mpsched import Pool, PoolClosedError, TaskPicklingError, WorkerCrashedError
+from mpsched import (
+    BrokenPoolError,
+    Pool,
+    PoolClosedError,
+    TaskPicklingError,
+    TaskState,
+    WorkerCrashedError,
+)
 from mpsched._protocol import RemoteTraceback
 from mpsched._slot_region import MAX_NESTING
 
@@ -470,3 +477,22 @@ def test_submit_from_other_threads_during_shutdown(ctx: Any, cancel_futures: boo
                 assert future.result() == (k, i)
     with pytest.raises(PoolClosedError):
         pool.submit(tasks.ident, 1)
+
+
+@pytest.mark.timeout(60)
+def test_an_id_whose_hash_changes_leaves_no_future_pending() -> None:
+    """The version of such an id cannot be found again when it ends, which breaks the pool;
+    the break still fails every future, that one's and the unrelated ones', and the shutdown
+    ends. Before, ending the broken entry again raised inside the break: the future of the id
+    and a pending timed task stayed pending for ever (their ``result()`` hung)."""
+    pool = Pool(2)
+    try:
+        later = pool.schedule("later", time.monotonic() + 3600, 0, abs, -1)
+        shifty = pool.schedule(bt.ShiftyId(), time.monotonic(), 0, abs, -2)
+        for future in (shifty, later):
+            with pytest.raises(BrokenPoolError):
+                future.result(timeout=30)
+        assert pool.state("later") is TaskState.FAILED
+    finally:
+        pool.shutdown()
+    assert pool.await_termination(timeout=0)

@@ -65,6 +65,45 @@ def test_due_tasks_start_by_priority_then_run_at_then_submission(fifos: Fifos, w
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("window", [1, 128])
+def test_a_task_due_at_the_call_keeps_its_call_order_among_submits_and_past_run_ats(
+    fifos: Fifos, window: int
+) -> None:
+    """A ``run_at`` already past is due at the call: among tasks of its priority it starts in
+    call order, behind the submits and past-due schedules called before it and ahead of those
+    called after, whatever its ``run_at``; a task due ahead starts after those (it became due
+    later). Before, the heap released past-due versions in ``run_at`` order and only when the
+    loop next ran, after the submits made meanwhile."""
+    rng = random.Random(window)
+    with Pool(1, dispatch_window=window) as pool:
+        blocker = hold_worker(pool, fifos)
+        now = time.monotonic()
+        ahead = now + 1.0  # after every call below (they take milliseconds)
+        calls: list[tuple[str, int, float]] = []  # (kind, priority, run_at), in call order
+        for _ in range(60):
+            kind = rng.choice(["submit", "past", "ahead"])
+            prio = 0 if kind == "submit" else rng.choice([0, 0, 5])
+            run_at = {"submit": now, "past": now - rng.uniform(0.0, 30.0), "ahead": ahead}[kind]
+            calls.append((kind, prio, run_at))
+        futures = []
+        for tag, (kind, prio, run_at) in enumerate(calls):
+            if kind == "submit":
+                futures.append(pool.submit(tt.log, fifos.log, tag))
+            else:
+                futures.append(pool.schedule(tag, run_at, prio, tt.log, fifos.log, tag))
+        assert time.monotonic() < ahead, "the calls outlasted the margin: the test proves nothing"
+        wait_until(lambda: pool.statistics().scheduled == 0, "all tasks are due")
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=20) == "blocker"
+        for f in futures:
+            f.result(timeout=20)
+    expected = sorted(
+        range(len(calls)), key=lambda tag: (-calls[tag][1], calls[tag][0] == "ahead", tag)
+    )
+    assert tt.read_tags(fifos.log) == expected
+
+
+@pytest.mark.timeout(60)
 def test_a_newly_due_high_priority_task_overtakes_the_inboxes(fifos: Fifos) -> None:
     """A backlog fills the inbox (window 128); a high-priority task due later must not wait
     behind it: the coordinator takes the lower ones back."""

@@ -31,6 +31,8 @@ from mpsched._ready import NO_LEVEL, ReadyQueue
         ({"retries": True}, TypeError),
         ({"every": 0}, ValueError),
         ({"every": math.inf}, ValueError),
+        ({"every": 10**400}, ValueError),  # past the float range (it raised OverflowError)
+        ({"timeout": -(10**400)}, ValueError),
         ({"overlap": "parallel"}, ValueError),
         ({"misfire": "drop"}, ValueError),
         ({"misfire_grace": math.nan}, ValueError),
@@ -63,6 +65,15 @@ def test_a_run_that_ends_before_the_next_grid_time_keeps_the_grid(overlap: str) 
 )
 def test_overlap_policies_after_a_long_run(overlap: str, expected: tuple[float, int]) -> None:
     assert next_run_at(10.0, 2.0, 17.5, overlap) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("overlap", ["skip", "coalesce"])
+def test_a_grid_finer_than_floats_resolve_continues_from_now(overlap: str) -> None:
+    """A subnormal ``every``: the count of passed grid times is infinite as a float (int() of
+    it raised OverflowError in the coordinator and broke the pool); now is the last one."""
+    run_at, skipped = next_run_at(10.0, 5e-324, 17.5, overlap)  # type: ignore[arg-type]
+    assert run_at == 17.5
+    assert skipped == 2**53 - (overlap == "coalesce")
 
 
 def test_queue_catches_up_one_run_at_a_time() -> None:
@@ -110,6 +121,23 @@ def test_ready_queue_takes_highest_priority_first_then_fifo() -> None:
     assert _names(batch) == ["c", "e"]
     assert lowest == -3
     assert q.take(1) == ([], NO_LEVEL)
+    assert not q
+
+
+def test_a_released_version_queues_behind_what_became_due_before_it_only() -> None:
+    """``append_due``: a timed version that came out of the heap after submits of its level
+    queues ahead of those that became due after it, behind those that became due no later
+    (ties keep arrival order), and at the back when it is the latest."""
+    q = ReadyQueue()
+    for name, due_at in [("s1", 1.0), ("s2", 2.0), ("s3", 3.0), ("s4", 4.0)]:
+        q.append(_future(0, due_at, name), 0)
+    q.append(_future(9, 0.5, "high"), 9)
+    q.append_due(_future(0, 2.0, "t2"), 0)  # tie with s2: behind it
+    q.append_due(_future(0, 0.5, "t0"), 0)  # before everything of its level
+    q.append_due(_future(0, 9.0, "t9"), 0)  # the latest: at the back
+    q.append_due(_future(3, 1.0, "new level"), 3)
+    batch, _ = q.take(10)
+    assert _names(batch) == ["high", "new level", "t0", "s1", "s2", "t2", "s3", "s4", "t9"]
     assert not q
 
 
