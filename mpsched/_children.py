@@ -37,6 +37,7 @@ from _thread import get_ident
 from mpsched._errors import InternalError, TaskCancelled, timeout_error
 from mpsched._payloads import BlockField
 from mpsched._protocol import (
+    USER_ERROR_EXIT,
     Buffer,
     ChildState,
     ResultStatus,
@@ -52,7 +53,7 @@ from mpsched._slot_region import MAX_NESTING
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any, Literal
+    from typing import Any, Literal, NoReturn
 
     from mpsched._layout import GlobalHeader
     from mpsched._payloads import Slab
@@ -85,6 +86,42 @@ _current: Worker | None = None
 # the same recursion in one process goes ~990 deep.
 JOIN_FRAMES = 4
 INLINE_FRAMES = 3
+
+
+def abandon_worker(exc: BaseException, why: str) -> NoReturn:
+    """End this worker now, as a crash (``USER_ERROR_EXIT``), after saying ``why`` and ``exc``
+    on its stderr: its shared state may be half-changed, or a wake-up it owes a peer cannot be
+    sent, so neither raising on nor going on is safe. The coordinator's recovery, made for a
+    worker killed at any point, repairs what it left (a lock taken, a child claimed and never
+    run) and wakes every sleeper (the wake-up it owed included); the task it ran fails with
+    ``WorkerCrashedError`` and the worker is replaced. Not an exception: it would unwind
+    through the task's code, which may catch it and go on."""
+    import traceback  # here, not at the top: see _protocol.dump_exception
+
+    try:
+        text = "".join(traceback.format_exception(exc))
+        sys.stderr.write(
+            f"mpsched: worker pid {os.getpid()}: {why}; the worker exits and is replaced:\n{text}"
+        )
+        sys.stderr.flush()
+    except BaseException:  # a task may have taken stderr away
+        pass
+    os._exit(USER_ERROR_EXIT)
+
+
+# An exception that mpsched's own code inside a task did not raise: a Python signal handler that
+# the task installed, raising as its alarm fires (a common way to bound a run's time), or a
+# RecursionError or MemoryError at a mpsched frame. Raised on into the task from the middle of
+# a join (a child claimed onto the run stack and never run, a slot lock taken), it broke the
+# pool later, at the next top-level completion ("not the innermost running task").
+_INTERRUPTED = (
+    "an exception that mpsched did not raise (a signal handler's, that a task installed?) "
+    "interrupted mpsched's own code in a task, in {}"
+)
+# A task closed or replaced (os.close, os.dup2, os.closerange) a wake-up eventfd of the worker:
+# reading its own raised in the loop, which broke the pool as an internal error; writing a
+# peer's raised into the task, and that peer, asleep in a join, was never woken (a hang).
+WAKE_FD_FAILED = "a wake-up file descriptor failed: a task closed or replaced it"
 
 
 # A worker's children (their deque, blocks and futures) are the state of the thread that runs
@@ -232,7 +269,7 @@ class ChildFuture:
         if not self._settled:
             self._check_thread("ChildFuture.done()")
             if self._worker.child_state(self._handle) == CHILD_DONE:
-                self._settle()
+                self._settle("ChildFuture.done()")
         return self._settled
 
     def running(self) -> bool:
@@ -277,16 +314,31 @@ class ChildFuture:
     def _wait(self, timeout: float | None) -> None:
         if not self._settled:
             self._check_thread("a child's result() or exception()")
-            self._worker.join(self, timeout)
-            self._settle()
+            worker = self._worker
+            try:
+                done = worker.join(self, timeout)
+            except BaseException as exc:
+                # Raised in the join's sleep, which it left cleanly (``Worker.idle``), it goes
+                # on into the task, as it would have without the join. Else see _INTERRUPTED.
+                if exc is not worker.interrupted_sleep:
+                    abandon_worker(exc, _INTERRUPTED.format("a join"))
+                worker.interrupted_sleep = None
+                raise
+            if not done:
+                raise timeout_error("the child task did not finish in time")
+            self._settle("a join")
 
     def _check_thread(self, what: str) -> None:
         """RuntimeError unless called in the thread that runs the tasks (``_OFF_THREAD``)."""
         if get_ident() != self._worker.thread:
             raise RuntimeError(_OFF_THREAD.format(what))
 
-    def _settle(self) -> None:
-        status, value = self._worker.collect_child(self._handle)
+    def _settle(self, where: str) -> None:
+        """Read the done child's outcome and free its block."""
+        try:
+            status, value = self._worker.collect_child(self._handle)
+        except BaseException as exc:
+            abandon_worker(exc, _INTERRUPTED.format(where))
         self._worker.unsettled -= 1
         self._handle = -1
         self._settled = True
@@ -325,6 +377,7 @@ class Children:
         contexts: list[tuple[int, Any]]
         uid_base: int
         stash_counter: int
+        interrupted_sleep: BaseException | None
 
         def find_child_work(self) -> int: ...
         def run(self, handle: int) -> None: ...
@@ -345,29 +398,32 @@ class Children:
             # peer to steal it (Pool(1)) forever. Run it inline, as when the deque is full.
             return self.run_inline(payload)
         slab = self.slab
-        uid = self.next_uid()
-        handle = slab.alloc(uid)  # the block names us from its allocation on
-        if handle < 0:  # slab full: run the child here and now (rayon runs inline too)
-            return self.run_inline(payload)
-        stashed = 0
-        if not slab.write_child(handle, payload, self.slot, CHILD_QUEUED):
-            slab.write_child(handle, b"", self.slot, CHILD_QUEUED)
-            stashed = self.stash(payload, handle, _NBYTES)
-        self.header.add_live_children(1)
-        if not self.me.push(handle):  # deque full
-            self.header.add_live_children(-1)
-            if stashed:  # only a FETCH empties the coordinator's stash: drop them so,
-                # before the free: until then the block names the key to the crash recovery
-                # (an unpublished child), which drops it (freed first, a death before the
-                # FETCH left the bytes in the stash, named by no block)
-                self.fetch(stashed)
-                slab.set_word(handle, _NBYTES, 0)
-            slab.free_children([handle])
-            return self.run_inline(payload)
-        if self.header.sleepers():
-            self.wake_one_sleeper()
-        self.unsettled += 1
-        return ChildFuture(self, handle)
+        try:  # shared state from here on: see _INTERRUPTED
+            handle = slab.alloc(self.next_uid())  # the block names us from its allocation on
+            if handle >= 0:
+                stashed = 0
+                if not slab.write_child(handle, payload, self.slot, CHILD_QUEUED):
+                    slab.write_child(handle, b"", self.slot, CHILD_QUEUED)
+                    stashed = self.stash(payload, handle, _NBYTES)
+                self.header.add_live_children(1)
+                if self.me.push(handle):
+                    if self.header.sleepers():
+                        self.wake_one_sleeper()
+                    self.unsettled += 1
+                    return ChildFuture(self, handle)
+                # The deque is full.
+                self.header.add_live_children(-1)
+                if stashed:  # only a FETCH empties the coordinator's stash: drop them so,
+                    # before the free: until then the block names the key to the crash
+                    # recovery (an unpublished child), which drops it (freed first, a death
+                    # before the FETCH left the bytes in the stash, named by no block)
+                    self.fetch(stashed)
+                    slab.set_word(handle, _NBYTES, 0)
+                slab.free_children([handle])
+        except BaseException as exc:
+            abandon_worker(exc, _INTERRUPTED.format("mpsched.submit()"))
+        # The slab or the deque is full: run the child here and now (rayon runs inline too).
+        return self.run_inline(payload)
 
     def run_inline(self, payload: bytes) -> ChildFuture:
         # Decoding runs user code (the arguments' unpickling, the function's import): its
@@ -430,7 +486,10 @@ class Children:
         if previous == CHILD_ABANDONED:
             self.free_unread_child(handle)
         elif self.slots[parent].clear_sleeping():
-            os.eventfd_write(self.wake_fds[parent], 1)
+            try:
+                os.eventfd_write(self.wake_fds[parent], 1)
+            except OSError as exc:
+                abandon_worker(exc, WAKE_FD_FAILED)
 
     def child_state(self, handle: int) -> int:
         """Racy read (a hint): whether a child looks done; confirmed under the lock by join."""
@@ -488,9 +547,10 @@ class Children:
             if self.me.exchange_block_state(self.slab, handle, CHILD_ABANDONED) == CHILD_DONE:
                 self.free_unread_child(handle)
 
-    def join(self, future: ChildFuture, timeout: float | None) -> None:
-        """Help until ``future``'s child is done: run other children (from the own deque, or
-        stolen from a peer's), or sleep until woken.
+    def join(self, future: ChildFuture, timeout: float | None) -> bool:
+        """Help until ``future``'s child is done (True) or ``timeout`` passed (False): run
+        other children (from the own deque, or stolen from a peer's), or sleep until woken.
+        It raises nothing of its own (``_wait`` tells an exception from it for an interrupt).
 
         Never a top-level task from an inbox, as Java's ForkJoinPool never runs an external
         submission inside a join: run nested above the waiting task, an unrelated task that
@@ -502,7 +562,7 @@ class Children:
         handle = future._handle
         while self.child_state(handle) != CHILD_DONE:
             if deadline is not None and time.monotonic() >= deadline:
-                raise timeout_error("the child task did not finish in time")
+                return False
             found = self.find_child_work() if self.depth < MAX_NESTING - 1 else -1
             if found >= 0:
                 sys.setrecursionlimit(sys.getrecursionlimit() + JOIN_FRAMES)
@@ -517,6 +577,7 @@ class Children:
                     self.release_abandoned()
             else:
                 self.idle(handle, deadline)
+        return True
 
     def next_uid(self) -> int:
         # The counter wraps within its 31 bits: past them it spilled into the pid's bits, and

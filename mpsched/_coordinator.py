@@ -489,12 +489,20 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
         and its parent, asleep in ``join``, not woken, which nothing else wakes in an idle
         pool, or a push with the sleeper it owed a wake-up not woken). A woken worker rechecks
         and sleeps again if it has nothing to do; the dead slot's own flag is cleared with the
-        rest (its replacement rechecks once)."""
+        rest (its replacement rechecks once).
+
+        With ``every``, each eventfd is written whatever its slot's flag says: the dead worker
+        may have cleared a sleeper's flag (which says "a waker writes my fd") and died before
+        its write, and that sleeper, no longer flagged, slept on for ever (a task closing the
+        worker's copy of that fd made it so every time). A worker that was awake finds its
+        eventfd readable at its next sleep and rechecks once."""
         for k, slot in enumerate(self.slots):
-            if slot.is_sleeping() and slot.clear_sleeping():
+            if every:
+                slot.clear_sleeping()
                 os.eventfd_write(self.wake_fds[k], 1)
-                if not every:
-                    return
+            elif slot.is_sleeping() and slot.clear_sleeping():
+                os.eventfd_write(self.wake_fds[k], 1)
+                return
 
     def drop_stashed(self, handles: list[int], field: int = _NBYTES) -> None:
         """Before freeing blocks whose stashed bytes nobody will take: drop them. ``_NBYTES``:

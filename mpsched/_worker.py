@@ -69,7 +69,9 @@ from mpsched._children import (
     _RESULT_STATUS,
     _STATE,
     CHILD_DONE,
+    WAKE_FD_FAILED,
     Children,
+    abandon_worker,
 )
 from mpsched._errors import InternalError, TaskCancelled
 from mpsched._layout import SegmentViews
@@ -164,6 +166,8 @@ class Worker(Children):
         self.contexts: list[tuple[int, Any]] = []
         self.unannounced = 0  # results in the done ring since the last poke
         self.announce = False  # the running task asked for a poke once it is done
+        # What a task's signal handler raised in a join's sleep, left cleanly (see idle).
+        self.interrupted_sleep: BaseException | None = None
         self.top_level_done = 0  # for max_tasks (children do not count)
         self.draining = False
         self.pid = os.getpid()
@@ -344,7 +348,17 @@ class Worker(Children):
                 timeout_ms = -1
                 if deadline is not None:
                     timeout_ms = max(0, int((deadline - time.monotonic()) * 1e3))
-                for fd, _ in self.poller.poll(timeout_ms):
+                try:
+                    events = self.poller.poll(timeout_ms)
+                except BaseException as exc:
+                    # A signal handler of the task's raised while this worker slept (its time
+                    # limit's alarm, in a join, say): only the sleep was under way. Left cleanly,
+                    # the exception may go on into the task (ChildFuture._wait).
+                    if not me.clear_sleeping():
+                        self.consume_wake()
+                    self.interrupted_sleep = exc
+                    raise
+                for fd, _ in events:
                     if fd == self.my_wake_fd:
                         self.consume_wake()
                     else:
@@ -364,14 +378,21 @@ class Worker(Children):
             self.wake_one_sleeper()
 
     def consume_wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):
+        try:
             os.eventfd_read(self.my_wake_fd)
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            abandon_worker(exc, WAKE_FD_FAILED)
 
     def wake_one_sleeper(self) -> None:
         """After publishing work: wake one sleeping peer (which will steal it)."""
         for k, slot in enumerate(self.slots):
             if k != self.slot and slot.is_sleeping() and slot.clear_sleeping():
-                os.eventfd_write(self.wake_fds[k], 1)
+                try:
+                    os.eventfd_write(self.wake_fds[k], 1)
+                except OSError as exc:
+                    abandon_worker(exc, WAKE_FD_FAILED)
                 return
 
     def read_messages(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
+import signal
 import threading
 from typing import Any
 
@@ -263,3 +264,44 @@ class ShiftyId:
 
     def __eq__(self, other: object) -> bool:
         return self is other
+
+
+def _eventfds() -> list[int]:
+    """This process's eventfds, lowest first (a worker's: one per slot, slot order)."""
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if "eventfd" in os.readlink(f"/proc/self/fd/{name}"):
+                fds.append(int(name))
+        except OSError:  # the listing's own fd, closed meanwhile
+            continue
+    return sorted(fds)
+
+
+def close_wake_fd(slot: int | None = None) -> int:
+    """Close this worker's copy of slot ``slot``'s wake-up eventfd (a stray ``os.close``; None:
+    the peer's, in a pool of 2 workers); returns the fd closed."""
+    if slot is None:
+        slot = 1 - mpsched.current_task().worker_id
+    fd = _eventfds()[slot]
+    os.close(fd)
+    return fd
+
+
+def _raise_timeout(signum: int, frame: Any) -> None:
+    raise TimeoutError("the task's own time limit")
+
+
+def fib_under_alarm(n: int, seconds: float) -> int:
+    """``tasks.fib`` bounded by the task's own SIGALRM timer, whose handler raises (a common
+    way to limit a run's time): the alarm may fire anywhere in the fork-join, mpsched's code
+    in ``mpsched.submit`` and the joins included."""
+    from . import tasks
+
+    previous = signal.signal(signal.SIGALRM, _raise_timeout)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return tasks.fib(n)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

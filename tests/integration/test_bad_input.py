@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import random
 import re
 import threading
 import time
@@ -496,3 +497,62 @@ def test_an_id_whose_hash_changes_leaves_no_future_pending() -> None:
     finally:
         pool.shutdown()
     assert pool.await_termination(timeout=0)
+
+
+# ---------------------------------------------------------------- tasks that damage their worker
+@pytest.mark.timeout(120)
+def test_a_task_that_closes_its_workers_wake_fd_costs_that_worker_only(ctx: Any) -> None:
+    """The worker's next sleep read the closed eventfd: EBADF in mpsched's frame, which the
+    worker took for an internal error of its own, and the pool broke. Now the worker exits as
+    a crash and is replaced; the task that closed it had returned, so nothing fails."""
+    with Pool(1, start_method=ctx.get_start_method()) as pool:
+        pool.submit(bt.close_wake_fd, 0).result(timeout=30)
+        assert [pool.submit(tasks.ident, i).result(timeout=30) for i in range(20)] == list(
+            range(20)
+        )
+        assert pool.submit(tasks.fib, 12).result(timeout=30) == 144
+
+
+@pytest.mark.timeout(180)
+def test_a_task_that_closes_its_copy_of_a_peers_wake_fd_hangs_no_join() -> None:
+    """A worker's copy of its peer's eventfd closed: when it finished a child of the peer, or
+    pushed work while the peer slept, it cleared the peer's sleeping flag, its write failed
+    (into the task: a misattributed OSError), and the peer, asleep in a join, was never woken
+    (8 runs in 10 hung). Now the worker exits as a crash (its task fails with
+    WorkerCrashedError), and the recovery wakes every worker whatever its flag says."""
+    with Pool(2) as pool:
+        pool.submit(bt.close_wake_fd).result(timeout=30)
+        outcomes = []
+        for _ in range(30):
+            try:
+                outcomes.append(pool.submit(tasks.fib, 13).result(timeout=30))
+            except WorkerCrashedError:
+                outcomes.append("crashed")
+        assert set(outcomes) <= {233, "crashed"}, outcomes
+        assert outcomes.count("crashed") <= 1, outcomes  # the replacement's fds are whole
+        assert outcomes[-1] == 233
+
+
+@pytest.mark.timeout(180)
+def test_a_tasks_own_alarm_firing_in_a_join_does_not_break_the_pool(ctx: Any) -> None:
+    """A task bounds its run with SIGALRM and a handler that raises; the alarm fires at any
+    point of its fork-join. Raised in mpsched's code (a child claimed and not yet run, a slot
+    lock taken), the exception went on into the task and the pool broke at the next
+    completion (InternalError "not the innermost running task"; 4 runs in 4 within 200
+    rounds). Now the worker exits as a crash there (WorkerCrashedError), and a join's sleep
+    lets the task's own exception through."""
+    outcomes: dict[str, int] = {}
+    with Pool(2, start_method=ctx.get_start_method()) as pool:
+        rng = random.Random(1)
+        for _ in range(150):
+            try:
+                pool.submit(bt.fib_under_alarm, 10, rng.uniform(0.0005, 0.01)).result(timeout=30)
+                kind = "ok"
+            except (TimeoutError, WorkerCrashedError) as exc:
+                kind = type(exc).__name__
+            except RuntimeError as exc:  # the alarm in the unpickling of a child's result
+                kind = "RuntimeError" if "TimeoutError" in str(exc) else repr(exc)
+            outcomes[kind] = outcomes.get(kind, 0) + 1
+        assert pool.submit(tasks.fib, 12).result(timeout=30) == 144
+    assert set(outcomes) <= {"ok", "TimeoutError", "WorkerCrashedError", "RuntimeError"}, outcomes
+    assert outcomes.get("ok", 0) > 0, outcomes
