@@ -390,9 +390,10 @@ def release_orphaned_locks(state: CoordinatorState, suspects_only: bool) -> None
 def crash_message(worker: WorkerHandle, code: int | None) -> str:
     if code == USER_ERROR_EXIT:
         causes = (
-            "if it was the worker's own exit, user code raised outside a task (a signal handler "
-            "that a task installed, a finalizer; the traceback is on the worker's stderr); "
-            "else os._exit() by a task"
+            "if it was the worker's own exit (its reason and traceback are on its stderr), "
+            "user code raised outside a task or inside mpsched's code in one (a signal handler "
+            "that a task installed, a finalizer), or a task closed one of the worker's file "
+            "descriptors; else os._exit() by a task"
         )
     else:
         causes = (

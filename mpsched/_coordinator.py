@@ -33,6 +33,7 @@ cannot overflow.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import select
@@ -591,7 +592,14 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
         if tag == Tag.SPAWNED:
             slot, pid = fields
             self.starting.discard(slot)
-            fd = recv_handle(self.zygote)
+            try:
+                fd = recv_handle(self.zygote)
+            except RuntimeError as exc:  # the fd cut off the message: none free here
+                raise OSError(
+                    errno.EMFILE,
+                    f"the pool's process had no file descriptor free for worker {slot}'s socket "
+                    f"(the open-file limit, RLIMIT_NOFILE, reached?): {exc}",
+                ) from exc
             conn = Connection(fd)
             try:
                 pidfd = os.pidfd_open(pid)

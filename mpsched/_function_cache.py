@@ -265,6 +265,8 @@ class FunctionCache:
         call = (fid, None if fid != INLINE else fn, args, kwargs, meta)
         try:
             data = _dumps(call, PICKLE_PROTOCOL)
+        except MemoryError:  # as in _serialize.dumps
+            raise
         except Exception:
             return _encode_with_cloudpickle(call)
         # An object of __main__ (an argument's class) may be missing in the workers. A "_"

@@ -55,7 +55,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
     from multiprocessing.connection import Connection
-    from typing import Any, Final
+    from typing import Any, Final, NoReturn
 
 PICKLE_PROTOCOL = 5  # out-of-band capable; the newest every supported Python reads
 # Characters of a task's traceback text that travel (``dump_exception``): past this, its first
@@ -140,6 +140,7 @@ _RAW_MARK = 0  # a pickled frame starts with PROTO (0x80)
 # then a raw frame's data straight into a buffer of their size. 16 KiB: past every frame but
 # a stash's, whose data is longer than a slab chain's ~60 KiB unless the slab ran short.
 _SMALL_FRAME = 1 << 14
+SKIP_CHUNK = 1 << 20  # bytes read at a time past a frame that does not fit in memory
 
 
 def send_data(conn: Connection, tag: int, key: int, data: Buffer) -> None:
@@ -178,7 +179,16 @@ def recv_message(conn: Connection) -> tuple[int, tuple[Any, ...]]:
             return Tag.check(tag), (key, frame[_RAW_HEADER.size :])
         return decode(frame)
     head = _read(fd, _RAW_HEADER.size)
-    body = bytearray(size - _RAW_HEADER.size)
+    try:
+        body = bytearray(size - _RAW_HEADER.size)
+    except MemoryError:
+        # A big result or argument that does not fit here: it broke the pool (the coordinator
+        # thread's error). Read past it; its reader fails alone, with MemoryError (TooBig).
+        _skip(fd, size - _RAW_HEADER.size)
+        if head[0] != _RAW_MARK:
+            raise
+        _, tag, key = _RAW_HEADER.unpack(head)
+        return Tag.check(tag), (key, pickle.dumps(TooBig(size - _RAW_HEADER.size)))
     _read_into(fd, body)
     if head[0] == _RAW_MARK:
         _, tag, key = _RAW_HEADER.unpack(head)
@@ -209,7 +219,7 @@ def _read(fd: int, size: int) -> bytes:
     return data + rest
 
 
-def _read_into(fd: int, buf: bytearray) -> None:
+def _read_into(fd: int, buf: bytearray | memoryview) -> None:
     view = memoryview(buf)
     got = 0
     while got < len(buf):
@@ -217,6 +227,33 @@ def _read_into(fd: int, buf: bytearray) -> None:
         if not n:
             raise OSError("got end of file during message")
         got += n
+
+
+def _skip(fd: int, size: int) -> None:
+    """Read ``size`` bytes from ``fd`` and drop them, ``SKIP_CHUNK`` at a time."""
+    buf = bytearray(min(size, SKIP_CHUNK))
+    while size > len(buf):
+        _read_into(fd, buf)
+        size -= len(buf)
+    _read_into(fd, memoryview(buf)[:size])
+
+
+class TooBig:
+    """Stands for raw bytes that did not fit in this process's memory: whoever loads its pickle
+    where it expected theirs (a result, a call) gets the MemoryError (``refuse_too_big``)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __reduce__(self) -> tuple[Callable[[int], NoReturn], tuple[int]]:
+        return refuse_too_big, (self.nbytes,)
+
+
+def refuse_too_big(nbytes: int) -> NoReturn:
+    raise MemoryError(
+        f"{nbytes:,} bytes that another process of the pool sent (a task's result or "
+        "arguments) did not fit in this process's memory"
+    )
 
 
 def decode(frame: bytes) -> tuple[int, tuple[Any, ...]]:

@@ -72,6 +72,8 @@ def dumps(obj: Any) -> bytes:
     """Pickle ``obj``: plain pickle first, cloudpickle when plain pickle cannot."""
     try:
         return _dumps(obj, PICKLE_PROTOCOL)
+    except MemoryError:  # no pickling problem: a second try would only run out again
+        raise
     except Exception as plain_error:
         return _dumps_by_value(obj, plain_error, "", _ARGUMENT_ADVICE)
 
@@ -87,6 +89,8 @@ def dumps_result(obj: Any) -> bytes:
     try:
         try:
             return _dumps(obj, PICKLE_PROTOCOL)
+        except MemoryError:  # as in dumps
+            raise
         except Exception as plain_error:
             return _dumps_by_value(obj, plain_error, "the result ", _RESULT_ADVICE)
     except (SystemExit, KeyboardInterrupt) as exc:
@@ -156,6 +160,8 @@ def encode_call(
     call = (fid, fn, args, kwargs, meta)
     try:
         return _dumps(call, PICKLE_PROTOCOL)
+    except MemoryError:  # as in dumps (it read "cannot pickle ... must be picklable")
+        raise
     except Exception:
         return _encode_with_cloudpickle(call)
 

@@ -99,7 +99,8 @@ def _start(pool: Pool, held: _HeldInterrupt) -> None:
         res.teardown()
         raise
     try:
-        res.wake_fds = [SharedFd(create_eventfd()) for _ in range(n)]
+        for _ in range(n):  # one by one into the list that teardown closes: EMFILE midway
+            res.wake_fds.append(SharedFd(create_eventfd()))  # leaked those made before
         # The stall callback is the resources' (not a method of the Pool: the locks are
         # the coordinator's, and nothing it reaches may keep the Pool alive).
         guarded = locks.guarded(res.on_lock_stall)

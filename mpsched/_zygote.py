@@ -247,7 +247,12 @@ class ForkedZygote:
             stdin.close()  # closefd=False: fd 0 stays open
         self.pid = pid
         self.exitcode: int | None = None
-        self._pidfd = os.pidfd_open(pid)  # works until we reap it, even once it exited
+        try:
+            self._pidfd = os.pidfd_open(pid)  # works until we reap it, even once it exited
+        except BaseException:  # EMFILE: nobody would reap the child (a zombie per Pool())
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise
 
     def join(self, timeout: float | None = None) -> None:
         if self.exitcode is not None:

@@ -18,15 +18,19 @@ code or signal in the message) and is replaced; nothing is ever lost or hung.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import os
 import random
 import re
+import resource
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import pytest
 
 from mpsched import (
@@ -556,3 +560,44 @@ def test_a_tasks_own_alarm_firing_in_a_join_does_not_break_the_pool(ctx: Any) ->
         assert pool.submit(tasks.fib, 12).result(timeout=30) == 144
     assert set(outcomes) <= {"ok", "TimeoutError", "WorkerCrashedError", "RuntimeError"}, outcomes
     assert outcomes.get("ok", 0) > 0, outcomes
+
+
+# ---------------------------------------------------------------- the pool's own resources
+def _open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")} - {-1}
+
+
+@pytest.mark.timeout(180)
+def test_pool_creation_out_of_fds_leaves_nothing_behind() -> None:
+    """``Pool(4)`` under open-file limits from none free to enough: it raises EMFILE, or
+    returns a pool (which may break at once, its workers short of fds), and either way leaves
+    no fd and no process behind. The eventfds made before the one that failed stayed open (2
+    more at each attempt, so a program that retried with a higher limit never caught up), and
+    a zygote whose pidfd could not be opened stayed a zombie. Under fork only: under
+    forkserver, an attempt that runs out in the middle of multiprocessing's own message to
+    its forkserver kills that forkserver, and multiprocessing starts a new one (new pipes)."""
+    start_method = "fork"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    before = _open_fds()
+    me = psutil.Process()
+    helpers = {p.pid for p in me.children(recursive=True)}  # the forkserver, the tracker
+    outcomes = set()
+    for free in range(0, 40):
+        pool = None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(before) + free, hard))
+        try:
+            pool = Pool(4, start_method=start_method)
+        except OSError as exc:
+            outcomes.add(errno.errorcode.get(exc.errno or 0, repr(exc)))
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if pool is not None:
+            try:
+                outcomes.add(pool.submit(tasks.ident, 1).result(timeout=30))
+            except BrokenPoolError:
+                outcomes.add("broken")
+            pool.shutdown()
+        assert _open_fds() == before, f"{free} fds free: left open {_open_fds() - before}"
+        left = [p for p in me.children(recursive=True) if p.pid not in helpers]
+        assert not psutil.wait_procs(left, timeout=10)[1], f"{free} fds free: left {left}"
+    assert {"EMFILE", 1} <= outcomes <= {"EMFILE", 1, "broken"}, outcomes

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import socket
 import struct
 import threading
@@ -117,3 +118,28 @@ def test_frame_watch_says_what_connection_poll_says(
     send.close()  # the end of the channel is readable: the reader learns of it at once
     assert waiting()
     assert recv.poll()
+
+
+def test_a_raw_frame_too_big_for_memory_is_read_past_and_fails_its_reader(
+    pair: tuple[Connection, Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big result that the coordinator could not allocate raised MemoryError in its thread,
+    which broke the pool. Now the frame is read past (the channel stays in step) and its data
+    stand for the error: whoever unpickles them, where the result or call was expected, gets
+    the MemoryError."""
+    send, recv = pair
+    big = b"x" * (3 * _protocol.SKIP_CHUNK + 123)  # several chunks of the skip and a rest
+
+    def small_memory(size: int = 0) -> bytearray:
+        if size > _protocol.SKIP_CHUNK:
+            raise MemoryError
+        return bytearray(size)
+
+    monkeypatch.setattr(_protocol, "bytearray", small_memory, raising=False)
+    with _written_by_a_thread(send, [(Tag.STASH, 7, big), (Tag.PAYLOAD, 8, b"y" * 20_000)]):
+        tag, (key, data) = recv_message(recv)
+        assert (tag, key) == (Tag.STASH, 7)
+        with pytest.raises(MemoryError, match=f"{len(big):,} bytes"):
+            pickle.loads(data)
+        tag, (key, data) = recv_message(recv)
+    assert (tag, key, bytes(data)) == (Tag.PAYLOAD, 8, b"y" * 20_000)
