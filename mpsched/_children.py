@@ -95,7 +95,10 @@ def abandon_worker(exc: BaseException, why: str) -> NoReturn:
     worker killed at any point, repairs what it left (a lock taken, a child claimed and never
     run) and wakes every sleeper (the wake-up it owed included); the task it ran fails with
     ``WorkerCrashedError`` and the worker is replaced. Not an exception: it would unwind
-    through the task's code, which may catch it and go on."""
+    through the task's code, which may catch it and go on. The coordinator gone (a FETCH's or
+    STASH's socket at its end) is no crash: the worker exits quietly, as ``worker_main`` does."""
+    if isinstance(exc, (BrokenPipeError, ConnectionResetError, EOFError)):
+        os._exit(0)
     import traceback  # here, not at the top: see _protocol.dump_exception
 
     try:
@@ -122,6 +125,14 @@ _INTERRUPTED = (
 # reading its own raised in the loop, which broke the pool as an internal error; writing a
 # peer's raised into the task, and that peer, asleep in a join, was never woken (a hang).
 WAKE_FD_FAILED = "a wake-up file descriptor failed: a task closed or replaced it"
+
+
+def write_wake(fd: int) -> None:
+    """Wake the worker whose eventfd is ``fd`` (its sleeping flag cleared by the caller)."""
+    try:
+        os.eventfd_write(fd, 1)
+    except OSError as exc:
+        abandon_worker(exc, WAKE_FD_FAILED)
 
 
 # A worker's children (their deque, blocks and futures) are the state of the thread that runs
@@ -486,10 +497,7 @@ class Children:
         if previous == CHILD_ABANDONED:
             self.free_unread_child(handle)
         elif self.slots[parent].clear_sleeping():
-            try:
-                os.eventfd_write(self.wake_fds[parent], 1)
-            except OSError as exc:
-                abandon_worker(exc, WAKE_FD_FAILED)
+            write_wake(self.wake_fds[parent])
 
     def child_state(self, handle: int) -> int:
         """Racy read (a hint): whether a child looks done; confirmed under the lock by join."""

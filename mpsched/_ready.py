@@ -84,18 +84,16 @@ class ReadyQueue:
         """Queue ``item``, a live timed version that came out of the heap, behind the items of
         its level that became due no later than it (module doc)."""
         level = self._levels.get(priority)
-        if level is None:
-            level = self._level(priority)
         due_at = item._due_at
         passed = 0  # items at the back that became due after it: they go behind it
-        for other in reversed(level):
+        for other in reversed(level or ()):
             if other._due_at <= due_at:
                 break
             passed += 1
-        if passed:
-            level.insert(len(level) - passed, item)
-        else:
-            level.append(item)
+        if level is None or not passed:  # the latest of its level (released on time)
+            self.append(item, priority)
+            return
+        level.insert(len(level) - passed, item)
         item._slot = QUEUED
         self.size += 1
 

@@ -72,6 +72,7 @@ from mpsched._children import (
     WAKE_FD_FAILED,
     Children,
     abandon_worker,
+    write_wake,
 )
 from mpsched._errors import InternalError, TaskCancelled
 from mpsched._layout import SegmentViews
@@ -389,10 +390,7 @@ class Worker(Children):
         """After publishing work: wake one sleeping peer (which will steal it)."""
         for k, slot in enumerate(self.slots):
             if k != self.slot and slot.is_sleeping() and slot.clear_sleeping():
-                try:
-                    os.eventfd_write(self.wake_fds[k], 1)
-                except OSError as exc:
-                    abandon_worker(exc, WAKE_FD_FAILED)
+                write_wake(self.wake_fds[k])
                 return
 
     def read_messages(self) -> None:
