@@ -8,6 +8,10 @@ period is killed (so CI never stalls) and the test fails.
 Hangs: pytest-timeout (``timeout`` in pyproject.toml) dumps every thread's traceback and fails
 the test; ``faulthandler_timeout`` dumps tracebacks earlier, and the teardown of ``no_leaks``
 then kills whatever children remain.
+
+Scripts that the tests kill on purpose (a SIGKILL of a pool's process, a Ctrl-C) cannot run
+multiprocessing's exit hooks, which remove the temporary directory of its forkserver
+(``pymp-*``): the scripts get a ``TMPDIR`` of the session's, removed when the session ends.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import multiprocessing.context
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +31,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
+_SCRIPTS_TMPDIR = pytest.StashKey[str]()  # the TMPDIR of every process the tests start
 CHILD_EXIT_GRACE = 5.0  # seconds a finished test's children get to exit before they are killed
 
 
@@ -90,10 +97,20 @@ def pytest_configure(config: pytest.Config) -> None:
     """A suite started with SIGINT ignored (``cmd &`` in a shell without job control ignores it)
     would pass that on to every script it starts, whose Ctrl-C tests then see no
     KeyboardInterrupt: give the suite Python's own handler, which an exec resets to the
-    default, so the scripts get theirs."""
-    del config
+    default, so the scripts get theirs. And the scripts' TMPDIR (see the module doc)."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # This process keeps its own temporary directory (read before TMPDIR changes, and cached
+    # from then on): its forkserver's, which its exit removes, lives there.
+    tempfile.gettempdir()
+    scripts_tmpdir = tempfile.mkdtemp(prefix="mpsched-tests-")
+    config.stash[_SCRIPTS_TMPDIR] = os.environ["TMPDIR"] = scripts_tmpdir
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    scripts_tmpdir = config.stash.get(_SCRIPTS_TMPDIR, None)
+    if scripts_tmpdir is not None:
+        shutil.rmtree(scripts_tmpdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
