@@ -37,12 +37,14 @@ from mpsched._serialize import dumps_result, first_unpicklable
 
 def run_chunk(
     fn: Callable[..., Any], items: list[Any], star: bool, budget: float, max_bytes: float
-) -> tuple[list[bytes], float, bytes | None]:
+) -> tuple[list[bytes], float, bytes | None, int]:
     """``[fn(x) for x in items]`` (``fn(*x)`` if ``star``), or a prefix of it if ``budget``
     seconds ran out or its pickled results reached ``max_bytes``, pickled (``dumps_result``)
     in pieces, each a list, to be concatenated in order; the seconds it took (map sizes chunks
-    by it); and None, or the pickled error (``dump_exception``) of the item that raised after
-    the ones in the prefix.
+    by it); None, or the pickled error (``dump_exception``) of the item that raised after
+    the ones in the prefix; and how many items ran (with no error, how many results the
+    pieces hold: ``Pool.shutdown`` sends the rest of a chunk that stopped again, without
+    unpickling its results).
 
     An item that raises ends the chunk. If it is the first, the chunk's task fails with its
     error; otherwise the results before it are returned with the error, so that ``map``
@@ -58,7 +60,7 @@ def run_chunk(
 
 def _run(
     fn: Callable[..., Any], items: list[Any], star: bool, budget: float, max_bytes: float
-) -> tuple[list[bytes], float, bytes | None]:
+) -> tuple[list[bytes], float, bytes | None, int]:
     start = time.perf_counter()
     it = iter(items)
     call = starmap(fn, it) if star else map(fn, it)
@@ -90,7 +92,7 @@ def _run(
                 piece, unpicklable = _dump_results(results, first=not pieces)
                 pieces.append(piece)
                 error = unpicklable or error  # it came before the item that raised
-            return pieces, seconds, error
+            return pieces, seconds, error, done
 
 
 def _dump_results(results: list[Any], *, first: bool) -> tuple[bytes, bytes | None]:

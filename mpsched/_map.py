@@ -18,7 +18,8 @@ there. ``Pool.shutdown`` (any thread) calls
 the input, the sends and the changes of ``in_flight`` between those threads.
 
 Invariants: ``in_flight`` holds the chunks sent and not yet yielded, in input order (the rest
-of a chunk that stopped at its budget goes back to its front); new input is read only while
+of a chunk that stopped at its budget goes in right behind it, once: ``settle``, by the
+iterator or by ``send_rest``); new input is read only while
 fewer than ``MAP_PREFETCH_PER_WORKER`` chunks per worker are in flight (one a worker before a
 result was measured), or by ``send_rest``; every chunk still in flight when the iterator ends
 is cancelled: at once when it ends by its own error, timeout or Ctrl-C, by the coordinator
@@ -30,6 +31,7 @@ sent.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import math
 import pickle
@@ -91,6 +93,7 @@ class MapRun:
         "closed",
         "deadline",
         "exhausted",
+        "final",
         "fn",
         "in_flight",
         "items",
@@ -101,6 +104,7 @@ class MapRun:
         "pool",
         "size",
         "star",
+        "stoppable",
         "window",
     )
 
@@ -141,8 +145,12 @@ class MapRun:
         # back).
         self.window = pool._workers if chunksize is None else self.limit
         self.exhausted = False
-        self.closed = False  # the iterator was closed: nothing more is sent
-        self.lock = threading.Lock()
+        self.final = False  # sent from send_rest on: chunks run to their end (no stop)
+        self.closed = False  # the iterator ended (closed, or by an error): nothing more is sent
+        # The futures in flight of chunks that may stop part-way (by budget or bytes) whose
+        # rest was not settled yet (``settle``): the iterator's, or ``Pool.shutdown``'s.
+        self.stoppable: set[Future] = set()
+        self.lock = threading.RLock()
 
     def start(self) -> Iterator[Any]:
         """``Pool.map``'s iterator, after its checks: the items in chunks, their results in
@@ -161,13 +169,57 @@ class MapRun:
             while not self.exhausted and len(self.in_flight) < self.window:
                 self._send_next()
 
-    def send_rest(self) -> None:
+    def send_rest(self, wait_chunks: bool = True) -> None:
         """``Pool.shutdown``, before it closes the pool, for a map whose input has a length:
         send the rest of its input, so that its results all come, also once the pool ended
-        (as ``ProcessPoolExecutor.map``, which sends it all at the call)."""
+        (as ``ProcessPoolExecutor.map``, which sends it all at the call). What is sent from
+        here on runs to its end (no budget, no bytes' stop); what chunks in flight leave is
+        sent again here too, once they returned (the iterator, which does that otherwise, may
+        be read only once the pool ended: the rest was lost, and reading it raised
+        PoolClosedError). So it waits for the chunks in flight that may stop (at most about
+        ``MAP_CHUNK_BUDGET`` of work each, past the item that runs at the budget; their sizes
+        bound their results' bytes), unless not
+        ``wait_chunks`` (the coordinator's thread, which must collect them)."""
         with self.lock:
+            self.final = True
             while not self.exhausted and not self.closed:
                 self._send_next()
+        while True:
+            with self.lock:
+                if self.closed or not self.stoppable or not wait_chunks:
+                    return
+                future = next(iter(self.stoppable))
+            concurrent.futures.wait([future])
+            self.settle(future)
+
+    def settle(self, future: Future) -> list[Any] | None:
+        """Under ``lock``: the chunk of ``future`` (done, at the front of ``in_flight`` or, from
+        ``send_rest``, anywhere in it) sends again what it left at its budget, right behind
+        itself, once. Returns its items that ran, None if it is no longer in flight."""
+        with self.lock:
+            in_flight = self.in_flight
+            index = next((i for i, (f, _) in enumerate(in_flight) if f is future), None)
+            if index is None:  # taken by the iterator, or dropped when it was closed
+                self.stoppable.discard(future)
+                return None
+            chunk = in_flight[index][1]
+            if future not in self.stoppable:
+                return chunk
+            self.stoppable.discard(future)
+            if future.cancelled() or future.exception() is not None:
+                return chunk
+            _, _, error, done = future.result()
+            if error is not None or done >= len(chunk):
+                return chunk
+            rest = chunk[done:]
+            in_flight[index] = (future, chunk[:done])
+            size = self.size
+            entries = []
+            for start in range(0, len(rest), size):
+                entries += self._send(rest[start : start + size])[0]
+            for offset, entry in enumerate(entries, 1):
+                in_flight.insert(index + offset, entry)
+            return chunk[:done]
 
     def _send_next(self) -> None:
         """Read the next chunk of the input and send it (under ``lock``); ``exhausted`` once
@@ -217,11 +269,16 @@ class MapRun:
         error names it (or fn, if fn is what does not pickle)."""
         fn = self.fn
         try:
-            max_bytes = math.inf if self.chunksize else _stop_bytes(len(piece), self.out_per_item)
+            if self.chunksize or self.final:  # no budget either
+                budget = max_bytes = math.inf
+            else:
+                budget, max_bytes = self.budget, _stop_bytes(len(piece), self.out_per_item)
             pool = self.pool()
             if pool is None:  # unreachable while the iterator or a shutdown holds the pool
                 raise PoolClosedError(POOL_CLOSED_MESSAGE)
-            future = pool.submit(run_chunk, fn, piece, self.star, self.budget, max_bytes)
+            future = pool.submit(run_chunk, fn, piece, self.star, budget, max_bytes)
+            if budget != math.inf or max_bytes != math.inf:
+                self.stoppable.add(future)
             return [(future, piece)], True
         except Exception as exc:  # a BaseException (Ctrl-C) goes on at once
             found = first_unpicklable([fn, *piece]) if isinstance(exc, TaskPicklingError) else None
@@ -247,17 +304,20 @@ class MapRun:
             self.window = self.limit
             self.size = _next_chunksize(per_item, done, _bytes_cap(self.cap, out))
 
-    def send_again(self, rest: list[Any]) -> None:
-        """The items a chunk left at its budget go again, ahead of every later chunk."""
+    def first_in_flight(self) -> Future | None:
         with self.lock:
-            size = self.size
-            pieces = [rest[i : i + size] for i in range(0, len(rest), size)]
-            for piece in reversed(pieces):
-                self.in_flight.extendleft(reversed(self._send(piece)[0]))
+            return self.in_flight[0][0] if self.in_flight else None
 
-    def next_in_flight(self) -> tuple[Future, list[Any]] | None:
-        with self.lock:
-            return self.in_flight.popleft() if self.in_flight else None
+    def take_first(self, future: Future) -> list[Any]:
+        """The iterator is done with ``future``'s chunk (the first in flight): what it left at
+        its budget goes again, ahead of every later chunk (``settle``), and it leaves
+        ``in_flight``. Returns its items that ran."""
+        with self.lock:  # (reentrant: settle takes it too)
+            chunk = self.settle(future)
+            assert chunk is not None, "the iterator's chunk left in_flight"
+            assert self.in_flight[0][0] is future, "map order lost"
+            self.in_flight.popleft()
+            return chunk
 
 
 def ordered_results(run: MapRun, pool: Pool) -> Iterator[Any]:
@@ -270,20 +330,15 @@ def ordered_results(run: MapRun, pool: Pool) -> Iterator[Any]:
     try:
         while True:
             run.fill()
-            entry = run.next_in_flight()
-            if entry is None:
+            future = run.first_in_flight()
+            if future is None:
                 return
-            future, chunk = entry
-            del entry
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                pickled, seconds, error = future.result(remaining)
-            except BaseException:
-                # Popped from in_flight, so the finally below does not see it: on a
-                # timeout (or a Ctrl-C) its chunk may still be unclaimed, and an abandoned
-                # map must not run it (the stdlib's gh-95166). A no-op if it failed.
-                future.cancel()
-                raise
+            # Still in in_flight while it is waited for (the finally below cancels it on a
+            # timeout or a Ctrl-C: an abandoned map must not run it, the stdlib's gh-95166),
+            # and for ``send_rest``, which may settle what it leaves at its budget first.
+            pickled, seconds, error, _ = future.result(remaining)
+            chunk = run.take_first(future)
             del future  # holds the pickled results: not again alongside the results
             nbytes = sum(map(len, pickled))
             results = _load(pickled)
@@ -292,11 +347,8 @@ def ordered_results(run: MapRun, pool: Pool) -> Iterator[Any]:
                 del chunk
                 yield from _handed_out(results, nbytes)
                 raise load_exception(error)
-            done = len(results)
             if run.chunksize is None:
-                run.measured(seconds, nbytes, done)
-            if done < len(chunk):  # stopped at its budget: the rest goes again, first
-                run.send_again(chunk[done:])
+                run.measured(seconds, nbytes, len(results))
             del chunk
             yield from _handed_out(results, nbytes)
     except GeneratorExit:
@@ -312,7 +364,11 @@ def ordered_results(run: MapRun, pool: Pool) -> Iterator[Any]:
         raise
     finally:
         # The map's own error, timeout or Ctrl-C, raised in this frame (every lock taken
-        # below it was released on the way out): cancel at once.
+        # below it was released on the way out): cancel at once. Ended, the map sends nothing
+        # more, also from ``Pool.shutdown``: the exception's traceback keeps this frame, and
+        # with it the run, among the pool's maps (the rest of a map that had raised ran at
+        # the shutdown).
+        run.closed = True
         for future, _ in list(in_flight):
             future.cancel()
 

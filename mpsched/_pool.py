@@ -189,6 +189,7 @@ class Pool(concurrent.futures.Executor):
         self._maps: weakref.WeakSet[MapRun] = weakref.WeakSet()
         self._unread_maps: set[MapRun] = set()
         self._maps_lock = threading.Lock()
+        self._maps_closed = False  # shutdown took the list of maps: no map joins it now
         self._closed = False
         self._closed_message = POOL_CLOSED_MESSAGE  # another one in a forked child
         self._started = False
@@ -423,14 +424,22 @@ class Pool(concurrent.futures.Executor):
             run = MapRun(self, fn, iter(iterables[0]), False, chunksize, deadline)
         else:
             run = MapRun(self, fn, zip(*iterables, strict=False), True, chunksize, deadline)
-        results = run.start()
         # An input with a length is finite (zip stops at the shortest): shutdown sends the
-        # rest of it (see shutdown).
+        # rest of it (see shutdown). Known to shutdown before its first chunk goes: a map
+        # started while a shutdown had taken its list of maps sent its first window and lost
+        # the rest (PoolClosedError after 128 of 1,000 results).
         if any(isinstance(it, Sized) for it in iterables):
             with self._maps_lock:
+                if self._maps_closed:
+                    raise PoolClosedError(self._closed_message)
                 self._maps.add(run)
                 self._unread_maps.add(run)
-        return results
+        try:
+            return run.start()
+        except BaseException:  # a Ctrl-C while the first window went: the map is not read
+            with self._maps_lock:
+                self._unread_maps.discard(run)
+            raise
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -444,14 +453,26 @@ class Pool(concurrent.futures.Executor):
             # What a map was given is work submitted, as ProcessPoolExecutor.map submits it
             # all at the call: a map of an input with a length sends the rest of it now, so
             # that its iterator yields every result after the pool ended (the usual
-            # ``with Pool() as p: results = p.map(f, items)``, read after the block). One of
+            # ``with Pool() as p: results = p.map(f, items)``, read after the block), and
+            # what its chunks in flight leave at their budget (it waits for them: MapRun.
+            # send_rest). A map called from here on is refused (_maps_closed). One of
             # an iterator cannot be read to its end here (it may be endless): its iterator
             # raises PoolClosedError once it needs to send more.
             with self._maps_lock:
+                self._maps_closed = True
                 maps = list(self._maps)
                 self._unread_maps.clear()
-            for run in maps:
-                run.send_rest()
+            wait_chunks = threading.get_ident() != self._coordinator.thread_id
+            try:
+                for run in maps:
+                    run.send_rest(wait_chunks)
+            except BaseException as exc:
+                # A Ctrl-C while waiting for a map's chunks: stop now, as below (the pool
+                # stayed open, and the exit waited for everything).
+                if not isinstance(exc, Exception):
+                    self.shutdown(wait=False, cancel_futures=True)
+                    self._coordinator.abort_running()
+                raise
         self._closed = True  # the fast early check; the coordinator's draining flag decides
         if self._started:
             self._coordinator.begin_shutdown(cancel_futures)

@@ -10,8 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import CancelledError, wait
 from concurrent.futures import TimeoutError as FuturesTimeoutError
-from concurrent.futures import wait
 from typing import Any
 
 import pytest
@@ -364,6 +364,115 @@ def test_a_map_dropped_unread_runs_to_its_end_and_one_dropped_while_read_is_aban
     with Pool(1) as pool:
         pool.map(tasks.ident, range(1000), chunksize=10)
     assert pool.statistics().completed == 100
+
+
+@pytest.mark.timeout(60)
+def test_a_map_whose_chunks_stop_at_their_budget_yields_every_result_after_shutdown(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Default chunks stop at their budget (items slower than ~0.16 ms) and leave the rest to
+    go again: shutdown sends those rests too (the iterator did, once read: read after the
+    block it raised PoolClosedError, and a map used for its side effects lost all but its
+    first window's first items)."""
+    monkeypatch.setattr(_map, "MAP_CHUNK_BUDGET", 0.0)  # every chunk stops after one item
+    log = tmp_path / "log"
+    log.touch()
+    with Pool(2) as pool:
+        results = pool.map(tasks.ident, range(300))
+        pool.map(tasks.record, [str(log)] * 200, range(200))  # unread, for its side effects
+    assert list(results) == list(range(300))
+    assert sorted(tasks.read_log(str(log))) == list(range(200))
+
+
+@pytest.mark.timeout(60)
+def test_a_map_that_raised_sends_nothing_more_at_shutdown(tmp_path: pathlib.Path) -> None:
+    """The error's traceback (kept here by ``excinfo``) keeps the map's frame and its run
+    among the pool's maps: leaving the block ran the rest of its input (2,945 of 3,000)."""
+    log = tmp_path / "log"
+    log.touch()
+    paths = [str(log)] * 3000
+    paths[5] = str(tmp_path / "missing" / "log")  # item 5 raises FileNotFoundError
+    with Pool(2) as pool, pytest.raises(FileNotFoundError) as excinfo:
+        list(pool.map(tasks.record, paths, range(3000), chunksize=10))
+    assert excinfo.traceback  # alive up to here
+    ran = tasks.read_log(str(log))
+    assert len(ran) <= 10 * _map.MAP_PREFETCH_PER_WORKER * 2, len(ran)  # what was in flight
+
+
+class _GatedItems:
+    """A sized input whose iteration waits at item ``at`` until ``go`` is set (``reached``
+    says it got there): it holds ``Pool.shutdown`` inside its ``send_rest``."""
+
+    def __init__(self, n: int, at: int) -> None:
+        self.n, self.at = n, at
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        for i in range(self.n):
+            if i == self.at:
+                self.reached.set()
+                assert self.go.wait(30)
+            yield i
+
+
+@pytest.mark.timeout(60)
+def test_a_map_called_while_a_shutdown_sends_the_rest_of_maps_is_refused() -> None:
+    """Shutdown took its list of maps before it closed the pool: a map called between them
+    was accepted, sent its first window and lost the rest (128 of 1,000 results, then
+    PoolClosedError). It is refused at the call now; the map shutdown holds yields all."""
+    pool = Pool(2)
+    gated = _GatedItems(1000, 300)  # past the first window (2 chunks of 64)
+    held = pool.map(tasks.ident, gated)
+    closer = threading.Thread(target=pool.shutdown)
+    closer.start()
+    try:
+        assert gated.reached.wait(30)
+        with pytest.raises(PoolClosedError):
+            pool.map(tasks.ident, range(1000))
+    finally:
+        gated.go.set()
+        closer.join(30)
+    assert list(held) == list(range(1000))
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_while_shutdown_waits_for_a_maps_chunks_stops_the_pool_now(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shutdown waits for the chunks of a map that may stop at their budget (to send what
+    they leave): a Ctrl-C there means "stop now", as in the drain's wait (the pool stayed
+    open, its tasks running)."""
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    waiting = threading.Event()
+    real_wait = _map.concurrent.futures.wait
+
+    def noted_wait(futures: Any) -> Any:
+        waiting.set()
+        return real_wait(futures)
+
+    monkeypatch.setattr(_map.concurrent.futures, "wait", noted_wait)
+    main = threading.get_ident()
+
+    def interrupt() -> None:
+        if waiting.wait(30):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    pool = Pool(2)
+    results = pool.map(tasks.gated_ident, [str(gate)] * 4, range(4))  # a chunk a worker
+    interrupter = threading.Thread(target=interrupt)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.shutdown()
+    finally:
+        interrupter.join(30)
+    assert pool.await_termination(30)
+    with pytest.raises(CancelledError):
+        next(results)
 
 
 @pytest.mark.timeout(60)

@@ -32,7 +32,7 @@ def test_run_chunk_runs_every_item_within_its_budget() -> None:
 
 
 def test_run_chunk_stops_at_its_budget_after_one_item_at_least() -> None:
-    pieces, seconds, error = run_chunk(abs, list(range(-5, 5)), False, 0.0, math.inf)
+    pieces, seconds, error, _ = run_chunk(abs, list(range(-5, 5)), False, 0.0, math.inf)
     assert _load(pieces) == [5]  # a prefix: map sends the rest again
     assert seconds >= 0.0
     assert error is None
@@ -40,19 +40,19 @@ def test_run_chunk_stops_at_its_budget_after_one_item_at_least() -> None:
 
 
 def test_run_chunk_pickles_its_results_once_without_a_byte_limit() -> None:
-    pieces, _, _ = run_chunk(abs, list(range(1000)), False, math.inf, math.inf)
+    pieces, _, _, _ = run_chunk(abs, list(range(1000)), False, math.inf, math.inf)
     assert len(pieces) == 1
 
 
 def test_run_chunk_stops_once_its_pickled_results_reach_max_bytes() -> None:
     """Runs of 1, 1, 2, 4, ... items, each pickled as it ends: 1,000-byte results and a
     limit of 3,000 bytes stop the chunk after the third run (4 items, ~4,000 bytes)."""
-    pieces, _, error = run_chunk(_kilobytes, list(range(64)), False, math.inf, 3000)
+    pieces, _, error, _ = run_chunk(_kilobytes, list(range(64)), False, math.inf, 3000)
     assert [len(pickle.loads(piece)) for piece in pieces] == [1, 1, 2]
     assert _load(pieces) == [_kilobytes(i) for i in range(4)]
     assert error is None
     # A limit the whole chunk stays under: every item, one piece per run.
-    pieces, _, _ = run_chunk(_kilobytes, list(range(5)), False, math.inf, 10**6)
+    pieces, _, _, _ = run_chunk(_kilobytes, list(range(5)), False, math.inf, 10**6)
     assert [len(pickle.loads(piece)) for piece in pieces] == [1, 1, 2, 1]
     assert _load(pieces) == [_kilobytes(i) for i in range(5)]
 
@@ -97,7 +97,7 @@ def _fail_at_3(x: int) -> int:
 
 
 def test_run_chunk_returns_the_results_before_an_error_with_the_error() -> None:
-    pieces, _, error = run_chunk(_fail_at_3, [1, 2, 3, 4], False, math.inf, math.inf)
+    pieces, _, error, _ = run_chunk(_fail_at_3, [1, 2, 3, 4], False, math.inf, math.inf)
     assert _load(pieces) == [1, 2]
     assert error is not None
     with pytest.raises(ValueError, match="three"):
@@ -107,7 +107,7 @@ def test_run_chunk_returns_the_results_before_an_error_with_the_error() -> None:
 
 
 def test_run_chunk_by_pieces_returns_the_results_before_an_error_with_the_error() -> None:
-    pieces, _, error = run_chunk(_fail_at_3, [1, 2, 3, 4], False, math.inf, 10**6)
+    pieces, _, error, _ = run_chunk(_fail_at_3, [1, 2, 3, 4], False, math.inf, 10**6)
     assert _load(pieces) == [1, 2]
     assert error is not None
     with pytest.raises(ValueError, match="three"):
@@ -123,7 +123,7 @@ def _lock_at_3(x: int) -> Any:
 def test_a_result_that_does_not_pickle_is_its_items_error(max_bytes: float) -> None:
     """The results before it come back, with its pickling error for ``map`` to raise after
     them (the chunk's task failing dropped them); at the chunk's first item, the task fails."""
-    pieces, _, error = run_chunk(_lock_at_3, [1, 2, 3, 4], False, math.inf, max_bytes)
+    pieces, _, error, _ = run_chunk(_lock_at_3, [1, 2, 3, 4], False, math.inf, max_bytes)
     assert _load(pieces) == [1, 2]
     assert error is not None
     with pytest.raises(TypeError, match="pickle"):
@@ -133,7 +133,7 @@ def test_a_result_that_does_not_pickle_is_its_items_error(max_bytes: float) -> N
 
 
 def test_a_result_that_does_not_pickle_comes_before_a_later_items_error() -> None:
-    pieces, _, error = run_chunk(_lock_or_fail, [1, 3, 4, 5], False, math.inf, math.inf)
+    pieces, _, error, _ = run_chunk(_lock_or_fail, [1, 3, 4, 5], False, math.inf, math.inf)
     assert _load(pieces) == [1]
     assert error is not None
     with pytest.raises(TypeError, match="pickle"):  # item 3's, not item 5's ValueError
