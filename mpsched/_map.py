@@ -308,16 +308,15 @@ class MapRun:
         with self.lock:
             return self.in_flight[0][0] if self.in_flight else None
 
-    def take_first(self, future: Future) -> list[Any]:
+    def take_first(self, future: Future) -> None:
         """The iterator is done with ``future``'s chunk (the first in flight): what it left at
         its budget goes again, ahead of every later chunk (``settle``), and it leaves
-        ``in_flight``. Returns its items that ran."""
+        ``in_flight``."""
         with self.lock:  # (reentrant: settle takes it too)
-            chunk = self.settle(future)
-            assert chunk is not None, "the iterator's chunk left in_flight"
+            settled = self.settle(future)
+            assert settled is not None, "the iterator's chunk left in_flight"
             assert self.in_flight[0][0] is future, "map order lost"
             self.in_flight.popleft()
-            return chunk
 
 
 def ordered_results(run: MapRun, pool: Pool) -> Iterator[Any]:
@@ -337,19 +336,17 @@ def ordered_results(run: MapRun, pool: Pool) -> Iterator[Any]:
             # Still in in_flight while it is waited for (the finally below cancels it on a
             # timeout or a Ctrl-C: an abandoned map must not run it, the stdlib's gh-95166),
             # and for ``send_rest``, which may settle what it leaves at its budget first.
-            pickled, seconds, error, _ = future.result(remaining)
-            chunk = run.take_first(future)
-            del future  # holds the pickled results: not again alongside the results
+            pickled, seconds, error, done = future.result(remaining)
             nbytes = sum(map(len, pickled))
+            if run.chunksize is None and error is None:  # before its rest goes, sized so
+                run.measured(seconds, nbytes, done)
+            run.take_first(future)
+            del future  # holds the pickled results: not again alongside the results
             results = _load(pickled)
             del pickled
             if error is not None:  # an item raised after these: they come first (_chunks)
-                del chunk
                 yield from _handed_out(results, nbytes)
                 raise load_exception(error)
-            if run.chunksize is None:
-                run.measured(seconds, nbytes, len(results))
-            del chunk
             yield from _handed_out(results, nbytes)
     except GeneratorExit:
         # close(): by the caller, or by the garbage collector finalizing the generator,
