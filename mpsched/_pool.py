@@ -623,10 +623,16 @@ class TaskSubmitter:
 
 def _wait_timeout(timeout: object) -> float | None:
     """A caller's ``timeout`` (not None) for a wait: TypeError if not a number (a bool is not),
-    ValueError if NaN; infinite is None (no limit: a wait that long overflows the clock). Zero
-    or negative stays: the wait times out at once, as the stdlib's waits do."""
+    ValueError if NaN; infinite is None (no limit: a wait that long overflows the clock), and
+    so is an int past the float range (``float()`` raised a bare OverflowError, also from an
+    ``await_termination`` of a pool that had ended). Zero or negative stays: the wait times
+    out at once, as the stdlib's waits do."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
-    if math.isnan(timeout):
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an int beyond any float
+        seconds = _INF if timeout > 0 else -_INF
+    if math.isnan(seconds):
         raise ValueError("timeout must be a number of seconds or None, not nan")
-    return None if timeout == _INF else float(timeout)
+    return None if seconds == _INF else seconds

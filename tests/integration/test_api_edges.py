@@ -326,10 +326,14 @@ def test_map_timeout_is_checked_at_the_call() -> None:
             pool.map(tasks.ident, [1], timeout=True)
         with pytest.raises(ValueError, match="timeout"):
             pool.map(tasks.ident, [1], timeout=math.nan)
-        # Infinite: no limit, as None (it overflowed the wait).
+        # Infinite: no limit, as None (it overflowed the wait); an int past the float range
+        # too (float() raised OverflowError), and a negative one times out at once.
         assert list(pool.map(tasks.ident, [1, 2], timeout=math.inf)) == [1, 2]
+        assert list(pool.map(tasks.ident, [1, 2], timeout=10**400)) == [1, 2]
+        assert list(pool.map(tasks.ident, [], timeout=-(10**400))) == []
         # Negative or zero: as the stdlib's map, the first result not ready times out.
         assert list(pool.map(tasks.ident, [], timeout=-1)) == []
+    assert pool.await_termination(10**400)
 
 
 # ---------------------------------------------------------------- which ids are one id
