@@ -87,7 +87,6 @@ class MapRun:
 
     __slots__ = (
         "__weakref__",
-        "budget",
         "cap",
         "chunksize",
         "closed",
@@ -134,7 +133,6 @@ class MapRun:
         self.in_flight: collections.deque[tuple[Future, list[Any]]] = collections.deque()
         # islice takes at most sys.maxsize: a bigger chunksize means the same (one chunk).
         self.size = min(chunksize, sys.maxsize) if chunksize else MAP_FIRST_CHUNK
-        self.budget = math.inf if chunksize else MAP_CHUNK_BUDGET
         self.per_item: float | None = None
         self.cap = 0  # largest default chunk, from the first chunk's bytes per item; 0: not yet
         # pickled result bytes per item (a running mean); None: none came yet
@@ -192,25 +190,22 @@ class MapRun:
             concurrent.futures.wait([future])
             self.settle(future)
 
-    def settle(self, future: Future) -> list[Any] | None:
+    def settle(self, future: Future) -> None:
         """Under ``lock``: the chunk of ``future`` (done, at the front of ``in_flight`` or, from
         ``send_rest``, anywhere in it) sends again what it left at its budget, right behind
-        itself, once. Returns its items that ran, None if it is no longer in flight."""
+        itself, once; a no-op for a chunk that cannot stop, or was settled or taken already."""
         with self.lock:
+            if future not in self.stoppable:  # (a chunksize map's chunks: no search)
+                return
+            self.stoppable.discard(future)
             in_flight = self.in_flight
             index = next((i for i, (f, _) in enumerate(in_flight) if f is future), None)
-            if index is None:  # taken by the iterator, or dropped when it was closed
-                self.stoppable.discard(future)
-                return None
-            chunk = in_flight[index][1]
-            if future not in self.stoppable:
-                return chunk
-            self.stoppable.discard(future)
-            if future.cancelled() or future.exception() is not None:
-                return chunk
+            if index is None or future.cancelled() or future.exception() is not None:
+                return  # (not in flight: dropped when the iterator was closed)
             _, _, error, done = future.result()
+            chunk = in_flight[index][1]
             if error is not None or done >= len(chunk):
-                return chunk
+                return
             rest = chunk[done:]
             in_flight[index] = (future, chunk[:done])
             size = self.size
@@ -219,7 +214,6 @@ class MapRun:
                 entries += self._send(rest[start : start + size])[0]
             for offset, entry in enumerate(entries, 1):
                 in_flight.insert(index + offset, entry)
-            return chunk[:done]
 
     def _send_next(self) -> None:
         """Read the next chunk of the input and send it (under ``lock``); ``exhausted`` once
@@ -272,7 +266,7 @@ class MapRun:
             if self.chunksize or self.final:  # no budget either
                 budget = max_bytes = math.inf
             else:
-                budget, max_bytes = self.budget, _stop_bytes(len(piece), self.out_per_item)
+                budget, max_bytes = MAP_CHUNK_BUDGET, _stop_bytes(len(piece), self.out_per_item)
             pool = self.pool()
             if pool is None:  # unreachable while the iterator or a shutdown holds the pool
                 raise PoolClosedError(POOL_CLOSED_MESSAGE)
@@ -313,8 +307,7 @@ class MapRun:
         its budget goes again, ahead of every later chunk (``settle``), and it leaves
         ``in_flight``."""
         with self.lock:  # (reentrant: settle takes it too)
-            settled = self.settle(future)
-            assert settled is not None, "the iterator's chunk left in_flight"
+            self.settle(future)
             assert self.in_flight[0][0] is future, "map order lost"
             self.in_flight.popleft()
 

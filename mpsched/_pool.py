@@ -470,8 +470,7 @@ class Pool(concurrent.futures.Executor):
                 # A Ctrl-C while waiting for a map's chunks: stop now, as below (the pool
                 # stayed open, and the exit waited for everything).
                 if not isinstance(exc, Exception):
-                    self.shutdown(wait=False, cancel_futures=True)
-                    self._coordinator.abort_running()
+                    self._stop_now()
                 raise
         self._closed = True  # the fast early check; the coordinator's draining flag decides
         if self._started:
@@ -555,9 +554,14 @@ class Pool(concurrent.futures.Executor):
         # whose consumer stopped early).
         interrupted = exc_type is not None and not issubclass(exc_type, (Exception, GeneratorExit))
         if interrupted and self._started:
-            self.shutdown(wait=False, cancel_futures=True)
-            self._coordinator.abort_running()
+            self._stop_now()
         self.shutdown(wait=True, cancel_futures=interrupted)
+
+    def _stop_now(self) -> None:
+        """What a Ctrl-C means: cancel what no worker has claimed and kill the workers that
+        run tasks (their futures end cancelled)."""
+        self.shutdown(wait=False, cancel_futures=True)
+        self._coordinator.abort_running()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "running"
