@@ -342,9 +342,22 @@ def test_a_ctrl_c_in_a_direct_submit_leaves_no_block_taken(
         assert pool.submit(tasks.ident, 2).result(timeout=8) == 2
         _poll(lambda: not coordinator.by_handle and slab.free_count() == free, "a block left")
         assert pool.statistics().pending == 0
+        # The count at the drain's end is read by the teardown's thread just before it
+        # releases the memory: after ``finished`` the release may already have begun.
+        at_teardown: list[int] = []
+        read = threading.Event()
+        real_teardown = pool._resources.teardown
+
+        def teardown() -> None:
+            at_teardown.append(slab.free_count())
+            read.set()
+            real_teardown()
+
+        monkeypatch.setattr(pool._resources, "teardown", teardown)
         pool.shutdown(wait=False)
         assert coordinator.finished.wait(15), "the drain hung"
-        assert slab.free_count() == free  # the drain's end (the memory is released after)
+        assert read.wait(15), "the pool was never torn down"
+        assert at_teardown == [free]
 
 
 def _interrupted_timed_submit(pool: Pool) -> Callable[[], bool]:
