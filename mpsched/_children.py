@@ -391,9 +391,11 @@ class Children:
         interrupted_sleep: BaseException | None
 
         def find_child_work(self) -> int: ...
-        def run(self, handle: int) -> None: ...
+        def run(self, handle: int, recorded: bool = True) -> None: ...
         def load_function(self, fid: int) -> Callable[..., Any]: ...
-        def idle(self, awaited: int | None, deadline: float | None = None) -> None: ...
+        def idle(
+            self, awaited: int | None, deadline: float | None = None, steal: bool = True
+        ) -> None: ...
         def stash(self, data: bytes, handle: int, field: int) -> int: ...
         def fetch(self, key: int) -> Buffer: ...
         def wake_one_sleeper(self) -> None: ...
@@ -470,12 +472,13 @@ class Children:
                     pass
         return ChildFuture.settled(self, value, None)
 
-    def finish_child(self, handle: int, parent: int) -> None:
+    def finish_child(self, handle: int, parent: int, recorded: bool = True) -> None:
         """Executor of a child: publish DONE under the parent's slot lock and wake the parent.
 
         The run-stack pop happens in the same lock hold (``finished_by``): the parent frees
         the block only after confirming DONE under that lock, so a handle is never both on a
-        run stack and free (the uniqueness crash repair relies on).
+        run stack and free (the uniqueness crash repair relies on). A child run unrecorded
+        (past the helping depth, see ``join``) has no record to pop.
 
         An ABANDONED child stays ABANDONED (``unless``): this worker frees it, and DONE would
         tell the crash recovery of a dead parent (``orphan_children``) that the block is the
@@ -485,11 +488,13 @@ class Children:
         and that of this worker, dying before its free commits, finds it (an ABANDONED block
         in no ring and on no run stack is its uid's to free).
         """
+        if not recorded:
+            self.me.count_inline_run()
         previous = self.slots[parent].exchange_block_state(
             self.slab,
             handle,
             CHILD_DONE,
-            finished_by=self.me,
+            finished_by=self.me if recorded else None,
             unless=CHILD_ABANDONED,
             taker=self.uid_base,
         )
@@ -568,14 +573,22 @@ class Children:
         its worker, killed the task it was nested in. Its peers take those (see ``idle``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         handle = future._handle
+        # Past the helping depth the run stack takes no more claims, and this worker's own
+        # children run unrecorded instead: left in the own deque, one that the joined task
+        # waits for (a sibling's future kept in a global: a memo of futures) waited for ever
+        # with no idle peer to steal it (Pool(1)), the worker spinning. Only its own: a death
+        # loses them with their parent, and the recovery frees a block of a dead parent that
+        # is in no ring and on no run stack (``orphan_children``). A peer's child, stolen so,
+        # would be lost to the peer's task that waits for it.
+        recorded = self.depth < MAX_NESTING - 1
         while self.child_state(handle) != CHILD_DONE:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
-            found = self.find_child_work() if self.depth < MAX_NESTING - 1 else -1
+            found = self.find_child_work() if recorded else self.me.pop_or_take(False, False)
             if found >= 0:
                 sys.setrecursionlimit(sys.getrecursionlimit() + JOIN_FRAMES)
                 try:
-                    self.run(found)
+                    self.run(found, recorded)
                 finally:  # as in run_inline: no Python call
                     try:  # noqa: SIM105
                         sys.setrecursionlimit(sys.getrecursionlimit() - JOIN_FRAMES)
@@ -584,7 +597,7 @@ class Children:
                 if self.abandoned:
                     self.release_abandoned()
             else:
-                self.idle(handle, deadline)
+                self.idle(handle, deadline, recorded)
         return True
 
     def next_uid(self) -> int:

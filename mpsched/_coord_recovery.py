@@ -210,7 +210,8 @@ class Recovering(CoordinatorState):
         a child still queued or running elsewhere is marked ABANDONED under slot ``k``'s lock
         (its executor frees it when it finishes, as for a dropped ChildFuture); one already
         DONE, or one never published (the worker died inside ``mpsched.submit``, between the
-        alloc and the push: in no ring and on no run stack), is freed now. A block allocated
+        alloc and the push) or run unrecorded by its own join past the helping depth
+        (``Children.join``): in no ring and on no run stack, is freed now. A block allocated
         and not yet written (``state`` 0: ``Slab.alloc`` stamps the uid and a zero state
         before its commit, with both chain links -1; ``write_child`` stores the state last) is
         freed too, with the chain it may have (``Slab._attach`` hangs a chain on its block
@@ -257,7 +258,9 @@ class Recovering(CoordinatorState):
         # The spawner wrote the block (uid, NBYTES 0) before it stashed the arguments and
         # stored their key; its socket was read to EOF before this runs, so its STASH is in.
         self.drop_stashed(unpublished)
-        self.drop_stashed_results(done, pid)
+        # A result count is zero in a block never published; one that the dead worker ran
+        # unrecorded (``Children.join``) may hold the key of a result stashed before its DONE.
+        self.drop_stashed_results(done + unpublished, pid)
         to_free = done + unpublished + unwritten
         if to_free:
             slab.free_children(to_free)

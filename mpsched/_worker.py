@@ -227,8 +227,9 @@ class Worker(Children):
         return -1
 
     # ------------------------------------------------------------------ running
-    def run(self, handle: int) -> None:
-        """Run the claimed task ``handle`` (already on the run stack) and report it."""
+    def run(self, handle: int, recorded: bool = True) -> None:
+        """Run the claimed task ``handle`` (already on the run stack, unless not ``recorded``:
+        an own child past the helping depth, see ``Children.join``) and report it."""
         slab = self.slab
         parent = slab.get_word(handle, _PARENT)
         nbytes = slab.get_word(handle, _NBYTES)
@@ -280,7 +281,7 @@ class Worker(Children):
             ):
                 self.poke()
         else:
-            self.finish_child(handle, parent)
+            self.finish_child(handle, parent, recorded)
         self.announce = False
 
     def load_function(self, fid: int) -> Callable[..., Any]:
@@ -319,10 +320,13 @@ class Worker(Children):
             self.on_message(tag, fields)
 
     # ------------------------------------------------------------------ idle and wake-ups
-    def idle(self, awaited: int | None, deadline: float | None = None) -> None:
+    def idle(self, awaited: int | None, deadline: float | None = None, steal: bool = True) -> None:
         """Nothing to run: poke results, then announce, recheck and block until woken.
 
         ``awaited`` is the block of a child being joined (its DONE also ends the sleep).
+        ``steal`` False: a join past the helping depth, which cannot take a peer's child, so
+        the recheck does not look at the peers (their queued children ended each sleep at
+        once: the worker spun until they were taken).
         """
         header = self.header
         if not header.collector():  # else a user thread is reading the done rings itself
@@ -340,8 +344,8 @@ class Worker(Children):
         try:
             if not me.announce_sleep(joining):
                 return
-            if (awaited is not None and me.block_state(self.slab, awaited) == CHILD_DONE) or any(
-                peer.probe(joining) for peer in self.peers
+            if (awaited is not None and me.block_state(self.slab, awaited) == CHILD_DONE) or (
+                steal and any(peer.probe(joining) for peer in self.peers)
             ):
                 if not me.clear_sleeping():
                     self.consume_wake()  # a waker got there first and wrote our eventfd

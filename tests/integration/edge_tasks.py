@@ -57,6 +57,51 @@ def chain(depth: int) -> int:
     return mpsched.submit(chain, depth - 1).result() + 1
 
 
+# Futures of the children of one task that its other children join (a memo of futures, say).
+_SIBLINGS: list[Any] = []
+
+
+def join_siblings_at(depth: int, siblings: int, big: int = 0, die_at_done: bool = False) -> int:
+    """A chain of nested joins ``depth`` links deep whose last link spawns ``siblings + 1``
+    children, each joining the one before it through a module global, and joins the last.
+    ``big``: the length of the first child's result, bytes (past a chain's room: stashed).
+    ``die_at_done``: the first child's DONE kills this worker (its result written first)."""
+    if depth > 1:
+        return mpsched.submit(join_siblings_at, depth - 1, siblings, big, die_at_done).result()
+    if die_at_done:
+        _die_at_the_next_done()
+    _SIBLINGS.clear()  # Pool(1): every child runs in this process, with this list
+    _SIBLINGS.extend(mpsched.submit(_join_the_sibling_before, k, big) for k in range(siblings + 1))
+    try:
+        return int(_SIBLINGS[-1].result())
+    finally:
+        _SIBLINGS.clear()
+
+
+def _join_the_sibling_before(k: int, big: int) -> Any:
+    if k == 0:
+        return b"x" * big
+    before = _SIBLINGS[k - 1].result()
+    return (len(before) if k == 1 else before) + 1
+
+
+def _die_at_the_next_done() -> None:
+    """This worker SIGKILLs itself in its next child's DONE exchange, before the store."""
+    from mpsched import _children
+
+    worker = _children._current
+    assert worker is not None
+    slot = worker.slots[worker.slot]
+    real = slot.exchange_block_state
+
+    def exchange(states: Any, handle: int, value: int, **kwargs: Any) -> int:
+        if value == _children.CHILD_DONE:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(states, handle, value, **kwargs)
+
+    slot.exchange_block_state = exchange  # type: ignore[method-assign]
+
+
 def exit_now(code: int) -> None:
     os._exit(code)
 

@@ -28,9 +28,11 @@ from mpsched import (
 from mpsched._coordinator import Coordinator
 from mpsched._errors import InternalError, ProtocolError
 from mpsched._protocol import Tag
+from mpsched._slot_region import MAX_NESTING
 
 from . import edge_tasks as et
 from . import tasks
+from .conditions import wait_until
 
 
 @pytest.fixture
@@ -134,6 +136,44 @@ def test_a_chain_of_nested_joins_deeper_than_the_run_stack_finishes(workers: int
         assert pool.submit(et.chain, 200).result(timeout=20) == 200
     finally:
         _force_down(pool)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("siblings", [1, 3])
+def test_a_join_past_the_helping_depth_runs_the_own_childs_it_waits_for(siblings: int) -> None:
+    """At the helping depth (MAX_NESTING - 1 nested runs) a join claims nothing more on the
+    run stack. A child there that joins a sibling's future (kept in a global) found it in its
+    own deque, where no peer of Pool(1) could steal it: the worker spun at 100% CPU for ever
+    (and the shutdown hung). Now it runs its own children unrecorded. The depths cross the
+    limit: the last link of the chain runs at depth ``depth``, its children one deeper."""
+    pool = Pool(1)
+    try:
+        for depth in range(MAX_NESTING - 5, MAX_NESTING + 3):
+            future = pool.submit(et.join_siblings_at, depth, siblings)
+            assert future.result(timeout=10) == siblings, depth
+        assert pool.statistics().per_worker[0].deque_depth == 0
+        pool.shutdown(wait=True)
+    finally:
+        _force_down(pool)
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_killed_in_an_unrecorded_childs_done_leaks_no_block_and_no_stash() -> None:
+    """A child run unrecorded (past the helping depth) is in no ring and on no run stack: a
+    death of its worker leaves its block to the recovery of its dead parent, which frees it as
+    one never published, and drops the result the child had stashed before its DONE (the
+    recovery dropped only the stashed arguments of such a block: the result's bytes stayed in
+    the coordinator's stash for the pool's life)."""
+    with Pool(1) as pool:
+        slab = pool._views.slab
+        free = slab.free_count()
+        future = pool.submit(et.join_siblings_at, MAX_NESTING - 2, 1, 4_000_000, True)
+        with pytest.raises(WorkerCrashedError):
+            future.result(timeout=30)
+        coordinator = pool._coordinator
+        wait_until(lambda: slab.free_count() == free, "a block of the dead worker stayed taken")
+        assert not coordinator.stash, "the unrecorded child's stashed result stayed"
+        assert pool.submit(tasks.ident, 5).result(timeout=20) == 5  # replaced
 
 
 @pytest.mark.timeout(60)
