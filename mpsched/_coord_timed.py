@@ -155,7 +155,12 @@ class Timing(CoordinatorState):
             return self.timetable.state(task_id, self.claimed)
 
     def claimed(self, future: Future) -> bool:
-        """Under ``self.lock``: whether a handed-out task was claimed by a worker."""
+        """Under ``self.lock``: whether a handed-out task was claimed by a worker. A retry
+        (its worker died: ``recover_slot``) was: it started before, and a state never goes
+        back (``state()`` said PENDING from the death until the retry's claim)."""
+        run = future._run
+        if run is not None and run.retries_left < run.options.retries:
+            return True
         if future._handle < 0 or future._slot < 0:
             return False
         return not self.slots[future._slot].in_inbox(future._handle)

@@ -362,8 +362,9 @@ class Pool(concurrent.futures.Executor):
 
     def state(self, task_id: Hashable) -> TaskState | None:
         """The state of the latest version of ``task_id``: PENDING until a worker claims it,
-        RUNNING, then COMPLETED, FAILED or CANCELLED; None for an unknown id (ids that ended
-        are forgotten after the 100,000 more recent ones)."""
+        RUNNING (also while a retry after its worker's death waits), then COMPLETED, FAILED or
+        CANCELLED; None for an unknown id (ids that ended are forgotten after the 100,000 more
+        recent ones)."""
         check_task_id(task_id)
         return self._coordinator.state(task_id)
 

@@ -12,7 +12,8 @@ the heap, and the heap's ``Due`` (a NamedTuple) once it was handed out (``finish
 
 States: the heap says RUNNING from the moment it hands a version out; ``state()`` refines that
 for the pool, since a handed-out version that no worker has claimed yet has not started: it is
-PENDING until the claim (the coordinator answers ``claimed``).
+PENDING until the claim (the coordinator answers ``claimed``; a retry after its worker died
+started before, so it stays RUNNING).
 
 Memory: records of ids whose latest version ended are kept for ``state()`` up to
 ``FINISHED_IDS_KEPT`` ids, then forgotten oldest first (``state()`` then answers None, as for an

@@ -328,6 +328,35 @@ def test_a_retried_run_goes_running_again_and_completes(fifos: Fifos) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_retry_waiting_for_its_claim_stays_running(fifos: Fifos) -> None:
+    """From its worker's death until the retry's claim, a retried version said PENDING: a
+    state went back (RUNNING, PENDING, RUNNING), against TaskState's rule. Read in the
+    coordinator thread right after the recovery put the retry back in the ready queue: that
+    thread has not dispatched it yet, so no worker can have claimed it."""
+    with Pool(1) as pool:
+        coordinator = pool._coordinator
+        seen: list[TaskState | None] = []
+        recover_slot = coordinator.recover_slot
+
+        def read_state_after_recovery(*args: Any) -> None:
+            recover_slot(*args)
+            seen.append(coordinator.state("r"))
+
+        coordinator.recover_slot = read_state_after_recovery  # type: ignore[method-assign]
+        f = pool.with_options(retries=1).schedule(
+            "r", 0.0, 0, tt.log_pid_then_gate, fifos.log, "r", fifos.gate
+        )
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "the first run runs")
+        [(_, first_pid)] = tt.read_tags(fifos.log)
+        os.kill(first_pid, signal.SIGKILL)
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 2, "the retry runs")
+        assert seen == [TaskState.RUNNING]
+        tasks.open_gate(fifos.gate)
+        assert f.result(timeout=CONDITION_TIMEOUT) != first_pid
+        assert pool.state("r") is TaskState.COMPLETED
+
+
+@pytest.mark.timeout(60)
 def test_a_settled_task_with_retries_keeps_no_copy_of_its_arguments() -> None:
     """A task with retries keeps its pickled call in its future, to run it again if its worker
     dies; once it ended (completed, or failed with no retry left) nothing can run it again, yet
