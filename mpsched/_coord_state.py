@@ -177,6 +177,9 @@ class CoordinatorState:
         self.recycled = 0
         self.retired_pids: set[int] = set()  # their EXITED reports are not crash reports
         self.misfires = 0
+        # Dispatch passes ended (``dispatch``): a recurring run made ready since the last one
+        # ended is in its first dispatch, which is never a misfire (``misfired``).
+        self.dispatches = 0
         self.skipped_runs = 0
         self.final_stats: dict[int, dict[str, int]] = {}
         self.epoll = select.epoll()

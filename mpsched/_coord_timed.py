@@ -184,6 +184,9 @@ class Timing(CoordinatorState):
         submits made since (the loop runs this some time after)."""
         if not future._due_at:
             future._due_at = future._due.run_at
+        run = future._run
+        if run is not None and run.recurrence is not None:
+            run.made_ready = self.dispatches
         self.ready.append_due(future, priority)
 
     def misfired(self, future: Future) -> bool:
@@ -194,6 +197,11 @@ class Timing(CoordinatorState):
         options = run.options
         if (
             options.misfire != "skip"
+            # In the first dispatch since it came due: the pool could start it at once, and
+            # only the coordinator's own wake-up (~0.1-1 ms after the due time here) made it
+            # late. Counted, any grace under that delay skipped every run of an idle pool
+            # (misfire_grace=0: none ever ran).
+            or run.made_ready == self.dispatches
             # A retry (its worker died): the run started on time, so it runs again, as the
             # retries option says. Dropped, it continued a recurrence that a schedule of the id
             # may have replaced meanwhile: that next version superseded the new schedule's,

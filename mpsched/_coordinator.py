@@ -331,6 +331,7 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
                         self.ready.putback(batch[taken:])
                         break
             self.next_slot = (self.next_slot + 1) % n
+            self.dispatches += 1
 
     def take_back_lower(self, top: int) -> None:
         """Under ``self.lock``: a due task of priority ``top`` must not wait behind lower ones

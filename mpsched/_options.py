@@ -24,7 +24,9 @@ happens to those missed times:
 
 Misfire: a run that could not *start* within ``misfire_grace`` seconds of its due time (the pool
 was busy) is a misfire. "run_late" (the default) runs it anyway; "skip" drops that run, counts it
-in ``PoolStatistics.misfires`` and logs a warning: never silently.
+in ``PoolStatistics.misfires`` and logs a warning: never silently. A run that the coordinator
+hands to a worker as soon as it finds it due is never a misfire, whatever the grace (zero
+included): the coordinator's own wake-up after the due time is not the pool being busy.
 """
 
 from __future__ import annotations

@@ -215,6 +215,7 @@ class TaskRun:
     __slots__ = (
         "cancel_requested",
         "forced",
+        "made_ready",
         "misfire_from",
         "options",
         "recurrence",
@@ -235,6 +236,7 @@ class TaskRun:
         # the previous run went on, the end of that run (judged from its grid time, every
         # such run was a misfire, even on an idle pool).
         self.misfire_from = run_at
+        self.made_ready = -1  # Coordinator.dispatches when it came due (misfired)
         self.retries_left = options.retries
         self.started_at: float | None = None  # first seen on a run stack (timeouts)
         self.timed_out = False  # the cooperative cancel of the timeout was sent

@@ -583,6 +583,28 @@ def test_a_recurrence_scheduled_in_the_past_is_no_misfire(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(60)
+def test_a_zero_misfire_grace_skips_no_run_of_an_idle_pool(tmp_path: Path) -> None:
+    """``misfire_grace=0`` (accepted: not negative) on an idle pool: every run is handed to a
+    worker in the first dispatch after it came due, so none is a misfire. The coordinator's
+    own wake-up after the due time counted as lateness: every run was skipped, with a warning
+    each, and none ever ran."""
+    log = str(tmp_path / "log")
+    with Pool(2) as pool:
+        # Its workers up first: a run due before any could take it waited for one (a misfire).
+        coordinator = pool._coordinator
+        wait_until(lambda: all(w is not None for w in coordinator.workers), "the workers are up")
+        options = pool.with_options(every=0.02, misfire="skip", misfire_grace=0.0)
+        rec = options.schedule("z", time.monotonic(), 0, tt.log, log, "z")
+        wait_until(
+            lambda: len(tt.read_tags(log)) >= 3 or pool.statistics().misfires, "three runs or not"
+        )
+        assert pool.cancel("z") is True
+        assert rec.cancelled()
+        assert pool.statistics().misfires == 0
+        assert len(tt.read_tags(log)) >= 3
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("overlap", ["coalesce", "queue"])
 def test_a_catch_up_run_is_judged_from_when_it_could_start(tmp_path: Path, overlap: str) -> None:
     """The first run outlasts a grid time by more than the grace; the catch-up run that
