@@ -35,6 +35,7 @@ from mpsched._serialize import (
     _cloudpickle,
     _dumps,
     _encode_with_cloudpickle,
+    bound_to_state,
     inline_stand_in,
     load_tabled,
     of_main,
@@ -329,6 +330,8 @@ class FunctionCache:
     def _lookup(self, fn: Callable[..., Any]) -> tuple[int, Any]:
         """For a function of a tabled type not in ``_fids``: its fid (tabled now if it can be),
         and what a task sends in its place when that is INLINE."""
+        if bound_to_state(fn):  # no lock, nothing remembered: each ``d.get`` is a new object
+            return INLINE, fn
         entry = self._main.get(fn)
         if entry is not None:  # a __main__ function's hit: no lock (entry.current(), inline)
             for namespace, name, value in entry.bindings:

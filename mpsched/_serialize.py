@@ -392,10 +392,13 @@ def load_main_function(qualname: str, by_value: bytes, code: bytes | None) -> An
 
 def code_bytes(fn: Any) -> bytes | None:
     """``fn``'s code, and that of the functions in its closure (a decorator's wrapper has
-    the same code whatever it wraps), as bytes that compare equal across processes for equal
-    code: b"" without code (a builtin), None if it cannot be written. marshal version 2: later
-    versions mark objects referenced more than once, so their bytes depend on reference
-    counts, which differ between processes. ~1 us per function."""
+    the same code whatever it wraps) with the other values there (plain pickle: a factory's
+    wrapper has the same code whatever it was made with), as bytes that compare equal across
+    processes for equal code and values: b"" without code (a builtin), None if they cannot
+    be written. marshal version 2: later versions mark objects referenced more than once, so
+    their bytes depend on reference counts, which differ between processes. A value whose
+    pickle differs between processes (a set of strings: hash randomization) only makes the
+    worker take the copy. ~1 us per function."""
     parts: list[bytes] = []
     return b"".join(parts) if _add_code(fn, parts, _CLOSURE_DEPTH) else None
 
@@ -417,15 +420,37 @@ def _add_code(fn: Any, parts: list[bytes], depth: int) -> bool:
             inner = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if type(inner) is types.FunctionType and not _add_code(inner, parts, depth - 1):
+        if type(inner) is types.FunctionType:
+            if not _add_code(inner, parts, depth - 1):
+                return False
+            continue
+        try:
+            value = _dumps(inner, PICKLE_PROTOCOL)
+        except Exception:  # compared by pickle alone: unpicklable, it takes the copy
             return False
+        parts += (len(value).to_bytes(8, "little"), value)
     return True
 
 
 # Plain pickle serializes these by reference only, so their bytes never go stale (but a
 # __main__ function's copy by value: _function_cache._MainEntry). Bound methods, partials and
-# callable objects are pickled with their (mutable) state and so go inline.
+# callable objects are pickled with their (mutable) state and so go inline, and so do the
+# builtin methods of instances, which share the builtins' type (``bound_to_state``).
 _TABLED_TYPES = (types.FunctionType, types.BuiltinFunctionType)
+
+
+def bound_to_state(fn: Any) -> bool:
+    """``fn`` is a builtin method bound to an instance (``d.get``, ``lst.append``, a
+    ``random.Random``'s ``random``): of a tabled type, but plain pickle writes it as
+    ``getattr(<the instance, by value>, name)``, a snapshot of state that may change since, so
+    it goes inline as any bound method. Tabled, a later ``d.get`` (equal: the same instance)
+    ran on the first one's copy of ``d``, which the table kept for the pool's life. Bound to a
+    module (``len``, ``math.sqrt``) or a class (``dict.fromkeys``), it is written by name."""
+    if type(fn) is not types.BuiltinFunctionType:
+        return False
+    owner = fn.__self__
+    return owner is not None and not isinstance(owner, (types.ModuleType, type))
+
 
 # What plain pickle writes by name, as a global (classes and functions).
 _BY_NAME = (type, *_TABLED_TYPES)

@@ -96,7 +96,8 @@ def test_functions_defined_in_main_run_under_each_start_method(
 # A worker's __main__ may hold an older function under a task's name: the one defined there before
 # the script redefined it (fork: the zygote's copy; spawn and forkserver: the script run again).
 # The worker must run the new body, while a function it holds unchanged stays its own (with the
-# globals the initializer set in the worker).
+# globals the initializer set in the worker). So must a function that a factory made again with
+# other values in its closure (same code: it ran with the old values).
 REDEFINED = """
 import functools
 import sys
@@ -124,6 +125,24 @@ def seen():
 def f(x):
     return x + 1
 
+def scaled(k):
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(x):  # the same code whatever k it was made with
+            return fn(x) * k
+        return wrapper
+    return deco
+
+def h(x):
+    return SEEN * x
+
+h = scaled(2)(h)
+
+def m(x):
+    return x
+
+m = scaled(2)(m)
+
 if __name__ == "__main__":
     with mpsched.Pool(
         1, start_method=sys.argv[1], initializer=set_seen, initargs=("worker",)
@@ -139,6 +158,8 @@ if __name__ == "__main__":
         def g(x):
             return x * 1000
         print("decorated redefined", pool.submit(g, 1).result(timeout=20), flush=True)
+        m = scaled(3)(m.__wrapped__)  # the workers' __main__.m: the same code, made with k=2
+        print("made", pool.submit(h, 1).result(timeout=20), pool.submit(m, 1).result(timeout=20))
 """
 
 
@@ -155,6 +176,7 @@ def test_a_redefined_main_function_runs_its_new_body(
         "map [100]",
         "decorated 3",
         "decorated redefined 1000",
+        "made workerworker 3",
     ], proc.stderr
 
 

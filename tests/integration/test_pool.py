@@ -80,6 +80,26 @@ def test_local_functions_and_lambdas_work(pool2: Pool) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_builtin_method_of_an_object_sees_the_objects_state_at_each_submit(
+    pool2: Pool,
+) -> None:
+    """``d.get`` is of the builtins' type, but pickles with a copy of ``d``: it was tabled
+    once as the builtins are, so every later ``d.get`` ran on the first copy (1 after
+    ``d["k"] = 2``), which the table kept for the pool's life. Builtins of a module or a class
+    stay tabled."""
+    d, items = {"k": 1}, [10]
+    assert pool2.submit(d.get, "k").result(timeout=30) == 1
+    assert pool2.submit(items.__getitem__, 0).result(timeout=30) == 10
+    d["k"], items[0] = 2, 20
+    assert pool2.submit(d.get, "k").result(timeout=30) == 2
+    assert pool2.submit(items.__getitem__, 0).result(timeout=30) == 20
+    assert len(pool2._views.functions) == 0
+    assert pool2.submit(len, "abc").result(timeout=30) == 3
+    assert pool2.submit(dict.fromkeys, "ab").result(timeout=30) == {"a": None, "b": None}
+    assert len(pool2._views.functions) == 2
+
+
+@pytest.mark.timeout(60)
 def test_task_exception_carries_remote_traceback_and_pool_goes_on(pool2: Pool) -> None:
     future = pool2.submit(tasks.boom, "bad input")
     with pytest.raises(ValueError, match="bad input") as info:
