@@ -13,7 +13,10 @@ and ``_statistics``) knows about both sides. Public names come only from this mo
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import multiprocessing.util
+import sys
 
 from mpsched._errors import InvalidTransition as InvalidTransition
 from mpsched._errors import MpschedError as MpschedError
@@ -79,6 +82,24 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def _at_exit() -> None:
+    """The interpreter's exit: shut down the pools (``_lifecycle.shutdown_all_pools``). Hooked
+    here, as the package is imported, not where the pools are: ``Pool`` is imported on first
+    use, and a hook registered then (a first ``Pool()`` in an atexit handler) was never run
+    (its pool, dropped, was cut off with its work), or ran before the handlers registered
+    after ``import mpsched`` (whose pools it had shut down)."""
+    lifecycle = sys.modules.get("mpsched._lifecycle")
+    if lifecycle is not None:  # else no pool was ever made here
+        lifecycle.shutdown_all_pools()
+
+
+# After multiprocessing's own exit hook is registered (the import above), so that it runs after
+# this one: it terminates the daemonic children (the zygote, under forkserver and spawn), which
+# broke a pool before this hook could drain it.
+assert multiprocessing.util  # imported for that alone
+atexit.register(_at_exit)
 
 
 def __dir__() -> list[str]:

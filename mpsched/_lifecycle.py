@@ -28,14 +28,13 @@ exits:
   - after ``os.fork()``, in the child (``_disown_pools_in_forked_child``): the pools stay the
     parent's; their copies here refuse work, and the child lets go of its copies of their
     sockets and processes (``disown_all``);
-  - at the interpreter's exit (``_shutdown_all_pools``, atexit): shut down every pool still
+  - at the interpreter's exit (``shutdown_all_pools``, atexit): shut down every pool still
     referenced, then wait for those that were dropped (``join_dropped``); after a Ctrl-C that
     ended the program, stop them now (``_exiting_on_ctrl_c``).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import select
@@ -68,6 +67,15 @@ coordinator_fds: set[int] = set()
 # _startup.start and Pool._release (user threads), the after-fork hook (a fork child). Read by:
 # the atexit hook.
 live_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
+# Set as the exit hook begins. A pool started after it (in an atexit handler that runs after
+# it: one registered before ``import mpsched``) would be cut off with its work at the
+# interpreter's finalization (its coordinator is a daemon thread), so it is refused, as
+# ProcessPoolExecutor refuses work then. Read by: _startup.start.
+_exit_began = False
+EXIT_BEGAN_MESSAGE = (
+    "cannot start a Pool: the interpreter's exit has shut mpsched's pools down (its atexit "
+    "hook ran, before this atexit handler: import mpsched before registering it)"
+)
 
 
 class PoolResources:
@@ -208,6 +216,10 @@ def run_coordinator(resources: PoolResources) -> None:
             resources.teardown()
 
 
+def exit_began() -> bool:
+    return _exit_began
+
+
 def disown_all() -> None:
     """In the child of ``os.fork()``: every pool's resources are the parent's."""
     for resources in list(_unreleased):
@@ -274,11 +286,13 @@ def _exiting_on_ctrl_c() -> bool:
     )
 
 
-@atexit.register
-def _shutdown_all_pools() -> None:
-    """Interpreter exit: finish and stop every pool the user did not shut down; after a Ctrl-C
-    that ended the program, stop them now, as leaving a ``with`` block on it does (the
-    interrupted wait was outside one: the exit waited for every running task)."""
+def shutdown_all_pools() -> None:
+    """Interpreter exit (the package's atexit hook, ``mpsched._at_exit``): finish and stop
+    every pool the user did not shut down; after a Ctrl-C that ended the program, stop them
+    now, as leaving a ``with`` block on it does (the interrupted wait was outside one: the
+    exit waited for every running task)."""
+    global _exit_began
+    _exit_began = True
     stop = _exiting_on_ctrl_c()
     for pool in list(live_pools):
         with contextlib.suppress(Exception):

@@ -40,9 +40,17 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from mpsched._coordinator import Coordinator
+from mpsched._errors import PoolClosedError
 from mpsched._function_cache import FunctionCache
 from mpsched._layout import SegmentLayout, SegmentLocks, attach, create_locks
-from mpsched._lifecycle import PoolResources, coordinator_fds, live_pools, run_coordinator
+from mpsched._lifecycle import (
+    EXIT_BEGAN_MESSAGE,
+    PoolResources,
+    coordinator_fds,
+    exit_began,
+    live_pools,
+    run_coordinator,
+)
 from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
 from mpsched._wakeup import Wakeup
 from mpsched._zygote import ZYGOTE_NAME, ForkedZygote, ZygoteConfig, zygote_main
@@ -63,6 +71,8 @@ def start(pool: Pool) -> None:
     """``Pool.__init__``, once the arguments are checked: start the pool (see above); on
     failure, undo what was made and raise. A Ctrl-C is held while anything is made (see
     ``_HeldInterrupt``) and goes through only during the wait for READY."""
+    if exit_began():
+        raise PoolClosedError(EXIT_BEGAN_MESSAGE)
     held = _HeldInterrupt()
     held.hold()
     try:

@@ -78,11 +78,11 @@ if __name__ == "__main__":
 
 
 def _run(
-    tmp_path: pathlib.Path, body: str, start_method: str, timeout: float
+    tmp_path: pathlib.Path, body: str, start_method: str, timeout: float, prelude: str = PRELUDE
 ) -> subprocess.CompletedProcess[str]:
-    """Run PRELUDE + ``body`` to its end (bounded by ``timeout`` seconds)."""
+    """Run ``prelude`` + ``body`` to its end (bounded by ``timeout`` seconds)."""
     script = tmp_path / "prog.py"
-    script.write_text(PRELUDE + body)
+    script.write_text(prelude + body)
     return subprocess.run(
         [sys.executable, str(script), start_method],
         cwd=tmp_path,
@@ -381,6 +381,55 @@ def test_main_module_tasks_and_a_pool_never_shut_down(
     for leftover in alive:
         leftover.kill()
     assert not alive, f"processes of the script still alive after its exit: {alive}"
+
+
+# Pools at the interpreter's exit, in atexit handlers (which run last registered first). The
+# exit hook of mpsched was registered when ``Pool`` was first imported, not with the package:
+# a handler registered after ``import mpsched`` but before the first ``Pool()`` found the pools
+# shut down, and a pool first made in a handler was cut off with its task (the hook,
+# registered during the exit, never ran). One registered before ``import mpsched`` runs after
+# the hook: a pool made there is refused.
+ATEXIT_HANDLERS = """
+import atexit, sys, time
+
+def too_late():
+    try:
+        mpsched.Pool(1)
+        print("too late: started", flush=True)
+    except mpsched.PoolClosedError as exc:
+        print("too late:", "import mpsched before" in str(exc), flush=True)
+
+atexit.register(too_late)
+import mpsched
+
+def record(path):
+    time.sleep(0.05)  # still running when the handler returns
+    with open(path, "w") as f:
+        f.write("ran")
+
+def drops_a_pool():
+    mpsched.Pool(1, start_method=sys.argv[1]).submit(record, "done.txt")
+
+def uses_the_pool():
+    print("uses:", POOL.submit(pow, 2, 10).result(timeout=20), flush=True)
+
+if __name__ == "__main__":
+    atexit.register(drops_a_pool)
+    atexit.register(uses_the_pool)
+    POOL = mpsched.Pool(2, start_method=sys.argv[1])
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_pools_in_atexit_handlers_run_their_tasks_or_are_refused_clearly(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    result = _run(tmp_path, ATEXIT_HANDLERS, start_method, timeout=60, prelude="")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout.splitlines() == ["uses: 1024", "too late: True"], result.stdout
+    assert (tmp_path / "done.txt").read_text() == "ran"
 
 
 # Tasks that take their worker's stdout and stderr away: the workers' exits (retired after a
