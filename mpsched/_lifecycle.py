@@ -216,6 +216,17 @@ def run_coordinator(resources: PoolResources) -> None:
             resources.teardown()
 
 
+def inherited_by_a_fork() -> list[AnonSegment | SharedFd]:
+    """Fork start method, before a pool's zygote forks: what of the other started pools the
+    zygote closes (``ZygoteConfig.inherited``): their segments and wake eventfds, which close
+    with no lock (a lock a thread of the parent held at the fork stays held in the child)."""
+    inherited: list[AnonSegment | SharedFd] = []
+    for resources in list(_unreleased):
+        inherited.append(resources.segment)
+        inherited += resources.wake_fds
+    return inherited
+
+
 def exit_began() -> bool:
     return _exit_began
 

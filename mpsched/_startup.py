@@ -48,6 +48,7 @@ from mpsched._lifecycle import (
     PoolResources,
     coordinator_fds,
     exit_began,
+    inherited_by_a_fork,
     live_pools,
     run_coordinator,
 )
@@ -247,6 +248,7 @@ def _start_zygote(pool: Pool, layout: SegmentLayout, locks: SegmentLocks) -> Con
         # Under fork the zygote inherits the workers' views: attaching here costs ~0.1 ms,
         # in the zygote (copy-on-write faults after the fork) ~0.7 ms on the start-up path.
         views=attach(res.segment, layout, locks) if fork else None,
+        inherited=inherited_by_a_fork() if fork else (),
     )
     try:
         if fork:  # a bare fork, lighter than a Process (see ForkedZygote)

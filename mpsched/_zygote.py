@@ -47,6 +47,7 @@ from mpsched._worker import WorkerOptions, worker_main  # loaded once; every wor
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from typing import NoReturn
 
 # Looked up at import: every worker calls it right after fork, on its start-up path, and under
@@ -75,6 +76,7 @@ class ZygoteConfig:
         close_fds: list[int],
         initial_slots: list[int],
         views: SegmentViews | None = None,
+        inherited: Sequence[AnonSegment | SharedFd] = (),
     ) -> None:
         self.conn = conn
         self.segment = segment
@@ -88,6 +90,10 @@ class ZygoteConfig:
         # Fork start method: the workers' views, attached by the pool's process before the fork
         # (inherited, never pickled), so that the zygote's path to its first fork is shorter.
         self.views = views
+        # Fork start method: the other live pools' segments and wake eventfds, which the fork
+        # copied (never pickled). Closed first: a pool shut down meanwhile kept its memory
+        # (~10 MiB) mapped in this pool's zygote and workers until this pool ended.
+        self.inherited = inherited
 
 
 def zygote_main(cfg: ZygoteConfig) -> None:
@@ -98,6 +104,9 @@ def zygote_main(cfg: ZygoteConfig) -> None:
         for fd in cfg.close_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        for owned in cfg.inherited:  # each marks itself closed: no number is closed twice
+            with contextlib.suppress(BufferError, OSError):  # a view left: the fd goes anyway
+                owned.close()
         views = cfg.views if cfg.views is not None else attach(cfg.segment, cfg.layout, cfg.locks)
         _Zygote(cfg, views).serve()
     except BaseException:

@@ -5,6 +5,7 @@ and what a shut-down pool answers."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -146,6 +147,34 @@ def test_a_fork_pool_made_while_another_pool_lives(first: str) -> None:
         name, daemon, parent, parent_alive, _ = b.submit(tasks.process_context).result(timeout=20)
         assert (name, daemon, parent, parent_alive) == ("mpsched-zygote", True, os.getpid(), True)
         assert a.submit(tasks.add, 1, 2).result(timeout=20) == 3
+        assert b.submit(tasks.add, 3, 4).result(timeout=20) == 7
+
+
+def _holds_inode(pid: int, inode: int) -> list[str]:
+    """Where process ``pid`` holds the file of ``inode``: its open fds and its mappings."""
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(f"/proc/{pid}/fd/{fd}").st_ino == inode:
+                held.append(f"fd {fd}")
+    with open(f"/proc/{pid}/maps") as maps:
+        held += [line.strip() for line in maps if line.split()[4] == str(inode)]
+    return held
+
+
+@pytest.mark.timeout(60)
+def test_a_fork_pool_holds_none_of_the_memory_of_a_pool_made_before_it() -> None:
+    """A fork pool's zygote (and so its workers) is an ``os.fork()`` of this process, which
+    copied the other live pools' segment mappings and fds: a pool shut down meanwhile kept its
+    ~10 MiB of shared memory as long as the later pool lived. The zygote closes them first."""
+    a = Pool(2, start_method="fork")
+    assert a.submit(tasks.add, 1, 2).result(timeout=20) == 3
+    inode = os.fstat(a._resources.segment.fd).st_ino
+    with Pool(1, start_method="fork") as b:
+        worker = b.submit(tasks.pid_of).result(timeout=20)
+        a.shutdown()
+        for pid in (b._resources.zygote.pid, worker):
+            assert _holds_inode(pid, inode) == [], pid
         assert b.submit(tasks.add, 3, 4).result(timeout=20) == 7
 
 
