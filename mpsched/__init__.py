@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
-import multiprocessing.util
+import multiprocessing.util  # noqa: F401  # its exit hook first: see atexit.register below
 import sys
 
 from mpsched._errors import InvalidTransition as InvalidTransition
@@ -98,7 +98,6 @@ def _at_exit() -> None:
 # After multiprocessing's own exit hook is registered (the import above), so that it runs after
 # this one: it terminates the daemonic children (the zygote, under forkserver and spawn), which
 # broke a pool before this hook could drain it.
-assert multiprocessing.util  # imported for that alone
 atexit.register(_at_exit)
 
 
