@@ -388,7 +388,8 @@ def test_main_module_tasks_and_a_pool_never_shut_down(
 # a handler registered after ``import mpsched`` but before the first ``Pool()`` found the pools
 # shut down, and a pool first made in a handler was cut off with its task (the hook,
 # registered during the exit, never ran). One registered before ``import mpsched`` runs after
-# the hook: a pool made there is refused.
+# the hook: a pool made there is refused. (Python 3.12 itself refuses a fork or a new thread in
+# an atexit handler: no pool can start there; 3.13 allows them again.)
 ATEXIT_HANDLERS = """
 import atexit, sys, time
 
@@ -408,7 +409,10 @@ def record(path):
         f.write("ran")
 
 def drops_a_pool():
-    mpsched.Pool(1, start_method=sys.argv[1]).submit(record, "done.txt")
+    try:
+        mpsched.Pool(1, start_method=sys.argv[1]).submit(record, "done.txt")
+    except RuntimeError as exc:  # Python 3.12: no fork and no new thread then
+        print("drops:", str(exc).startswith("can't "), flush=True)
 
 def uses_the_pool():
     print("uses:", POOL.submit(pow, 2, 10).result(timeout=20), flush=True)
@@ -428,8 +432,12 @@ def test_pools_in_atexit_handlers_run_their_tasks_or_are_refused_clearly(
     result = _run(tmp_path, ATEXIT_HANDLERS, start_method, timeout=60, prelude="")
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
-    assert result.stdout.splitlines() == ["uses: 1024", "too late: True"], result.stdout
-    assert (tmp_path / "done.txt").read_text() == "ran"
+    if sys.version_info[:2] == (3, 12):  # the interpreter refuses: the error is Python's
+        assert result.stdout.splitlines() == ["uses: 1024", "drops: True", "too late: True"]
+        assert not (tmp_path / "done.txt").exists()
+    else:
+        assert result.stdout.splitlines() == ["uses: 1024", "too late: True"], result.stdout
+        assert (tmp_path / "done.txt").read_text() == "ran"
 
 
 # Tasks that take their worker's stdout and stderr away: the workers' exits (retired after a
