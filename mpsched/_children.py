@@ -34,6 +34,7 @@ import sys
 import time
 from _thread import get_ident
 
+from mpsched._clock import wait_seconds
 from mpsched._errors import InternalError, TaskCancelled, timeout_error
 from mpsched._payloads import BlockField
 from mpsched._protocol import (
@@ -325,6 +326,8 @@ class ChildFuture:
     def _wait(self, timeout: float | None) -> None:
         if not self._settled:
             self._check_thread("a child's result() or exception()")
+            if timeout is not None:  # a bad one fails here, in the task: see wait_seconds
+                timeout = wait_seconds(timeout)
             worker = self._worker
             try:
                 done = worker.join(self, timeout)

@@ -6,9 +6,29 @@ test of time logic ever sleeps.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
 Clock = Callable[[], float]
 
 SYSTEM_CLOCK: Clock = time.monotonic
+
+
+def wait_seconds(timeout: object) -> float | None:
+    """A caller's ``timeout`` (not None) for a wait: TypeError if not a number (a bool is not),
+    ValueError if NaN; infinite is None (no limit: a wait that long overflows the clock), and
+    so is an int past the float range (``float()`` raised a bare OverflowError, also from an
+    ``await_termination`` of a pool that had ended). Zero or negative stays: the wait times
+    out at once, as the stdlib's waits do. For ``Pool.map``, ``Pool.await_termination`` and a
+    child's ``result()``/``exception()`` (a value that failed in a join's arithmetic was taken
+    for an interrupt of mpsched's own code, and the worker exited)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an int beyond any float
+        seconds = math.inf if timeout > 0 else -math.inf
+    if math.isnan(seconds):
+        raise ValueError("timeout must be a number of seconds or None, not nan")
+    return None if seconds == math.inf else seconds

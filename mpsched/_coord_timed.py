@@ -64,7 +64,6 @@ class Timing(CoordinatorState):
             try:
                 if self.broken is not None or self.draining:
                     self.check_usable()
-                self.submitted += 1
                 now = time.monotonic()
                 if run_at <= now:
                     # Due at the call (the API's words), so it queues behind what became due
@@ -88,6 +87,7 @@ class Timing(CoordinatorState):
                 if wake:
                     self.sleep_until = run_at
                 timetable.schedule(task_id, run_at, priority, future)
+                self.submitted += 1  # taken (an id whose __eq__ raised counted, taken or not)
             except BaseException:
                 # An exception (a Ctrl-C's KeyboardInterrupt) part of the way: mark what was
                 # superseded by then, and only that (a version still pending will run).

@@ -14,7 +14,7 @@ a ``MapRun`` (``items`` are argument tuples if ``star``) and ``start``s it: it s
 window at once and returns its iterator. The iterator runs in whichever thread iterates it; its
 cleanup (``close()``) may run in any thread, inside the garbage collector, so it takes no lock
 there. ``Pool.shutdown`` (any thread) calls
-``MapRun.send_rest`` for a map whose input has a length. ``MapRun.lock`` orders the reads of
+``MapRun.send_rest`` for every live map. ``MapRun.lock`` orders the reads of
 the input, the sends and the changes of ``in_flight`` between those threads.
 
 Invariants: ``in_flight`` holds the chunks sent and not yet yielded, in input order (the rest
@@ -102,6 +102,7 @@ class MapRun:
         "per_item",
         "pool",
         "size",
+        "sized",
         "star",
         "stoppable",
         "window",
@@ -115,6 +116,7 @@ class MapRun:
         star: bool,
         chunksize: int | None,
         deadline: float | None,
+        sized: bool,
     ) -> None:
         # Weak: the pool holds its unread maps (Pool._unread_maps), and a cycle would keep a
         # dropped pool alive until a garbage collection. The iterator holds the pool (as a
@@ -125,6 +127,7 @@ class MapRun:
         # pool's function cache keeps current (by value only once a global it read was rebound).
         self.fn = pool._functions.portable(fn)
         self.items = items
+        self.sized = sized  # an input with a length: finite, so shutdown sends all of it
         self.star = star
         self.chunksize = chunksize
         self.deadline = deadline
@@ -168,20 +171,28 @@ class MapRun:
                 self._send_next()
 
     def send_rest(self, wait_chunks: bool = True) -> None:
-        """``Pool.shutdown``, before it closes the pool, for a map whose input has a length:
+        """``Pool.shutdown``, before it closes the pool: for a map whose input has a length,
         send the rest of its input, so that its results all come, also once the pool ended
-        (as ``ProcessPoolExecutor.map``, which sends it all at the call). What is sent from
-        here on runs to its end (no budget, no bytes' stop); what chunks in flight leave is
-        sent again here too, once they returned (the iterator, which does that otherwise, may
-        be read only once the pool ended: the rest was lost, and reading it raised
-        PoolClosedError). So it waits for the chunks in flight that may stop (at most about
+        (as ``ProcessPoolExecutor.map``, which sends it all at the call); for any map, let
+        what was sent run to its end. What is sent from here on runs to its end (no budget,
+        no bytes' stop), and so does a chunk in flight that may stop but no worker claimed
+        yet: withdrawn, it goes again whole (``_send_whole``). What a claimed one leaves is
+        sent again here, once it returned (the iterator, which does that otherwise, may be
+        read only once the pool ended: the rest was lost, and reading it raised
+        PoolClosedError). So this waits for the claimed chunks that may stop (at most about
         ``MAP_CHUNK_BUDGET`` of work each, past the item that runs at the budget; their sizes
-        bound their results' bytes), unless not
-        ``wait_chunks`` (the coordinator's thread, which must collect them)."""
+        bound their results' bytes); a wait for the unclaimed ones was a wait for all the work
+        queued ahead of them, in ``shutdown(wait=False)`` too, and for ever if that work
+        waited for the caller. Not with ``wait_chunks`` False (the coordinator's thread, which
+        must collect them, and may hold the locks that a withdrawal takes)."""
         with self.lock:
             self.final = True
-            while not self.exhausted and not self.closed:
+            while self.sized and not self.exhausted and not self.closed:
                 self._send_next()
+            if wait_chunks and not self.closed:
+                for future in list(self.stoppable):
+                    if future.cancel():  # no worker claimed it: it never runs
+                        self._send_whole(future)
         while True:
             with self.lock:
                 if self.closed or not self.stoppable or not wait_chunks:
@@ -206,14 +217,30 @@ class MapRun:
             chunk = in_flight[index][1]
             if error is not None or done >= len(chunk):
                 return
-            rest = chunk[done:]
             in_flight[index] = (future, chunk[:done])
-            size = self.size
-            entries = []
-            for start in range(0, len(rest), size):
-                entries += self._send(rest[start : start + size])[0]
-            for offset, entry in enumerate(entries, 1):
-                in_flight.insert(index + offset, entry)
+            self._send_at(index + 1, chunk[done:])
+
+    def _send_whole(self, future: Future) -> None:
+        """Under ``lock``, from ``send_rest``: ``future``'s chunk (withdrawn before any worker
+        claimed it) goes again in its place, to its end. The iterator, if it waits for it,
+        finds its place taken (see ``ordered_results``)."""
+        self.stoppable.discard(future)
+        in_flight = self.in_flight
+        index = next((i for i, (f, _) in enumerate(in_flight) if f is future), None)
+        if index is not None:
+            chunk = in_flight[index][1]
+            del in_flight[index]
+            self._send_at(index, chunk)
+
+    def _send_at(self, index: int, items: list[Any]) -> None:
+        """Under ``lock``: send ``items`` again, in chunks of ``size``, at ``index`` of
+        ``in_flight``."""
+        size = self.size
+        entries = []
+        for start in range(0, len(items), size):
+            entries += self._send(items[start : start + size])[0]
+        for offset, entry in enumerate(entries):
+            self.in_flight.insert(index + offset, entry)
 
     def _send_next(self) -> None:
         """Read the next chunk of the input and send it (under ``lock``); ``exhausted`` once
@@ -329,7 +356,12 @@ def ordered_results(run: MapRun, pool: Pool) -> Iterator[Any]:
             # Still in in_flight while it is waited for (the finally below cancels it on a
             # timeout or a Ctrl-C: an abandoned map must not run it, the stdlib's gh-95166),
             # and for ``send_rest``, which may settle what it leaves at its budget first.
-            pickled, seconds, error, done = future.result(remaining)
+            try:
+                pickled, seconds, error, done = future.result(remaining)
+            except concurrent.futures.CancelledError:
+                if run.first_in_flight() is future:
+                    raise
+                continue  # withdrawn by send_rest, and sent again in its place: wait for that
             nbytes = sum(map(len, pickled))
             if run.chunksize is None and error is None:  # before its rest goes, sized so
                 run.measured(seconds, nbytes, done)

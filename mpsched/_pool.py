@@ -19,7 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import math
 import multiprocessing
 import os
 import sys
@@ -30,6 +29,7 @@ import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sized
 from typing import Any
 
+from mpsched._clock import wait_seconds
 from mpsched._coordinator import Coordinator
 from mpsched._errors import POOL_CLOSED_MESSAGE, POOL_NOT_PICKLABLE_MESSAGE, PoolClosedError
 from mpsched._function_cache import FunctionCache
@@ -381,13 +381,15 @@ class Pool(concurrent.futures.Executor):
         lazily, at most a few chunks per worker ahead of the results; at ``shutdown`` (also
         the end of a ``with`` block) the rest of an input with a length (a list, a range, ...)
         is sent, and its results come after the pool ended too. An iterator's rest cannot be
-        read then (it may be endless): its results come as far as it was sent, then
+        read then (it may be endless): its results come as far as it was read, then
         PoolClosedError. To abandon a map, close its iterator (or drop it once read: one of
-        an input with a length dropped unread runs to its end, its rest sent at shutdown).
+        an input with a length dropped unread runs to its end, its rest sent at shutdown;
+        not if the pool is dropped too: then only what went at the call runs).
         ``chunksize=None`` adapts: chunks of 64 items first (a chunk a worker; an input that
         ends sooner is split evenly over the workers), then chunks of about 2 ms of
         work each (at most 4096 items); every chunk holds about 512 KiB of pickled arguments
-        at most (but for the first, which holds the first 8 items), and, once results came
+        at most, as estimated from the first 8 items (items that grow later make bigger
+        chunks), and, once results came
         back, returns about 512 KiB of pickled results at most (one item at least); a chunk
         stops once it ran longer than 10 ms, or once its pickled results passed 1 MiB (the
         chunks sent before the first result can only be sized from their arguments), and the
@@ -417,23 +419,25 @@ class Pool(concurrent.futures.Executor):
         if not callable(fn):  # as submit: at the call, not from the first chunk
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         if timeout is not None:
-            timeout = _wait_timeout(timeout)
+            timeout = wait_seconds(timeout)
         if self._closed:
             raise PoolClosedError(self._closed_message)
         deadline = None if timeout is None else time.monotonic() + timeout
-        if len(iterables) == 1:  # the items go as they are (see _chunks)
-            run = MapRun(self, fn, iter(iterables[0]), False, chunksize, deadline)
-        else:
-            run = MapRun(self, fn, zip(*iterables, strict=False), True, chunksize, deadline)
         # An input with a length is finite (zip stops at the shortest): shutdown sends the
-        # rest of it (see shutdown). Known to shutdown before its first chunk goes: a map
-        # started while a shutdown had taken its list of maps sent its first window and lost
-        # the rest (PoolClosedError after 128 of 1,000 results).
-        if any(isinstance(it, Sized) for it in iterables):
-            with self._maps_lock:
-                if self._maps_closed:
-                    raise PoolClosedError(self._closed_message)
-                self._maps.add(run)
+        # rest of it (see shutdown).
+        sized = any(isinstance(it, Sized) for it in iterables)
+        if len(iterables) == 1:  # the items go as they are (see _chunks)
+            run = MapRun(self, fn, iter(iterables[0]), False, chunksize, deadline, sized)
+        else:
+            run = MapRun(self, fn, zip(*iterables, strict=False), True, chunksize, deadline, sized)
+        # Known to shutdown before its first chunk goes: a map started while a shutdown had
+        # taken its list of maps sent its first window and lost the rest (PoolClosedError
+        # after 128 of 1,000 results).
+        with self._maps_lock:
+            if self._maps_closed:
+                raise PoolClosedError(self._closed_message)
+            self._maps.add(run)
+            if sized:
                 self._unread_maps.add(run)
         try:
             return run.start()
@@ -455,10 +459,10 @@ class Pool(concurrent.futures.Executor):
             # all at the call: a map of an input with a length sends the rest of it now, so
             # that its iterator yields every result after the pool ended (the usual
             # ``with Pool() as p: results = p.map(f, items)``, read after the block), and
-            # what its chunks in flight leave at their budget (it waits for them: MapRun.
-            # send_rest). A map called from here on is refused (_maps_closed). One of
-            # an iterator cannot be read to its end here (it may be endless): its iterator
-            # raises PoolClosedError once it needs to send more.
+            # every map what its chunks in flight leave at their budget (MapRun.send_rest).
+            # A map called from here on is refused (_maps_closed). One of an iterator cannot
+            # be read to its end here (it may be endless): its iterator raises
+            # PoolClosedError once it needs to send more than it had read.
             with self._maps_lock:
                 self._maps_closed = True
                 maps = list(self._maps)
@@ -507,7 +511,7 @@ class Pool(concurrent.futures.Executor):
             ValueError: ``timeout`` is NaN. (Infinite: no limit, as None.)
         """
         if timeout is not None:
-            timeout = _wait_timeout(timeout)
+            timeout = wait_seconds(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._started:
             if not self._coordinator.finished.wait(timeout):
@@ -624,20 +628,3 @@ class TaskSubmitter:
         returned future ends only when the recurrence does: cancelled by ``cancel``/shutdown,
         or with the error of a run that raised (later runs do not happen then)."""
         return self._pool._schedule(self._options, task_id, run_at, priority, fn, args, kwargs)
-
-
-def _wait_timeout(timeout: object) -> float | None:
-    """A caller's ``timeout`` (not None) for a wait: TypeError if not a number (a bool is not),
-    ValueError if NaN; infinite is None (no limit: a wait that long overflows the clock), and
-    so is an int past the float range (``float()`` raised a bare OverflowError, also from an
-    ``await_termination`` of a pool that had ended). Zero or negative stays: the wait times
-    out at once, as the stdlib's waits do."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
-    try:
-        seconds = float(timeout)
-    except OverflowError:  # an int beyond any float
-        seconds = _INF if timeout > 0 else -_INF
-    if math.isnan(seconds):
-        raise ValueError("timeout must be a number of seconds or None, not nan")
-    return None if seconds == _INF else seconds

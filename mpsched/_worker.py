@@ -105,6 +105,9 @@ STEAL_RETRY_ROUNDS = 64  # full rounds over the peers while some answered RETRY,
 # before it submits the next task (a latency-bound loop) hands the next one over within tens of
 # microseconds, and a sleeping worker costs it a cross-process wake-up (~35 us here) each time.
 IDLE_SPIN = 200e-6
+# The longest single sleep of a join with a timeout (ms): poll() takes a C int. A join that may
+# wait longer wakes then and sleeps again (``Children.join`` rechecks its deadline).
+SLEEP_MS_MAX = 2**31 - 1
 _SUCCESS = StealResult.SUCCESS
 _RETRY = StealResult.RETRY
 _CANCELLED = ResultStatus.CANCELLED
@@ -352,7 +355,8 @@ class Worker(Children):
             else:
                 timeout_ms = -1
                 if deadline is not None:
-                    timeout_ms = max(0, int((deadline - time.monotonic()) * 1e3))
+                    left_ms = (deadline - time.monotonic()) * 1e3
+                    timeout_ms = max(0, int(min(left_ms, SLEEP_MS_MAX)))
                 try:
                     events = self.poller.poll(timeout_ms)
                 except BaseException as exc:

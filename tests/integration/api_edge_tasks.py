@@ -43,3 +43,17 @@ def child_result_with_no_time_left() -> tuple[bool, int]:
     except FuturesTimeoutError:
         timed_out = True
     return timed_out, future.result()
+
+
+def child_results_with_timeouts(timeouts: list[Any]) -> list[Any]:
+    """A child's ``result(timeout=t)`` for each of ``timeouts``: its value, or the name of the
+    error raised in the task."""
+    out: list[Any] = []
+    for timeout in timeouts:
+        future = mpsched.submit(abs, -3)
+        try:
+            out.append(future.result(timeout=timeout))
+        except Exception as exc:
+            out.append(type(exc).__name__)
+        future.result()  # joined in any case: its block is freed
+    return out

@@ -135,6 +135,39 @@ def test_a_childs_result_out_of_time_raises_the_futures_timeout_error() -> None:
         assert pool.submit(at.child_result_with_no_time_left).result(RESULT_TIMEOUT) == (True, 7)
 
 
+def test_a_bad_timeout_for_a_childs_result_fails_in_the_task_not_the_worker() -> None:
+    """A timeout that is no number, NaN, infinite or past the float range: the join's
+    arithmetic raised (``monotonic() + "1"``, ``int(inf)``), which was taken for an interrupt
+    of mpsched's own code, and the worker exited (WorkerCrashedError). Checked as the pool's
+    own waits check theirs: infinite is no limit."""
+    timeouts = ["1", [1], math.nan, math.inf, 10**400, 1e300, 5]
+    expected = ["TypeError", "TypeError", "ValueError", 3, 3, 3, 3]
+    with Pool(1) as pool:
+        assert pool.submit(at.child_results_with_timeouts, timeouts).result(30) == expected
+        assert pool.statistics().crashes == 0
+
+
+class _EqRaises:
+    """An id whose ``==`` raises against any other object of its hash (1, as ``hash(1)``)."""
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        raise RuntimeError("eq raised")
+
+
+def test_a_schedule_that_raised_is_not_counted_as_submitted() -> None:
+    with Pool(1) as pool:
+        pool.schedule(_EqRaises(), 0, 0, tasks.ident, 1).result(30)
+        with pytest.raises(RuntimeError, match="eq raised"):
+            pool.schedule(1, 0, 0, tasks.ident, 2)  # its id's lookup raises
+    final = pool.statistics()
+    assert (final.submitted, final.completed) == (1, 1)
+
+
 def test_statistics_from_many_threads_across_shutdown() -> None:
     """Snapshots taken from several threads while the pool works, drains and is released:
     each is whole and sane, and no count goes back."""

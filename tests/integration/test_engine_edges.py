@@ -32,7 +32,7 @@ from mpsched._slot_region import MAX_NESTING
 
 from . import edge_tasks as et
 from . import tasks
-from .conditions import wait_until
+from .conditions import Fifos, wait_until
 
 
 @pytest.fixture
@@ -485,15 +485,23 @@ def test_a_ctrl_c_while_shutdown_waits_for_a_maps_chunks_stops_the_pool_now(
     """Shutdown waits for the chunks of a map that may stop at their budget (to send what
     they leave): a Ctrl-C there means "stop now", as in the drain's wait (the pool stayed
     open, its tasks running). The interrupt is raised by the wait itself: a real SIGINT can
-    land inside the stdlib's ``Condition.wait``, which then hangs re-taking its lock."""
-    gate = tmp_path / "gate"
-    os.mkfifo(gate)
+    land inside the stdlib's ``Condition.wait``, which then hangs re-taking its lock. Both
+    chunks run first: an unclaimed one is not waited for (sent again whole instead). Each
+    chunk's first item announces itself on its own FIFO (two on one: both wrote, one byte was
+    read and the other lost)."""
+    gate = str(tmp_path / "gate")
+    started = [str(tmp_path / f"started{k}") for k in range(2)]
+    for path in (gate, *started):
+        os.mkfifo(path)
 
     def interrupted_wait(futures: Any) -> Any:
         raise KeyboardInterrupt
 
     pool = Pool(2)
-    results = pool.map(tasks.gated_ident, [str(gate)] * 4, range(4))  # a chunk a worker
+    announce = [started[0], started[0], started[1], started[1]]  # a chunk of 2 a worker
+    results = pool.map(tasks.started_then_gated, announce, [gate] * 4, range(4))
+    for path in started:
+        tasks.wait_started(path)
     monkeypatch.setattr(_map.concurrent.futures, "wait", interrupted_wait)
     with pytest.raises(KeyboardInterrupt):
         pool.shutdown()
@@ -523,6 +531,41 @@ def test_map_after_and_across_shutdown() -> None:
     assert list(results) == list(range(10))  # sent at the call, run before the pool ended
     del never_read  # it ran all the same, as ProcessPoolExecutor.map's tasks do
     assert pool.statistics().completed == 2
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_without_waiting_returns_with_a_maps_chunk_queued_behind_a_task(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A map's default chunk may stop at its budget, so shutdown saw to what it would leave by
+    waiting for it, even with ``wait=False``: for all the work queued ahead of it, and for ever
+    when that work waited for the caller (here: for the gate opened after the shutdown). An
+    unclaimed chunk is withdrawn and sent again whole instead."""
+    fifos = Fifos(tmp_path)
+    pool = Pool(1)
+    ahead = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "ahead")
+    tasks.wait_started(fifos.started)
+    results = pool.map(tasks.ident, range(100))  # queued behind ``ahead``, on the one worker
+    returned = threading.Event()
+    thread = threading.Thread(target=lambda: (pool.shutdown(wait=False), returned.set()))
+    thread.start()
+    returned_at_once = returned.wait(20)
+    tasks.open_gate(fifos.gate)  # unblocks a shutdown that waits, too: the thread then ends
+    thread.join()
+    assert returned_at_once, "shutdown(wait=False) waited for the chunk behind the task"
+    assert ahead.result(timeout=20) == "ahead"
+    assert list(results) == list(range(100))
+    assert pool.await_termination(30)
+
+
+@pytest.mark.timeout(60)
+def test_a_map_of_an_iterator_read_after_the_block_yields_all_it_had_sent() -> None:
+    """The whole iterator fits in the first window, so all of it went at the call; but its
+    chunks stopped at their budget (items of 2 ms), and their rests went again only as the
+    map was read, after the pool had ended: 8 results of 100, then PoolClosedError."""
+    with Pool(2) as pool:
+        results = pool.map(tasks.spin, (0.002 for _ in range(100)))
+    assert list(results) == [0.002] * 100
 
 
 @pytest.fixture
