@@ -313,7 +313,8 @@ class ChildFuture:
 
         ``timeout`` is checked between the tasks this worker runs while it waits, not during
         them: most often it runs the awaited child itself, so the wait can last as long as the
-        child (docs/design.md, "Futures", known gap)."""
+        child (docs/design.md, "Futures", known gap). A ``timeout`` that is no number raises
+        TypeError, NaN ValueError; infinite is no limit."""
         self._wait(timeout)
         if self._error_data is not None:
             raise load_exception(self._error_data)
