@@ -2,6 +2,9 @@
 
 ``time.monotonic`` is the default. Tests inject ``mpsched.testing.FakeClock`` instead, so that no
 test of time logic ever sleeps.
+
+Also ``wait_seconds``: how a caller's ``timeout`` for a wait is read (the pool's waits and a
+child's ``result()``, on both sides of the pool: this is a leaf module).
 """
 
 from __future__ import annotations
