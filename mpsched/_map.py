@@ -253,7 +253,15 @@ class MapRun:
         input that ends within it is split evenly over the window (a chunk a worker): sent in
         chunks from the front, a short map of slow items ran on one worker while the others
         idled (2 items of 0.5 s took 1 s on 2 workers, where ProcessPoolExecutor.map takes
-        0.5 s)."""
+        0.5 s). Once the pool is closed, nothing is read: read and then refused, a window of
+        the caller's items (4,096) was gone from its iterator."""
+        pool = self.pool()
+        if pool is None or pool._closed:  # read nothing that cannot go: the caller's input
+            closed = PoolClosedError(POOL_CLOSED_MESSAGE if pool is None else pool._closed_message)
+            self.in_flight.append((_failed(closed), []))
+            self.exhausted = True
+            return
+        del pool
         items = self.items
         chunk: list[Any] = []
         error: Exception | None = None

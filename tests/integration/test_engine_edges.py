@@ -559,6 +559,20 @@ def test_shutdown_without_waiting_returns_with_a_maps_chunk_queued_behind_a_task
 
 
 @pytest.mark.timeout(60)
+def test_a_map_of_an_iterator_read_after_the_pool_ended_takes_no_more_of_it() -> None:
+    """Its results come as far as it was read, then PoolClosedError; the caller's iterator
+    goes on from the first item not sent (a window of items was read, then refused)."""
+    items = iter(range(10**6))
+    with Pool(1) as pool:
+        results = pool.map(tasks.ident, items)
+    got = []
+    with pytest.raises(PoolClosedError):
+        got.extend(results)
+    assert got == list(range(len(got)))
+    assert next(items) == len(got)
+
+
+@pytest.mark.timeout(60)
 def test_a_map_of_an_iterator_read_after_the_block_yields_all_it_had_sent() -> None:
     """The whole iterator fits in the first window, so all of it went at the call; but its
     chunks stopped at their budget (items of 2 ms), and their rests went again only as the
