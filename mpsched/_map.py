@@ -208,9 +208,8 @@ class MapRun:
         with self.lock:
             if future not in self.stoppable:  # (a chunksize map's chunks: no search)
                 return
-            self.stoppable.discard(future)
+            index = self._unlist(future)
             in_flight = self.in_flight
-            index = next((i for i, (f, _) in enumerate(in_flight) if f is future), None)
             if index is None or future.cancelled() or future.exception() is not None:
                 return  # (not in flight: dropped when the iterator was closed)
             _, _, error, done = future.result()
@@ -224,13 +223,17 @@ class MapRun:
         """Under ``lock``, from ``send_rest``: ``future``'s chunk (withdrawn before any worker
         claimed it) goes again in its place, to its end. The iterator, if it waits for it,
         finds its place taken (see ``ordered_results``)."""
-        self.stoppable.discard(future)
-        in_flight = self.in_flight
-        index = next((i for i, (f, _) in enumerate(in_flight) if f is future), None)
+        index = self._unlist(future)
         if index is not None:
-            chunk = in_flight[index][1]
-            del in_flight[index]
+            chunk = self.in_flight[index][1]
+            del self.in_flight[index]
             self._send_at(index, chunk)
+
+    def _unlist(self, future: Future) -> int | None:
+        """Under ``lock``: ``future``'s chunk is settled from now on (out of ``stoppable``);
+        its index in ``in_flight``, or None if it left (its iterator was closed)."""
+        self.stoppable.discard(future)
+        return next((i for i, (f, _) in enumerate(self.in_flight) if f is future), None)
 
     def _send_at(self, index: int, items: list[Any]) -> None:
         """Under ``lock``: send ``items`` again, in chunks of ``size``, at ``index`` of
