@@ -196,15 +196,13 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
         # A worker running the pool's initializer (registered, its slot not yet bound) counts
         # as starting: it looks awake, and a task handed to it waited for its initializer's end
         # while a ready peer slept.
-        initializer = self.has_initializer
         for rank in (0, 1, 2):
             for i in range(n):
                 k = (self.next_slot + i) % n
-                worker = workers[k]
                 if rank < 2:
-                    if worker is None or (initializer and slots[k].owner_pid() != worker.pid):
+                    if self.not_ready(k):
                         continue
-                elif worker is None and k not in self.starting:
+                elif workers[k] is None and k not in self.starting:
                     continue
                 if slots[k].inbox_depth() < self.window and not (
                     rank == 0 and slots[k].is_sleeping()
@@ -212,6 +210,13 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
                     self.next_slot = (k + 1) % n
                     return self.inject(k, [future], future._priority) == 1
         return False
+
+    def not_ready(self, k: int) -> bool:
+        """Under ``self.lock``: slot ``k``'s worker is starting (not registered yet) or runs the
+        pool's initializer (registered, its slot not yet bound): it looks awake, but takes no
+        task before it is done."""
+        worker = self.workers[k]
+        return worker is None or (self.has_initializer and self.slots[k].owner_pid() != worker.pid)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -415,10 +420,16 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
             raise
         if was_sleeping:
             os.eventfd_write(self.wake_fds[k], 1)
-        elif (queued_before + injected > 1 or slot.run_depth()) and self.header.sleepers():
-            # The worker is busy or gets more than it takes at once: a sleeper may steal some.
-            # (One task handed to an idle, awake worker needs no help: a woken peer would find
-            # nothing, and its wake-up costs a CPU that the round trip needs.)
+        elif (
+            queued_before + injected > 1 or slot.run_depth() or self.not_ready(k)
+        ) and self.header.sleepers():
+            # The worker is busy, gets more than it takes at once, or is not ready yet: a
+            # sleeper may steal some. (One task handed to an idle, awake worker needs no help:
+            # a woken peer would find nothing, and its wake-up costs a CPU that the round trip
+            # needs.) Not ready: injected while no worker was (right after Pool()), a task
+            # waited in the inbox of one still in its initializer while a peer that had become
+            # ready meanwhile (its slot bound, before its registration reached this thread)
+            # slept with nothing to wake it, for ever if that initializer waited for the task.
             self.wake_sleepers()
         return len(queued)
 
