@@ -144,6 +144,7 @@ class Draining(CoordinatorState):
             with self.lock:
                 try:
                     self.draining = True
+                    self.cancelling = self.cancelling or cancel_futures
                     # cancel_futures stops kept recurrences too: their next runs are tasks not
                     # started, and a recurrence left going would keep the drain (and an
                     # interrupted ``with`` block's exit) waiting for a cancel that nothing will

@@ -168,11 +168,14 @@ class Recovering(CoordinatorState):
                 run = future._run
                 # Retried only if nothing asked it to stop: a run asked to cancel (pool.cancel) or
                 # whose timeout expired must not start again after its worker died (it ends as a
-                # crash, or with its TimeoutError), as one killed on purpose (forced) is not.
-                # Decided under the lock, where cancel_id sets cancel_requested.
+                # crash, or with its TimeoutError), as one killed on purpose (forced) is not,
+                # nor once shutdown(cancel_futures=True) cancelled all that had not started.
+                # Decided under the lock, where cancel_id sets cancel_requested (and
+                # begin_shutdown sets cancelling; a retry put back before it is withdrawn there).
                 with self.lock:
                     retry = (
                         run is not None
+                        and not self.cancelling
                         and not run.forced
                         and not run.timed_out
                         and not run.cancel_requested

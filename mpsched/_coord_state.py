@@ -153,6 +153,8 @@ class CoordinatorState:
         self.by_fd: dict[int, WorkerHandle] = {}
         self.exit_codes: dict[int, int] = {}  # pid -> exit code, from the zygote
         self.draining = False  # set once shutdown began: no task may come in after it
+        # Set by a shutdown with cancel_futures: nothing may start from now on, a retry neither.
+        self.cancelling = False
         # Set by abort_running ("stop now"): the drain waits for no child, and stops every worker.
         self.aborted = False
         # When Draining.poll_orphans last looked for orphaned locks (coordinator thread only).

@@ -207,6 +207,31 @@ def test_a_task_asked_to_cancel_is_not_retried_when_its_worker_dies(fifos: Fifos
         assert pool.statistics().retried == 0
 
 
+@pytest.mark.timeout(60)
+def test_a_task_is_not_retried_after_shutdown_cancelled_the_unstarted(fifos: Fifos) -> None:
+    """``shutdown(cancel_futures=True)`` cancels every task not yet started; a retry is a new
+    start of a task whose run crashed, so a worker dying after that call must not start its task
+    again (it ran once the drain had cancelled what was queued). It ends as a crash."""
+    pool = Pool(1)
+    try:
+        f = pool.with_options(retries=1).submit(tt.log_pid_then_gate, fifos.log, "r", fifos.gate)
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "the task runs")
+        pool.shutdown(wait=False, cancel_futures=True)
+        [(_, pid)] = tt.read_tags(fifos.log)
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: f.done() or len(tt.read_tags(fifos.log)) > 1, "it ends or reruns")
+        runs = len(tt.read_tags(fifos.log))
+        if runs > 1:  # let the rerun end, so that the pool can shut down
+            tasks.open_gate(fifos.gate)
+        assert pool.await_termination(timeout=CONDITION_TIMEOUT)
+        assert runs == 1, "a retry started after shutdown(cancel_futures=True)"
+        with pytest.raises(mpsched.WorkerCrashedError):
+            f.result(timeout=0)
+        assert pool.statistics().retried == 0
+    finally:
+        pool.shutdown(wait=True)
+
+
 GRACE = 5.0  # s; far longer than the test takes to kill the worker once asked to stop
 
 
