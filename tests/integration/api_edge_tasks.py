@@ -6,6 +6,8 @@ from typing import Any
 
 import mpsched
 
+from . import tasks
+
 
 def context_fields() -> tuple[Any, int, bool]:
     """The running task's id, version and cancel flag, as ``current_task()`` reports them."""
@@ -43,6 +45,17 @@ def child_result_with_no_time_left() -> tuple[bool, int]:
     except FuturesTimeoutError:
         timed_out = True
     return timed_out, future.result()
+
+
+def join_a_stolen_child(started: str, gate: str, log: str, timeout: float) -> Any:
+    """Spawn a child and wait until it runs (a peer stole it: this worker, blocked here, cannot
+    run it), append ``j`` to ``log``, then join it with ``timeout``: with nothing else to run,
+    the join sleeps until the test opens the child's gate."""
+    child = mpsched.submit(tasks.started_then_gated, started, gate, 7)
+    tasks.wait_started(started)
+    with open(log, "ab") as out:
+        out.write(b"j")
+    return child.result(timeout=timeout)
 
 
 def child_results_with_timeouts(timeouts: list[Any]) -> list[Any]:

@@ -147,6 +147,24 @@ def test_a_bad_timeout_for_a_childs_result_fails_in_the_task_not_the_worker() ->
         assert pool.statistics().crashes == 0
 
 
+@pytest.mark.timeout(60)
+def test_a_join_that_sleeps_with_a_timeout_longer_than_poll_takes_wakes_with_its_child(
+    fifos: Fifos,
+) -> None:
+    """A join whose timeout (10^7 s, ~116 days) is more milliseconds than ``poll()`` takes (a C
+    int) sleeps at most that long at a time (``SLEEP_MS_MAX``) and wakes when its child ends:
+    the whole timeout given to ``poll()`` raised OverflowError in the worker's sleep."""
+    with Pool(2) as pool:
+        f = pool.submit(at.join_a_stolen_child, fifos.started, fifos.gate, fifos.log, 1e7)
+        wait_until(lambda: os.path.exists(fifos.log) and os.path.getsize(fifos.log) == 1, "join")
+        # The peer runs the child at its gate: the only worker that can sleep is the joiner.
+        header = pool._coordinator.header
+        wait_until(lambda: header.sleepers() == 1, "the join sleeps")
+        tasks.open_gate(fifos.gate)
+        assert f.result(timeout=RESULT_TIMEOUT) == 7
+        assert pool.statistics().crashes == 0
+
+
 class _EqRaises:
     """An id whose ``==`` raises against any other object of its hash (1, as ``hash(1)``)."""
 
