@@ -360,18 +360,23 @@ Sink = Callable[[Future], None]
 
 def mark_all_cancelled(futures: list[Future]) -> None:
     """``_mark_cancelled`` each of ``futures``, whose tasks were withdrawn (none will run). An
-    exception (a Ctrl-C's KeyboardInterrupt) at one of them, at the entry of its mark or
-    between two, still marks it and the rest before it goes on: left pending, they stayed so
-    for ever, their waiters with them."""
+    exception at one of them (a Ctrl-C's KeyboardInterrupt at the entry of its mark or between
+    two, or one a done-callback raised in this thread) still marks it and the rest, and the
+    first goes on once all are marked: left pending, they stayed so for ever, their waiters
+    with them (the rest were marked after one exception, and a second one left them, as the
+    fourth of five raising callbacks did in a ``shutdown(cancel_futures=True)``)."""
+    error: BaseException | None = None
     done = 0
-    try:
-        for future in futures:
-            future._mark_cancelled()
-            done += 1
-    except BaseException:
-        for future in futures[done:]:
-            future._mark_cancelled()
-        raise
+    while done < len(futures):
+        try:
+            while done < len(futures):
+                futures[done]._mark_cancelled()
+                done += 1
+        except BaseException as exc:  # the mark it hit is done or not: a second one is a no-op
+            if error is None:
+                error = exc
+    if error is not None:
+        raise error
 
 
 def release_if_left(lock: Any) -> None:

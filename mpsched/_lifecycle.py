@@ -202,18 +202,25 @@ def run_coordinator(resources: PoolResources) -> None:
     coordinator = resources.coordinator
     assert coordinator is not None
     try:
-        coordinator.run()
+        try:
+            coordinator.run()
+        finally:
+            if not coordinator.start_aborted:  # else _startup.abort_start tears down
+                # The last look at the slots' counters: the loop has ended, so they are final
+                # (statistics() reads them from here on). A worker that died in the drain sent
+                # no DRAINED (and one recycled or crashed before counted in its slot, which
+                # its successor goes on from): its slot kept what it ran.
+                final = coordinator.final_stats
+                for k, slot in enumerate(coordinator.slots):
+                    final[k] = slot.counters()
+                resources.wait_release_requested()
+                resources.teardown()
     finally:
-        if not coordinator.start_aborted:  # else _startup.abort_start tears down
-            # The last look at the slots' counters: the loop has ended, so they are final
-            # (statistics() reads them from here on). A worker that died in the drain sent no
-            # DRAINED (and one recycled or crashed before counted in its slot, which its
-            # successor goes on from): its slot kept what it ran.
-            final = coordinator.final_stats
-            for k, slot in enumerate(coordinator.slots):
-                final[k] = slot.counters()
-            resources.wait_release_requested()
-            resources.teardown()
+        # A thread started after this one ended may get its ident (the OS reuses them): taken
+        # for this thread, its shutdown(wait=True) waited for nothing (no wait from the
+        # coordinator thread, which would wait for its own end) and returned with the
+        # done-callbacks still running.
+        coordinator.thread_id = 0
 
 
 def inherited_by_a_fork() -> list[AnonSegment | SharedFd]:

@@ -484,20 +484,21 @@ class Pool(concurrent.futures.Executor):
             # await_termination: after shutdown(wait=False) it stayed blocked, with the
             # pool's fds and memory, until then, the pool's collection or the exit.
             self._resources.request_release()
-            # Not from the coordinator thread (no done-callback runs there, but a finalizer
-            # may): it would wait for its own end, forever.
-            if wait and threading.get_ident() != self._coordinator.thread_id:
-                try:
-                    self.await_termination()
-                except BaseException as exc:
-                    # Ctrl-C (a non-Exception) while waiting for the drain means "stop now",
-                    # as when it leaves a ``with`` block: cancel what has not started and kill
-                    # the workers running tasks. Else the interpreter's exit (the atexit hook,
-                    # or __exit__ after this) would wait for every running task to end.
-                    if not isinstance(exc, Exception) and not self._coordinator.finished.is_set():
-                        self._coordinator.begin_shutdown(True)
-                        self._coordinator.abort_running()
-                    raise
+        # Not from the coordinator thread (no done-callback runs there, but a finalizer may):
+        # it would wait for its own end, forever. Also once another call released the pool
+        # (``_started`` cleared), whose callbacks may still run: it returned at once then.
+        if wait and threading.get_ident() != self._coordinator.thread_id:
+            try:
+                self.await_termination()
+            except BaseException as exc:
+                # Ctrl-C (a non-Exception) while waiting for the drain means "stop now", as
+                # when it leaves a ``with`` block: cancel what has not started and kill the
+                # workers running tasks. Else the interpreter's exit (the atexit hook, or
+                # __exit__ after this) would wait for every running task to end.
+                if not isinstance(exc, Exception) and not self._coordinator.finished.is_set():
+                    self._coordinator.begin_shutdown(True)
+                    self._coordinator.abort_running()
+                raise
 
     def await_termination(self, timeout: float | None = None) -> bool:
         """Wait until all work is done, the workers are gone and the done-callbacks of the

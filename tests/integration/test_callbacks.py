@@ -39,6 +39,7 @@ import mpsched
 from mpsched import Pool, PoolClosedError, TaskState
 
 from . import tasks
+from .conditions import Fifos
 
 CALLBACK_WAIT = 3.0  # seconds a callback's own blocking call may take (a deadlock: it times out)
 WAIT = 6.0  # seconds the test waits for a callback or a result
@@ -485,6 +486,96 @@ def test_shutdown_wait_returns_after_the_callbacks_of_what_the_pool_settled() ->
         assert seen_at_return == [[1]], "shutdown(wait=True) returned before the callback ended"
     finally:
         proceed.set()
+        pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("first", ["await_termination", "shutdown", "thread_ended"])
+def test_a_shutdown_wait_after_the_pool_was_released_waits_for_the_callbacks(first: str) -> None:
+    """An earlier call released the pool while a callback ran (``await_termination`` that
+    timed out on it, or another thread's ``shutdown(wait=True)`` still waiting for it), or the
+    coordinator thread ended after a ``shutdown(wait=False)``: a ``shutdown(wait=True)`` after
+    that returned at once, the callback still running. It waited only while the pool was not
+    released, and not in a thread with the coordinator thread's ident, which a new thread gets
+    once that one ended (the OS reuses them)."""
+    entered, proceed = threading.Event(), threading.Event()
+    ran: list[int] = []
+    seen_at_return: list[list[int]] = []
+
+    def callback(_: mpsched.Future) -> None:
+        entered.set()
+        proceed.wait(WAIT)
+        ran.append(1)
+
+    def shut() -> None:
+        pool.shutdown(wait=True)
+        seen_at_return.append(list(ran))
+
+    pool = Pool(1)
+    threads = [threading.Thread(target=shut) for _ in range(2)]
+    try:
+        pool.submit(tasks.add, 1, 1).add_done_callback(callback)
+        assert entered.wait(WAIT), "the callback did not run"
+        if first == "await_termination":
+            pool.shutdown(wait=False)
+            assert pool._coordinator.finished.wait(WAIT), "the pool did not drain"
+            assert not pool.await_termination(timeout=0)  # released; the callback still runs
+            del threads[1]
+        elif first == "thread_ended":
+            pool.shutdown(wait=False)
+            pool._thread.join(WAIT)
+            assert not pool._thread.is_alive(), "the coordinator thread did not end"
+            del threads[1]
+        else:
+            threads[1].start()
+            deadline = time.monotonic() + WAIT
+            while pool._started:  # released by that shutdown, which waits for the callback
+                assert time.monotonic() < deadline, "the pool was not released"
+                time.sleep(0.001)
+        threads[0].start()
+        # Unfixed, that shutdown returns now; fixed, it waits for the callback (the outcome
+        # does not depend on this wait's length, only how soon a bug shows).
+        threads[0].join(0.2)
+        proceed.set()
+        for thread in threads:
+            thread.join(WAIT)
+        assert seen_at_return == [[1]] * len(threads), "a shutdown returned before the callback"
+    finally:
+        proceed.set()
+        pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(30)
+def test_every_future_cancelled_by_a_shutdown_ends_cancelled_when_many_callbacks_raise(
+    fifos: Fifos,
+) -> None:
+    """``shutdown(cancel_futures=True)`` calls the done-callbacks of the futures it cancels in
+    the caller's thread; five of them raise KeyboardInterrupt (as a Ctrl-C landing in them
+    would). The first goes on to the caller, once every future was marked and the other
+    callbacks were called: the marking survived only two such exceptions, and four of the
+    eight futures stayed pending for ever, their waiters with them."""
+    calls: list[mpsched.Future] = []
+
+    def raising(future: mpsched.Future) -> None:
+        calls.append(future)
+        raise KeyboardInterrupt(f"callback {len(calls)}")
+
+    pool = Pool(1)
+    try:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
+        tasks.wait_started(fifos.started)  # claimed: the one worker holds it at the gate
+        futures = [pool.submit(tasks.add, i, 1) for i in range(8)]
+        for future in futures[:5]:
+            future.add_done_callback(raising)
+        try:
+            with pytest.raises(KeyboardInterrupt, match="callback 1"):
+                pool.shutdown(wait=False, cancel_futures=True)
+        finally:
+            tasks.open_gate(fifos.gate)
+        assert [f.cancelled() for f in futures] == [True] * 8
+        assert len(calls) == 5
+        assert blocker.result(WAIT) == 0
+    finally:
         pool.shutdown(wait=True)
 
 
