@@ -30,7 +30,7 @@ from mpsched._coord_state import (
     WorkerHandle,
     logger,
 )
-from mpsched._future import FINISHING, Future, mark_all_cancelled
+from mpsched._future import FINISHING, Future, cancel_all, mark_all_cancelled
 from mpsched._pool_errors import BrokenPoolError
 from mpsched._protocol import (
     Tag,
@@ -172,10 +172,13 @@ class Draining(CoordinatorState):
             try:
                 mark_all_cancelled(cancelled)
             except BaseException:  # a Ctrl-C at its very entry marked none (twice is a no-op)
-                mark_all_cancelled(cancelled)
+                try:
+                    mark_all_cancelled(cancelled)
+                finally:
+                    with contextlib.suppress(BaseException):  # the first error goes on
+                        cancel_all(injected)
                 raise
-        for future in injected:
-            future.cancel()  # wins only against a claim that has not happened
+        cancel_all(injected)
 
     def withdraw_recurrences(self, cancelled: list[Future]) -> None:
         """Under ``self.lock`` (``begin_shutdown``): stop every recurrence and withdraw its next

@@ -32,7 +32,7 @@ from mpsched._coord_state import (
     CoordinatorState,
     logger,
 )
-from mpsched._future import FINISHING, Future, release_if_left
+from mpsched._future import FINISHING, Future, mark_all_cancelled, release_if_left
 from mpsched._options import is_misfire, next_run_at
 from mpsched._protocol import Buffer
 from mpsched._task import TaskState
@@ -95,13 +95,12 @@ class Timing(CoordinatorState):
                 raise
             finally:
                 lock.release()
-            for old_future in superseded:
-                old_future._mark_cancelled()
+            if superseded:  # (no call on the hot path: most schedules supersede nothing)
+                mark_all_cancelled(superseded)
         except BaseException:
             # Before, or during, the marks: each superseded future is marked (a mark done
             # already is a no-op), or it stayed pending for ever with its waiters.
-            for old_future in superseded:
-                old_future._mark_cancelled()
+            mark_all_cancelled(superseded)
             raise
         return wake
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures._base import (
     CANCELLED,
     CANCELLED_AND_NOTIFIED,
@@ -358,7 +358,7 @@ class Future(concurrent.futures.Future[Any]):
 Sink = Callable[[Future], None]
 
 
-def mark_all_cancelled(futures: list[Future]) -> None:
+def mark_all_cancelled(futures: Sequence[Future]) -> None:
     """``_mark_cancelled`` each of ``futures``, whose tasks were withdrawn (none will run). An
     exception at one of them (a Ctrl-C's KeyboardInterrupt at the entry of its mark or between
     two, or one a done-callback raised in this thread) still marks it and the rest, and the
@@ -373,6 +373,21 @@ def mark_all_cancelled(futures: list[Future]) -> None:
                 futures[done]._mark_cancelled()
                 done += 1
         except BaseException as exc:  # the mark it hit is done or not: a second one is a no-op
+            if error is None:
+                error = exc
+    if error is not None:
+        raise error
+
+
+def cancel_all(futures: Sequence[Future]) -> None:
+    """``cancel()`` each of ``futures``, tasks in inboxes: each wins only against a claim
+    that has not happened. An exception (one a done-callback raised in this thread) goes on
+    once each was tried: the rest were left to run after ``shutdown(cancel_futures=True)``."""
+    error: BaseException | None = None
+    for future in futures:
+        try:
+            future.cancel()
+        except BaseException as exc:
             if error is None:
                 error = exc
     if error is not None:

@@ -39,7 +39,7 @@ import mpsched
 from mpsched import Pool, PoolClosedError, TaskState
 
 from . import tasks
-from .conditions import Fifos
+from .conditions import Fifos, wait_until
 
 CALLBACK_WAIT = 3.0  # seconds a callback's own blocking call may take (a deadlock: it times out)
 WAIT = 6.0  # seconds the test waits for a callback or a result
@@ -550,30 +550,35 @@ def test_every_future_cancelled_by_a_shutdown_ends_cancelled_when_many_callbacks
     fifos: Fifos,
 ) -> None:
     """``shutdown(cancel_futures=True)`` calls the done-callbacks of the futures it cancels in
-    the caller's thread; five of them raise KeyboardInterrupt (as a Ctrl-C landing in them
-    would). The first goes on to the caller, once every future was marked and the other
-    callbacks were called: the marking survived only two such exceptions, and four of the
-    eight futures stayed pending for ever, their waiters with them."""
+    the caller's thread: six in the ready queue, which it marks cancelled, and two in the
+    worker's inbox, which it cancels against their claims. Every callback raises
+    KeyboardInterrupt (as a Ctrl-C landing in them would). The first goes on to the caller once
+    every future was cancelled and the other callbacks were called: the marking survived only
+    two such exceptions (four futures stayed pending for ever, their waiters with them), and
+    the first exception in the inbox's cancels left the rest of the inbox to run."""
     calls: list[mpsched.Future] = []
 
     def raising(future: mpsched.Future) -> None:
         calls.append(future)
         raise KeyboardInterrupt(f"callback {len(calls)}")
 
-    pool = Pool(1)
+    pool = Pool(1, dispatch_window=2)
     try:
         blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
         tasks.wait_started(fifos.started)  # claimed: the one worker holds it at the gate
         futures = [pool.submit(tasks.add, i, 1) for i in range(8)]
-        for future in futures[:5]:
+        coordinator = pool._coordinator
+        # The blocker and a full inbox (the window) are handed out; the rest wait in the queue.
+        wait_until(lambda: len(coordinator.by_handle) == 3, "the inbox filled")
+        for future in futures:
             future.add_done_callback(raising)
         try:
-            with pytest.raises(KeyboardInterrupt, match="callback 1"):
+            with pytest.raises(KeyboardInterrupt, match=r"^callback 1$"):
                 pool.shutdown(wait=False, cancel_futures=True)
         finally:
             tasks.open_gate(fifos.gate)
         assert [f.cancelled() for f in futures] == [True] * 8
-        assert len(calls) == 5
+        assert len(calls) == 8
         assert blocker.result(WAIT) == 0
     finally:
         pool.shutdown(wait=True)
