@@ -10,8 +10,8 @@ nobody (``drop_stashed_results``, ``drop_unfetched_args``, ``note_unwanted``,
 ``drop_parked_fetches``). docs/design.md, "Failure model and recovery", has the argument.
 
 Called from: the coordinator thread (the loop's socket EOF, the drain, a broken pool), except
-``on_lock_stall``: any thread of the pool's process whose wait on a guarded lock stalls (the
-repair is then serialized by ``repair_lock``).
+``on_lock_stall``: any thread of the pool's process whose wait on a guarded lock stalls. Every
+repair of a cross-process lock, the coordinator's after a death too, holds ``repair_lock``.
 
 Invariants: the dead worker's socket is read to EOF before its recovery, so every STASH it sent
 is in; its locks are repaired before its rings and blocks are read; a block is judged by its
@@ -51,6 +51,7 @@ from mpsched._protocol import (
     dump_exception,
 )
 from mpsched._shm import release_if_orphaned
+from mpsched._shm_deque import SlotQueues
 
 _CHILD_DONE = ChildState.DONE
 _CHILD_QUEUED = ChildState.QUEUED
@@ -144,14 +145,7 @@ class Recovering(CoordinatorState):
         A task killed on purpose (forced cancel, timeout) ends cancelled or with TimeoutError;
         one with retries left goes back to the front of the ready queue; any other fails with
         WorkerCrashedError."""
-        slot = self.slots[worker.slot]
-        slab = self.slab
-        slot.break_dead_holder(worker.pid, slot, slab, _CHILD_DONE)
-        for other in self.slots:
-            if other is not slot:
-                other.break_dead_holder(worker.pid, slot, slab, _CHILD_DONE)
-        self.slab.break_dead_holder(worker.pid)
-        self.header.break_dead_holder(worker.pid)
+        slot = self.slot_repaired(worker)
         self.release_orphans()
         self.collect()
         outcomes: list[tuple[Future, int, Buffer]] = []
@@ -206,6 +200,22 @@ class Recovering(CoordinatorState):
         finally:  # a free that raised (a corrupt free stack) breaks the pool: these futures
             # left by_handle above, so its sweep would not end them (as in read_results)
             self.settle(outcomes)
+
+    def slot_repaired(self, worker: WorkerHandle) -> SlotQueues:
+        """Release every lock the dead ``worker`` held (its own slot's first), under
+        ``repair_lock``: a user thread stalled on one of them may be repairing it at once
+        (``on_lock_stall``), and two repairs of one lock both dropped a run-stack record and
+        both released it (a lock that no longer excludes). Returns the worker's slot."""
+        slot = self.slots[worker.slot]
+        slab = self.slab
+        with self.repair_lock:
+            slot.break_dead_holder(worker.pid, slot, slab, _CHILD_DONE)
+            for other in self.slots:
+                if other is not slot:
+                    other.break_dead_holder(worker.pid, slot, slab, _CHILD_DONE)
+            slab.break_dead_holder(worker.pid)
+            self.header.break_dead_holder(worker.pid)
+        return slot
 
     def orphan_children(self, k: int, pid: int) -> None:
         """The worker of slot ``k`` died: nobody will collect the children its tasks spawned.
@@ -389,8 +399,12 @@ def release_orphaned_locks(state: CoordinatorState, suspects_only: bool) -> None
             if lock.acquire(False):
                 lock.release()
                 continue
-        if release_if_orphaned(lock, structure.holder_pid, ORPHAN_WAIT):
-            logger.warning(ORPHAN_RELEASED)
+        # One repair at a time (``on_lock_stall`` may be releasing the same orphan): a timed
+        # acquire here never calls on_lock_stall, and a stalled thread waits at most the
+        # ``ORPHAN_WAIT`` of each lock for it.
+        with state.repair_lock:
+            if release_if_orphaned(lock, structure.holder_pid, ORPHAN_WAIT):
+                logger.warning(ORPHAN_RELEASED)
 
 
 def crash_message(worker: WorkerHandle, code: int | None) -> str:

@@ -6,8 +6,9 @@ calls once a worker is known to be dead (or the lock's recorded holder is: a loc
 process held and repairs the half-done operation it left. The slot regions' and the global
 header's repairs are theirs (``_slot_repair``, ``_layout``).
 
-Who calls what, from which process: the coordinator (a thread in the user's process, the single
-breaker) only; never a worker.
+Who calls what, from which process: the pool's process only (the coordinator thread after a
+death, or a thread whose wait on the lock stalled), one breaker at a time under
+``Coordinator.repair_lock``; never a worker.
 
 What a death under the allocator lock can leave (the operations are ``_payloads``'s):
     * ``alloc``/``alloc_many``/``free``/``free_many`` commit with ONE store of free_top: the

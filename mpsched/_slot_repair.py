@@ -88,7 +88,8 @@ class SlotRepair(SlotRegion):
         states: BlockStates | None = None,
         finished: int = -1,
     ) -> bool:
-        """The single breaker (coordinator) only, once ``dead_pid`` is known to be dead.
+        """One breaker at a time (the pool's process, under ``Coordinator.repair_lock``), once
+        ``dead_pid`` is known to be dead.
 
         If ``dead_pid`` holds this slot's lock: drop ``dead_slot``'s innermost run_stack record
         if its handle is still queued here (step 3 done, commit not), already in the done ring

@@ -114,6 +114,49 @@ def test_a_worker_killed_inside_its_slot_lock_does_not_hang_the_pool(
 
 
 @pytest.mark.timeout(60)
+def test_the_recovery_of_a_death_waits_for_a_repair_under_way_in_another_thread(
+    tmp_path: object,
+) -> None:
+    """A worker dies holding its slot lock (its pid recorded). While a user thread of the pool's
+    process repairs a lock (it holds ``repair_lock``, as ``on_lock_stall`` does), the
+    coordinator's recovery of that death must not repair at the same time: two repairs of one
+    lock both dropped a run-stack record of the dead worker and both released the lock. The
+    lock stays the dead worker's until that repair is over, then the recovery goes on."""
+    started = os.path.join(str(tmp_path), "started")
+    release = os.path.join(str(tmp_path), "release")
+    os.mkfifo(started)
+    os.mkfifo(release)
+    pool = Pool(1)
+    repair_lock = pool._coordinator.repair_lock
+    held = False
+    try:
+        dier = pool.submit(wt.die_holding_own_slot_lock, started, release, True)
+        with open(started, "rb") as fifo:
+            pid = int(fifo.read())
+        wait_dead(pid)
+        slot = pool._views.slots[0]
+        held = repair_lock.acquire(timeout=TIMEOUT)
+        assert held
+        with open(release, "wb") as fifo:  # now the coordinator sees the death
+            fifo.write(b"x")
+        # Unfixed, the recovery releases the lock at once; fixed, not while the repair runs
+        # (the outcome does not depend on this wait's length, only how soon a bug shows).
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            assert slot.holder_pid() == pid, "the recovery repaired beside another repair"
+            time.sleep(POLL)
+        repair_lock.release()
+        held = False
+        with pytest.raises(WorkerCrashedError, match=r"SIGKILL\(-9\)"):
+            dier.result(TIMEOUT)
+        assert pool.submit(tasks.add, 1, 2).result(TIMEOUT) == 3
+    finally:
+        if held:
+            repair_lock.release()
+        shut_down(pool)
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "task",
     [wt.die_inside_submit, wt.die_between_a_childs_alloc_and_its_write],
