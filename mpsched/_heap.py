@@ -366,13 +366,19 @@ class VersionedHeap:
                 continue
             if top[_R_RUN_AT] > now:
                 return Wait(top[_R_RUN_AT] - now)
-            heapq.heappop(heap)
+            # Stores first, the pop last (a call, whose return is a point where the eval loop
+            # may raise a Ctrl-C's KeyboardInterrupt): interrupted there, the version is handed
+            # out and the top entry is stale (its item is gone). Popped first, an interrupt as
+            # the pop returned left the version counted and in no heap: never handed out,
+            # len() never 0, its state PENDING for ever.
             self._in_heap -= 1
             # A live entry is its id's current record: no version runs beside one in the heap.
             run_at, neg, seq, task_id, version, _, _, _, priority = top
             self._records[task_id] = (run_at, neg, NOT_IN_HEAP, task_id, version, _RUNNING,
                                       version, False, priority)  # fmt: skip
-            item = items.pop(seq)
+            item = items[seq]
+            del items[seq]
+            heapq.heappop(heap)
             # the live count fell: the bound may need a rebuild too (inlined: hot path)
             if len(heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
                 self._prune()
@@ -415,8 +421,8 @@ class VersionedHeap:
                                         priority)  # fmt: skip
         if state == _PENDING:  # a newer version waited: it may start now, in schedule() order
             self._deferred -= 1
+            self._in_heap += 1  # before the push, as in schedule(): counted once in the heap
             heapq.heappush(self._heap, rec)
-            self._in_heap += 1
         elif self._remember:
             self._note_finished(rec)
         return _STATES[outcome]

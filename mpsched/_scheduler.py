@@ -160,4 +160,5 @@ class Scheduler:
 
     def __len__(self) -> int:
         """Number of live pending tasks (deferred ones included)."""
-        return len(self._heap)
+        with self._lock:  # another thread's update moves one version between two counts
+            return len(self._heap)

@@ -1,7 +1,7 @@
-"""A Ctrl-C's KeyboardInterrupt inside ``VersionedHeap.schedule`` or ``withdraw``: the eval
-loop raises it only as a call returns (or at a function's entry, or a loop's head), so each
-step's stores are ordered for every such point to leave the heap consistent: the version is
-in, counted, or not at all."""
+"""A Ctrl-C's KeyboardInterrupt inside ``VersionedHeap.schedule``, ``withdraw``, ``pop_due`` or
+``finish``: the eval loop raises it only as a call returns (or at a function's entry, or a
+loop's head), so each step's stores are ordered for every such point to leave the heap
+consistent: the version is in, counted, or not at all."""
 
 from __future__ import annotations
 
@@ -49,6 +49,63 @@ def test_an_interrupt_as_a_version_enters_the_heap_leaves_it_counted(
     assert due.fn == "new"
     assert len(heap) == 0
     assert heap.pop_due(10.0) is None
+
+
+def test_an_interrupt_as_a_due_version_leaves_the_heap_hands_it_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Interrupted as ``heappop`` returned in ``pop_due``, the version stayed counted and
+    pending (its item kept) but in no heap: never handed out, ``len()`` never 0 (the pool's
+    drain waited for ever), ``state()`` PENDING for ever. Now the pop is the last step: the
+    version is handed out (RUNNING; the interrupted caller lost its Due, as any call that
+    raises loses its return value)."""
+    heap = VersionedHeap()
+    heap.schedule("a", 0.0, 0, "job")
+    heap.schedule("b", 5.0, 0, "later")
+    real = heapq.heappop
+    calls = []
+
+    def pop_then_interrupt(entries: list[Any]) -> Any:
+        calls.append(1)
+        real(entries)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_heap.heapq, "heappop", pop_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        heap.pop_due(1.0)
+    monkeypatch.undo()
+    assert calls == [1]
+    assert heap.state("a") is TaskState.RUNNING
+    assert len(heap) == 1  # "b"
+    due = heap.pop_due(10.0)
+    assert isinstance(due, Due)
+    assert due.fn == "later"
+    assert len(heap) == 0
+    assert heap.pop_due(10.0) is None
+    heap._prune()  # its assertion: the live count is the heap's
+
+
+def test_an_interrupt_as_a_deferred_version_enters_the_heap_leaves_it_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``finish`` of a running version moves the newer one deferred behind it into the heap;
+    interrupted as ``heappush`` returned, the entry was in the heap but not counted: ``len()``
+    said 0 with it pending, then raised ValueError (negative) once it was handed out, and the
+    next prune failed its assertion."""
+    heap = VersionedHeap()
+    heap.schedule("a", 0.0, 0, "v1")
+    running = heap.pop_due(0.0)
+    assert isinstance(running, Due)
+    heap.schedule("a", 0.0, 0, "v2")  # deferred behind v1
+    _interrupt_after_push(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        heap.finish(running)
+    assert len(heap) == 1
+    due = heap.pop_due(1.0)
+    assert isinstance(due, Due)
+    assert due.fn == "v2"
+    assert len(heap) == 0
+    heap._prune()
 
 
 class _PopThenInterrupt(dict[int, Any]):

@@ -558,3 +558,20 @@ def test_concurrent_next_hands_each_task_out_once() -> None:
 def test_public_exports() -> None:
     assert mpsched.Scheduler is Scheduler
     assert issubclass(SchedulerClosed, mpsched.MpschedError)
+
+
+@pytest.mark.timeout(30)
+def test_len_waits_for_an_update_under_way() -> None:
+    """``len()`` takes the lock as every other method does: an update in another thread moves
+    a version between two counts (a reschedule lowers one, hashes the id, which may switch
+    threads, and raises the other), and an unlocked ``len()`` read 0 in between."""
+    s = Scheduler(clock=FakeClock())
+    s.schedule("a", 0.0, 0, print)
+    got: list[int] = []
+    with s._lock:  # as an update under way holds it
+        reader = threading.Thread(target=lambda: got.append(len(s)))
+        reader.start()
+        reader.join(0.2)  # (the outcome does not depend on this wait, only how soon a bug shows)
+        assert got == [], "len() read the counts while an update held the lock"
+    reader.join(10)
+    assert got == [1]
