@@ -229,7 +229,11 @@ class Collecting(CoordinatorState):
             finally:  # a free that raised (a corrupt free stack) breaks the pool: these
                 # futures left by_handle above, so its sweep would not end them
                 self.completed += len(outcomes)
-                self.settle(outcomes)
+                try:
+                    self.settle(outcomes)
+                except BaseException:
+                    self.settle_interrupted(outcomes)
+                    raise
         if unknown:
             raise InternalError(f"worker {k} completed unknown task blocks {unknown}")
 
@@ -309,6 +313,30 @@ class Collecting(CoordinatorState):
                 settle_loaded(future, *result)
             else:
                 resolve(future, status, data)
+
+    def settle_interrupted(self, outcomes: list[tuple[Future, int, Buffer]]) -> None:
+        """``settle(outcomes)`` raised: a Ctrl-C's KeyboardInterrupt in a user thread's
+        collection (``help_wait``), at any call in a setter, an unpickling, a waiter's notify
+        or ``end_runs``. These futures left ``by_handle`` and their blocks were freed, so no
+        later pass would find them: the future stayed pending for ever, and a version with an
+        id stayed handed out (``busy()`` true: the drain waited for ever, an interrupted
+        ``with`` block's exit too). Each step is redone where it was not done: ``end_runs``
+        ends a version once (``Timetable.end`` clears ``_due`` first), a setter settles a
+        future once (``done()``), and a recurring run's end began once its owner was cleared
+        (``end_recurring_run``). A settled future's waiters are notified again: the
+        interrupt may have come inside the notify (a wake-up too many costs a look at the
+        state). A second interrupt in here goes on, as elsewhere."""
+        for outcome in outcomes:
+            future = outcome[0]
+            run = future._run
+            if run is not None and run.recurrence is not None:
+                if future._owner is not None:
+                    self.settle([outcome])
+            elif not future.done():
+                self.settle([outcome])
+            elif future._cond is not None:
+                with future._condition:
+                    future._condition.notify_all()
 
     def stash_take(self, key: int, slot: int) -> Buffer:
         """Coordinator thread: stashed result bytes; the STASH message was sent before the

@@ -240,6 +240,7 @@ class Timing(CoordinatorState):
 
     def end_recurring_run(self, future: Future, status: int, data: Buffer) -> None:
         """One run of a recurring id ended: schedule the next, or end the recurrence."""
+        future._owner = None  # begun (``settle_interrupted`` does not begin it again)
         rec: Recurrence = future._run.recurrence
         if status == _OK and rec.active:
             with self.lock:

@@ -112,15 +112,32 @@ class PoolResources:
         self._pool_ref = weakref.ref(pool, self._on_pool_dropped)
         _unreleased.add(self)
 
-    def _on_pool_dropped(self, _: weakref.ref[Any]) -> None:
+    def _on_pool_dropped(self, _: weakref.ref[Any] | None) -> None:
         # The garbage collector's callback: no lock, no wait (see the module docstring).
         coordinator = self.coordinator
         if self.disowned or self.release_requested or coordinator is None:
             return  # a fork child's copy, or released (or being released) by the Pool
+        self._deliver_drop(coordinator)
+
+    def _deliver_drop(self, coordinator: Any) -> None:
         self.dropped = True
         coordinator.owner_dropped = True  # the loop begins a shutdown(wait=False)
         self.release_requested = True  # and the thread tears down once the drain ended
         self.wakeup.wakeup_nowait()
+
+    def deliver_lost_drop(self) -> None:
+        """Interpreter exit (``join_dropped``): the Pool is gone but its drop was not (fully)
+        delivered. The interpreter ignores an exception raised in a weakref callback, so a
+        Ctrl-C's KeyboardInterrupt landing in ``_on_pool_dropped`` left the pool running with
+        nobody to shut it down, its work then cut off at the exit (or, cut short after
+        ``dropped``, the exit waited for ever for a loop never told). Each step again: they
+        are idempotent."""
+        ref = self._pool_ref
+        coordinator = self.coordinator
+        if ref is None or ref() is not None or coordinator is None or self.disowned:
+            return
+        if self.dropped or not self.release_requested:  # else released by the Pool itself
+            self._deliver_drop(coordinator)
 
     def on_lock_stall(self, kind: str, index: int, lock: Any, waited: float) -> None:
         """The guarded locks' stall callback (made before the coordinator exists)."""
@@ -251,6 +268,7 @@ def join_dropped(stop: bool = False) -> None:
     waiting, or ``stop`` (the program ended on one), stops them now, as it stops a ``with``
     block's pool."""
     for resources in list(_unreleased):
+        resources.deliver_lost_drop()
         thread = resources.thread
         coordinator = resources.coordinator
         if not resources.dropped or thread is None or coordinator is None:

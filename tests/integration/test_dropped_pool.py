@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 import weakref
 from concurrent.futures import Future
+from typing import Any
 
 import psutil
 import pytest
 
-from mpsched import Pool
+from mpsched import Pool, _lifecycle
 
 from . import tasks
 from .conditions import still_running
@@ -165,4 +167,34 @@ def test_a_pool_collected_while_its_thread_holds_the_pools_locks_does_not_deadlo
         del pool
         gc.collect()  # a deadlock hangs here (and the timeout fails the test)
         assert ref() is None
+    _assert_ended(thread, processes)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_pool_whose_drop_callback_was_cut_short_still_ends_at_the_exit() -> None:
+    """A Ctrl-C's KeyboardInterrupt landing in the drop callback (the garbage collector's weakref
+    callback, whose exceptions the interpreter prints and ignores) left the pool running with
+    nobody to shut it down: the exit (``join_dropped``) took it for a pool not dropped and cut
+    its work off. The exit delivers such a drop again, and waits for the pool as for any
+    dropped one."""
+    pool = Pool(1)
+    assert pool.submit(tasks.add, 1, 2).result(TIMEOUT) == 3
+    processes = _processes(pool)
+    thread = pool._thread
+    left = pool.submit(tasks.spin, 0.05)  # work a dropped pool still runs
+
+    def interrupt_the_drop(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name == "_on_pool_dropped":
+            sys.settrace(None)
+            raise KeyboardInterrupt
+
+    sys.settrace(interrupt_the_drop)
+    try:
+        del pool
+    finally:
+        sys.settrace(None)
+    gc.collect()
+    _lifecycle.join_dropped()  # what the interpreter's exit runs
+    assert left.done(), "the exit did not wait for the dropped pool's work"
     _assert_ended(thread, processes)

@@ -856,3 +856,66 @@ def test_a_ctrl_c_as_a_shutdown_cancels_the_queued_tasks_leaves_the_rest_queued(
         assert sum(f.cancelled() for f in due) >= 4
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+_SETTLE_STEPS = {
+    # kind of task -> (function, its module's file): a call in a user thread's collection
+    # where a Ctrl-C's KeyboardInterrupt may land (at the function's entry)
+    "submit": ("_store", "_coord_collect.py"),
+    "schedule": ("end", "_timed.py"),
+    "options": ("end_runs", "_coord_collect.py"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", sorted(_SETTLE_STEPS))
+def test_a_ctrl_c_as_a_user_thread_settles_what_it_collected_ends_every_future(
+    kind: str, fifos: Any
+) -> None:
+    """A thread in ``result()`` collects results itself (``help_wait``: ``collect`` reads the
+    done rings, takes the futures out of ``by_handle``, frees the blocks and settles them). A
+    Ctrl-C landing in the settling (a setter, ``end_runs``, ``Timetable.end``) left that future
+    and every later one of the batch pending for ever, nothing else knowing them any more; a
+    version with an id also stayed handed out, and the shutdown waited for ever. Here the
+    test's thread holds ``collect_lock`` (so the loop collects nothing), lets three tasks end
+    into the done ring, then collects as ``help_wait`` does with the interrupt injected."""
+    target, filename = _SETTLE_STEPS[kind]
+    pool = Pool(1)
+    try:
+        coordinator = pool._coordinator
+        # The first task holds the worker at its gate; all three are handed to the worker
+        # (its inbox holds the window) before the lock.
+        calls = [(tasks.gated_ident, fifos.gate, 0), (tasks.ident, 1), (tasks.ident, 2)]
+        if kind == "submit":
+            futures = [pool.submit(*call) for call in calls]
+        elif kind == "schedule":
+            futures = [pool.schedule(("id", i), 0.0, 0, *call) for i, call in enumerate(calls)]
+        else:
+            submitter = pool.with_options(timeout=60)
+            futures = [submitter.submit(*call) for call in calls]
+        wait_until(lambda: len(coordinator.by_handle) == 3, "the tasks were handed out")
+        armed = [True]
+
+        def tracer(frame: Any, event: str, arg: Any) -> None:
+            code = frame.f_code
+            if armed[0] and event == "call" and code.co_name == target:  # noqa: SIM102
+                if code.co_filename.endswith(filename):
+                    armed[0] = False
+                    raise KeyboardInterrupt
+
+        with coordinator.collect_lock:
+            tasks.open_gate(fifos.gate)
+            slot = pool._views.slots[0]
+            wait_until(lambda: slot.done_depth() == 3, "the results are in the done ring")
+            sys.settrace(tracer)
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    coordinator.collect_locked(False)
+            finally:
+                sys.settrace(None)
+        assert not armed[0], "the interrupt was not injected"
+        assert [f.result(timeout=20) for f in futures] == [0, 1, 2]
+        if kind == "schedule":
+            assert [pool.state(("id", i)) for i in range(3)] == [TaskState.COMPLETED] * 3
+    finally:
+        pool.shutdown(wait=True)
