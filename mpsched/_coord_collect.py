@@ -231,8 +231,11 @@ class Collecting(CoordinatorState):
                 self.completed += len(outcomes)
                 try:
                     self.settle(outcomes)
-                except BaseException:
-                    self.settle_interrupted(outcomes)
+                except BaseException as exc:
+                    # (An Exception here is an internal error, which breaks the pool: its sweep
+                    # fails what is still handed out, as it should, the outcome unknown.)
+                    if not isinstance(exc, Exception):
+                        self.settle_interrupted(outcomes)
                     raise
         if unknown:
             raise InternalError(f"worker {k} completed unknown task blocks {unknown}")
