@@ -450,23 +450,32 @@ def test_a_thread_woken_by_wait_re_enters_the_pool(
     assert outcome == {"other": 2, "submit": 4, "cancel": True}
 
 
+class _HeldCallback:
+    """A done-callback that says it runs (``entered``), then waits for ``proceed`` (at most
+    ``WAIT``) and appends 1 to ``ran``."""
+
+    def __init__(self) -> None:
+        self.entered, self.proceed = threading.Event(), threading.Event()
+        self.ran: list[int] = []
+
+    def __call__(self, _: mpsched.Future) -> None:
+        self.entered.set()
+        self.proceed.wait(WAIT)
+        self.ran.append(1)
+
+
 @pytest.mark.timeout(30)
 def test_shutdown_wait_returns_after_the_callbacks_of_what_the_pool_settled() -> None:
     """The callbacks of futures the coordinator settled run in the pool's callback thread;
     ``shutdown(wait=True)`` returns only once they ran (as when the coordinator thread itself
     ran them): a ``with Pool()`` block's results are all reported when it is left."""
-    entered, proceed = threading.Event(), threading.Event()
-    ran: list[int] = []
+    held = _HeldCallback()
+    entered, proceed, ran = held.entered, held.proceed, held.ran
     seen_at_return: list[list[int]] = []
-
-    def callback(_: mpsched.Future) -> None:
-        entered.set()
-        proceed.wait(WAIT)
-        ran.append(1)
 
     pool = Pool(1)
     try:
-        pool.submit(tasks.add, 1, 1).add_done_callback(callback)
+        pool.submit(tasks.add, 1, 1).add_done_callback(held)
         assert entered.wait(WAIT), "the callback did not run"
 
         def shut() -> None:
@@ -498,14 +507,9 @@ def test_a_shutdown_wait_after_the_pool_was_released_waits_for_the_callbacks(fir
     that returned at once, the callback still running. It waited only while the pool was not
     released, and not in a thread with the coordinator thread's ident, which a new thread gets
     once that one ended (the OS reuses them)."""
-    entered, proceed = threading.Event(), threading.Event()
-    ran: list[int] = []
+    held = _HeldCallback()
+    entered, proceed, ran = held.entered, held.proceed, held.ran
     seen_at_return: list[list[int]] = []
-
-    def callback(_: mpsched.Future) -> None:
-        entered.set()
-        proceed.wait(WAIT)
-        ran.append(1)
 
     def shut() -> None:
         pool.shutdown(wait=True)
@@ -514,7 +518,7 @@ def test_a_shutdown_wait_after_the_pool_was_released_waits_for_the_callbacks(fir
     pool = Pool(1)
     threads = [threading.Thread(target=shut) for _ in range(2)]
     try:
-        pool.submit(tasks.add, 1, 1).add_done_callback(callback)
+        pool.submit(tasks.add, 1, 1).add_done_callback(held)
         assert entered.wait(WAIT), "the callback did not run"
         if first == "await_termination":
             pool.shutdown(wait=False)

@@ -182,6 +182,19 @@ def test_aging_keeps_priority_order_for_a_task_dispatched_to_an_idle_pool(tmp_pa
 
 
 # ---------------------------------------------------------------- retries
+def _runs_after_killing_the_first(f: mpsched.Future, fifos: Fifos) -> int:
+    """SIGKILL the worker of the one ``log_pid_then_gate`` run logged so far; once ``f`` ended
+    or ran again, the number of runs (a rerun is let through its gate, so that the pool can
+    shut down)."""
+    [(_, pid)] = tt.read_tags(fifos.log)
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: f.done() or len(tt.read_tags(fifos.log)) > 1, "it ends or reruns")
+    runs = len(tt.read_tags(fifos.log))
+    if runs > 1:
+        tasks.open_gate(fifos.gate)
+    return runs
+
+
 @pytest.mark.timeout(60)
 def test_a_task_asked_to_cancel_is_not_retried_when_its_worker_dies(fifos: Fifos) -> None:
     """``pool.cancel(id)`` asked the running task to stop (True); its worker then dies. The
@@ -193,12 +206,8 @@ def test_a_task_asked_to_cancel_is_not_retried_when_its_worker_dies(fifos: Fifos
         )
         wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "the task runs")
         assert pool.cancel("r") is True
-        [(_, pid)] = tt.read_tags(fifos.log)
-        os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: f.done() or len(tt.read_tags(fifos.log)) > 1, "it ends or reruns")
-        runs = len(tt.read_tags(fifos.log))
-        if runs > 1:  # let the rerun end, so that the pool can shut down
-            tasks.open_gate(fifos.gate)
+        runs = _runs_after_killing_the_first(f, fifos)
+        if runs > 1:
             wait([f], timeout=CONDITION_TIMEOUT)
         assert runs == 1, "the task asked to cancel started again after its worker died"
         with pytest.raises(mpsched.WorkerCrashedError):
@@ -217,12 +226,7 @@ def test_a_task_is_not_retried_after_shutdown_cancelled_the_unstarted(fifos: Fif
         f = pool.with_options(retries=1).submit(tt.log_pid_then_gate, fifos.log, "r", fifos.gate)
         wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "the task runs")
         pool.shutdown(wait=False, cancel_futures=True)
-        [(_, pid)] = tt.read_tags(fifos.log)
-        os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: f.done() or len(tt.read_tags(fifos.log)) > 1, "it ends or reruns")
-        runs = len(tt.read_tags(fifos.log))
-        if runs > 1:  # let the rerun end, so that the pool can shut down
-            tasks.open_gate(fifos.gate)
+        runs = _runs_after_killing_the_first(f, fifos)
         assert pool.await_termination(timeout=CONDITION_TIMEOUT)
         assert runs == 1, "a retry started after shutdown(cancel_futures=True)"
         with pytest.raises(mpsched.WorkerCrashedError):
