@@ -112,7 +112,7 @@ class PoolResources:
         self._pool_ref = weakref.ref(pool, self._on_pool_dropped)
         _unreleased.add(self)
 
-    def _on_pool_dropped(self, _: weakref.ref[Any] | None) -> None:
+    def _on_pool_dropped(self, _: weakref.ref[Any]) -> None:
         # The garbage collector's callback: no lock, no wait (see the module docstring).
         coordinator = self.coordinator
         if self.disowned or self.release_requested or coordinator is None:
