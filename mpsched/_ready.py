@@ -27,6 +27,13 @@ count cannot drift: an item withdrawn without the mark would only count as live 
 (A scan of the queue under the coordinator's lock took ~40 ms with 10^6 due tasks queued, a
 stall of every submit and dispatch at each poll of a progress display.)
 
+Interrupts: ``append`` runs in the submitting thread, where a Ctrl-C's KeyboardInterrupt is
+raised as a call returns. Each insert therefore comes last, after the stores that count the
+item in. (Interrupted as ``level.append`` returned, the count missed the item: the queue
+counted one item fewer than it held, so the last item queued behind it never went out, and a
+map waiting on that chunk hung.) No interrupt can come between the stores and the insert,
+because stores are not calls.
+
 Aging (``age``): off unless the pool sets it. A task that has waited ``aging`` seconds since it
 became due moves up one level, and one more per further ``aging`` seconds; a promoted task joins
 the back of its new level. So strict priority order holds among tasks that became due less than
@@ -76,9 +83,9 @@ class ReadyQueue:
         level = self._levels.get(priority)  # the common case inline: one call per submit
         if level is None:
             level = self._level(priority)
-        level.append(item)
-        item._slot = QUEUED
+        item._slot = QUEUED  # before the append: see "Interrupts" in the module doc
         self.size += 1
+        level.append(item)
 
     def append_due(self, item: Future, priority: int) -> None:
         """Queue ``item``, a live timed version that came out of the heap, behind the items of
@@ -93,9 +100,9 @@ class ReadyQueue:
         if level is None or not passed:  # the latest of its level (released on time)
             self.append(item, priority)
             return
-        level.insert(len(level) - passed, item)
         item._slot = QUEUED
         self.size += 1
+        level.insert(len(level) - passed, item)
 
     def putback(
         self, items: Iterable[Future], now: float = 0.0, aging: float | None = None
@@ -109,13 +116,14 @@ class ReadyQueue:
             level = item._priority
             if aging is not None:
                 level += int((now - item._due_at) / aging)
-            self._level(level).appendleft(item)
+            queue = self._level(level)
             if item._withdrawn:
                 item._slot = QUEUED_WITHDRAWN
                 self._withdrawn_queued += 1
             else:
                 item._slot = QUEUED
             self.size += 1
+            queue.appendleft(item)
 
     def note_withdrawn(self, item: Future) -> None:
         """The coordinator withdrew ``item`` (set ``_withdrawn``): if it is queued here, count
