@@ -42,6 +42,7 @@ from mpsched._serialize import (
     portable,
     with_main_stand_ins,
 )
+from mpsched._weakset import QuietWeakSet
 
 _UNDERSCORE = ord("_")  # a byte, for ``in`` on bytes
 # How a global of __main__ starts in a pickle of PICKLE_PROTOCOL (>= 4): its module name as a
@@ -196,7 +197,9 @@ class FunctionCache:
         # Functions that cannot be tabled (lambdas, closures): remembered weakly, so that a
         # repeat skips the failed pickling, but neither they nor what they capture outlive
         # their tasks (held in _fids, every closure ever submitted lived as long as the pool).
-        self._untabled: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Not a WeakSet, whose removal (a Python callback) ran as each such task's function
+        # died: a Ctrl-C landing there was lost (see _weakset).
+        self._untabled: QuietWeakSet[Any] = QuietWeakSet()
         self._full = False
         self._lock = threading.Lock()
         # The names in the workers' __main__ (None: not known yet), and what the names of the

@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 import types
-import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sized
 from typing import Any
 
@@ -46,6 +45,7 @@ from mpsched._statistics import PoolStatistics, snapshot
 from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
 from mpsched._wakeup import Wakeup
+from mpsched._weakset import QuietWeakSet
 from mpsched._worker import WorkerOptions
 
 _INF = float("inf")
@@ -186,7 +186,7 @@ class Pool(concurrent.futures.Executor):
         # Maps of inputs with a length, whose rest shutdown sends (see there): weakly held once
         # their iterator is read (a map dropped then is abandoned), strongly until then (one
         # dropped unread is fire-and-forget: it runs to its end, as ProcessPoolExecutor's).
-        self._maps: weakref.WeakSet[MapRun] = weakref.WeakSet()
+        self._maps: QuietWeakSet[MapRun] = QuietWeakSet()  # not a WeakSet: see _weakset
         self._unread_maps: set[MapRun] = set()
         self._maps_lock = threading.Lock()
         self._maps_closed = False  # shutdown took the list of maps: no map joins it now
@@ -465,7 +465,7 @@ class Pool(concurrent.futures.Executor):
             # PoolClosedError once it needs to send more than it had read.
             with self._maps_lock:
                 self._maps_closed = True
-                maps = list(self._maps)
+                maps = self._maps.live()
                 self._unread_maps.clear()
             wait_chunks = threading.get_ident() != self._coordinator.thread_id
             try:
