@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from typing import Any
 
@@ -62,6 +63,10 @@ _CHILD_ABANDONED = ChildState.ABANDONED
 # pid store: it died, or an exception hit it in between; see _shm.release_if_orphaned). Holders
 # keep locks for microseconds, so a second is far beyond any live holder's preemption.
 ORPHAN_WAIT = 1.0  # seconds
+# SIGKILLed workers in a row, inside the pool's initializer with no task completed meanwhile,
+# that break the pool (killed_in_initializer): an external kill (the OOM killer) is survived, an
+# initializer killed by its own memory use every time is not retried for ever.
+INIT_KILLS_MAX = 3
 
 
 class Recovering(CoordinatorState):
@@ -85,7 +90,11 @@ class Recovering(CoordinatorState):
             return
         self.crashes += 1
         code = self.wait_exit_code(worker.pid)
-        if self.has_initializer and self.slots[worker.slot].owner_pid() != worker.pid:
+        if (
+            self.has_initializer
+            and self.slots[worker.slot].owner_pid() != worker.pid
+            and not self.killed_in_initializer(code)
+        ):
             # It died before bind_owner, i.e. inside the initializer (os._exit, a signal, a
             # crash in native code): an initializer that raises breaks the pool (INIT_FAILED),
             # and so must this one, or every replacement died the same way, in a respawn loop
@@ -99,6 +108,23 @@ class Recovering(CoordinatorState):
         if not self.draining or not self.all_done():
             self.respawns += 1
             self.spawn(worker.slot)
+
+    def killed_in_initializer(self, code: int | None) -> bool:
+        """A worker died before ``bind_owner``, in (or before) the initializer: True if that
+        was a SIGKILL from outside (the OOM killer, a user's ``kill -9``) to be survived with
+        a replacement. Only SIGKILL: an exit code or another signal is the initializer's own
+        doing, the same in every replacement. Survived ``INIT_KILLS_MAX - 1`` times in a row
+        without a task completing in between: an initializer that is itself OOM-killed every
+        time still breaks the pool, after that many respawns.
+        (Every such death broke the pool: under ``max_tasks_per_worker=1`` a worker is nearly
+        always starting, and one kill of a fresh worker failed every later task.)"""
+        if code != -signal.SIGKILL:
+            return False
+        if self.completed != self.init_kills_completed:  # a task ended since: it works
+            self.init_kills_completed = self.completed
+            self.init_kills = 0
+        self.init_kills += 1
+        return self.init_kills < INIT_KILLS_MAX
 
     def forget_worker(self, worker: WorkerHandle) -> None:
         fd = worker.conn.fileno()

@@ -175,6 +175,10 @@ class CoordinatorState:
         self.crashes = 0
         self.respawns = 0
         self.completed = 0
+        # Workers SIGKILLed in the initializer since a task last completed, and ``completed``
+        # at the first of them (Recovering.killed_in_initializer).
+        self.init_kills = 0
+        self.init_kills_completed = 0
         self.retried = 0
         self.recycled = 0
         self.retired_pids: set[int] = set()  # their EXITED reports are not crash reports

@@ -255,6 +255,11 @@ def exit_at_once(code: int) -> None:
     os._exit(code)
 
 
+def kill_self() -> None:
+    """A pool initializer (or task) whose process is SIGKILLed, as by the OOM killer."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def initializer_failing_at_gate(directory: str, gate_path: str) -> None:
     """A pool initializer that succeeds in the first worker to get here; every other worker
     waits at the gate ``gate_path``, then raises (breaking the pool)."""

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 
-from mpsched import BrokenPoolError, Pool
+from mpsched import BrokenPoolError, Pool, _coord_recovery
 
 from . import tasks
 from .conditions import wait_until
@@ -253,6 +254,78 @@ def test_a_task_goes_to_a_ready_worker_not_to_one_still_in_its_initializer(
     finally:
         tasks.open_gate(gate)
         pool.shutdown()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_a_worker_sigkilled_in_its_initializer_is_replaced(
+    start_method: str, tmp_path: pathlib.Path
+) -> None:
+    """An external SIGKILL (the OOM killer) of a worker still in its initializer broke the
+    whole pool (every later task failed), as an initializer's own failure does: under
+    ``max_tasks_per_worker=1`` a worker is nearly always starting. Now it is replaced."""
+    gate = str(tmp_path / "gate")
+    os.mkfifo(gate)
+    pool = Pool(
+        2,
+        start_method=start_method,
+        initializer=tasks.initializer_waiting_at_gate,
+        initargs=(str(tmp_path), gate),
+    )
+    try:
+        coordinator = pool._coordinator
+
+        def initializing() -> list[int]:
+            return [
+                w.pid
+                for k, w in enumerate(coordinator.workers)
+                if w is not None and coordinator.slots[k].owner_pid() != w.pid
+            ]
+
+        def bound() -> int:
+            return sum(
+                w is not None and coordinator.slots[k].owner_pid() == w.pid
+                for k, w in enumerate(coordinator.workers)
+            )
+
+        wait_until(lambda: bound() == 1 and len(initializing()) == 1, "one worker at the gate")
+        (waiting,) = initializing()
+        os.kill(waiting, signal.SIGKILL)
+        wait_until(lambda: initializing() not in ([], [waiting]), "its replacement at the gate")
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+        tasks.open_gate(gate)  # the replacement gets through its initializer
+        wait_until(lambda: bound() == 2, "both workers past the initializer")
+        assert list(pool.map(tasks.ident, range(20))) == list(range(20))
+        stats = pool.statistics()
+        assert (stats.crashes, stats.respawns) == (1, 1)
+    finally:
+        pool.shutdown()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_an_initializer_sigkilled_every_time_breaks_the_pool_after_a_few_respawns(
+    start_method: str,
+) -> None:
+    """The replacement rule is bounded: ``INIT_KILLS_MAX`` workers SIGKILLed in the initializer
+    with no task completed meanwhile (an initializer that the OOM killer ends each time) break
+    the pool, with no endless respawn loop."""
+    pool = Pool(1, start_method=start_method, initializer=tasks.kill_self)
+    try:
+        try:
+            future = pool.submit(tasks.ident, 1)
+        except BrokenPoolError as exc:
+            error: BaseException = exc
+        else:
+            with pytest.raises(BrokenPoolError) as info:
+                future.result(timeout=20)
+            error = info.value
+        assert "initializer" in str(error)
+        assert "SIGKILL" in str(error)
+    finally:
+        pool.shutdown(wait=False)
+        assert pool.await_termination(timeout=20)
+    assert pool.statistics().respawns == _coord_recovery.INIT_KILLS_MAX - 1
 
 
 @pytest.mark.timeout(60)
