@@ -153,14 +153,22 @@ class Pool(concurrent.futures.Executor):
         # A finite positive number of seconds, checked under its own name (the error named
         # "timeout" when this borrowed TaskOptions' check).
         check_seconds("aging", aging, allow_none=True, positive=True)
-        if max_tasks_per_worker is not None and (
-            isinstance(max_tasks_per_worker, bool)
-            or not isinstance(max_tasks_per_worker, int)
-            or max_tasks_per_worker < 1
+        if max_tasks_per_worker is not None:
+            if isinstance(max_tasks_per_worker, bool) or not isinstance(max_tasks_per_worker, int):
+                raise TypeError(  # as workers and dispatch_window: a wrong type is a TypeError
+                    "max_tasks_per_worker must be an int or None, "
+                    f"not {type(max_tasks_per_worker).__name__}"
+                )
+            if max_tasks_per_worker < 1:
+                raise ValueError(
+                    f"max_tasks_per_worker must be positive, not {max_tasks_per_worker!r}"
+                )
+        for name, flag in (
+            ("timed_after_shutdown", timed_after_shutdown),
+            ("recurring_after_shutdown", recurring_after_shutdown),
         ):
-            raise ValueError(
-                f"max_tasks_per_worker must be a positive int or None, not {max_tasks_per_worker!r}"
-            )
+            if not isinstance(flag, bool):  # "no" was taken as True
+                raise TypeError(f"{name} must be a bool, not {type(flag).__name__}")
         if initializer is not None and not callable(initializer):
             raise TypeError(f"initializer must be callable, not {type(initializer).__name__}")
         try:  # a tuple, or another iterable of the arguments (the stdlib's pools take any)
@@ -180,8 +188,8 @@ class Pool(concurrent.futures.Executor):
         self._start_method = method
         self._window = dispatch_window
         self._aging = None if aging is None else float(aging)
-        self._timed_after_shutdown = bool(timed_after_shutdown)
-        self._recurring_after_shutdown = bool(recurring_after_shutdown)
+        self._timed_after_shutdown = timed_after_shutdown
+        self._recurring_after_shutdown = recurring_after_shutdown
         self._shutdown_lock = threading.Lock()
         # Maps of inputs with a length, whose rest shutdown sends (see there): weakly held once
         # their iterator is read (a map dropped then is abandoned), strongly until then (one

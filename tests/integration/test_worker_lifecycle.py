@@ -74,6 +74,12 @@ def test_failing_initializer_breaks_the_pool_with_its_error_and_no_respawn_loop(
 def test_bad_lifecycle_settings_fail_at_construction() -> None:
     with pytest.raises(ValueError, match="max_tasks_per_worker"):
         Pool(1, max_tasks_per_worker=0)
+    for wrong in ("3", 1.5, True):  # a wrong type was a ValueError, unlike workers'
+        with pytest.raises(TypeError, match="max_tasks_per_worker"):
+            Pool(1, max_tasks_per_worker=wrong)  # type: ignore[arg-type]
+    for name in ("timed_after_shutdown", "recurring_after_shutdown"):
+        with pytest.raises(TypeError, match=name):  # "no" was taken as True
+            Pool(1, **{name: "no"})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="initializer"):
         Pool(1, initializer="setup")  # type: ignore[arg-type]
 
