@@ -45,5 +45,6 @@ class QuietWeakSet(Generic[T]):
         return ref is not None and ref() is obj
 
     def live(self) -> list[T]:
-        """The objects still alive, in the order they were first added."""
+        """The objects still alive (in the order of their entries: a live object that took a
+        dead one's id holds that entry)."""
         return [obj for ref in self._refs.values() if (obj := ref()) is not None]
