@@ -49,6 +49,8 @@ from concurrent.futures._base import (
 )
 from typing import Any, Protocol
 
+from mpsched._clock import wait_seconds
+
 _CONDITION_LOCK = threading.Lock()  # guards the lazy creation of every future's condition
 # The per-task paths take it by acquire()/release(), not ``with``: on 3.11 ``with`` on a lock
 # allocates two bound methods, measured at 2-3x the cost of the pair of calls.
@@ -181,7 +183,12 @@ class Future(concurrent.futures.Future[Any]):
 
     def result(self, timeout: float | None = None) -> Any:
         """As ``concurrent.futures.Future.result``; while the pool is lightly loaded, the
-        caller first collects results itself for a short while (``Coordinator.help_wait``)."""
+        caller first collects results itself for a short while (``Coordinator.help_wait``).
+        A ``timeout`` that is not a number (a bool is not) is a TypeError and NaN a ValueError,
+        at the call, as in every other wait of the library (the stdlib's timed out at once on
+        NaN and waited a second on True)."""
+        if timeout is not None:
+            timeout = wait_seconds(timeout)
         state = self._state
         if state == FINISHED:
             # Settled: nothing to wait for, so no condition. The stdlib's result() takes it
@@ -209,7 +216,9 @@ class Future(concurrent.futures.Future[Any]):
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """As ``concurrent.futures.Future.exception`` (a settled one without its condition, as
-        ``result``)."""
+        ``result``; its ``timeout`` checked as there)."""
+        if timeout is not None:
+            timeout = wait_seconds(timeout)
         if self._state == FINISHED:
             return self._exception
         return super().exception(timeout)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import gc
+import math
 import threading
 import weakref
 
@@ -174,3 +175,25 @@ def test_done_callbacks_run_without_the_condition_held() -> None:
     future.add_done_callback(callback)  # creates the Condition: the stdlib path
     future.set_result("ok")
     assert seen == ["ok", False]
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error"),
+    [(math.nan, ValueError), (True, TypeError), ("1", TypeError)],
+    ids=["nan", "bool", "str"],
+)
+@pytest.mark.parametrize("method", ["result", "exception"])
+def test_a_wait_with_a_timeout_that_is_no_number_of_seconds_fails_at_the_call(
+    method: str, timeout: object, error: type[Exception]
+) -> None:
+    """As every other wait of the library (``Pool.map``, ``await_termination``, a child's
+    ``result``): the stdlib's timed out at once on NaN, waited a second on True and failed in
+    its arithmetic on a str. Checked whether or not the future is settled."""
+    pending, settled = Future(None, b"", 0), Future(None, b"", 0)
+    settled.set_result(1)
+    for future in (pending, settled):
+        with pytest.raises(error, match="timeout"):
+            getattr(future, method)(timeout)
+    assert settled.result(math.inf) == 1  # no limit
+    with pytest.raises(concurrent.futures.TimeoutError):
+        pending.result(-1.0)  # a negative timeout times out at once, as the stdlib's
