@@ -262,6 +262,18 @@ def test_a_task_goes_to_a_ready_worker_not_to_one_still_in_its_initializer(
         pool.shutdown()
 
 
+def _broken_at_first_task(pool: Pool) -> BaseException:
+    """The BrokenPoolError of a pool whose initializer breaks it: raised by the first submit
+    or by its task's result (the pool may already be broken when submit runs: both are fine)."""
+    try:
+        future = pool.submit(tasks.ident, 1)
+    except BrokenPoolError as exc:
+        return exc
+    with pytest.raises(BrokenPoolError) as info:
+        future.result(timeout=20)
+    return info.value
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("start_method", START_METHODS)
 def test_a_worker_sigkilled_in_its_initializer_is_replaced(
@@ -318,14 +330,7 @@ def test_an_initializer_sigkilled_every_time_breaks_the_pool_after_a_few_respawn
     the pool, with no endless respawn loop."""
     pool = Pool(1, start_method=start_method, initializer=tasks.kill_self)
     try:
-        try:
-            future = pool.submit(tasks.ident, 1)
-        except BrokenPoolError as exc:
-            error: BaseException = exc
-        else:
-            with pytest.raises(BrokenPoolError) as info:
-                future.result(timeout=20)
-            error = info.value
+        error = _broken_at_first_task(pool)
         assert "initializer" in str(error)
         assert "SIGKILL" in str(error)
     finally:
@@ -343,14 +348,7 @@ def test_an_initializer_that_kills_its_worker_breaks_the_pool_without_a_respawn_
     # never ended and shutdown(wait=True) never returned.
     pool = Pool(2, start_method=start_method, initializer=tasks.exit_at_once, initargs=(3,))
     try:
-        try:  # the pool may already be broken when submit runs: both are fine
-            future = pool.submit(tasks.ident, 1)
-        except BrokenPoolError as exc:
-            error: BaseException = exc
-        else:
-            with pytest.raises(BrokenPoolError) as info:
-                future.result(timeout=10)
-            error = info.value
+        error = _broken_at_first_task(pool)
         assert "initializer" in str(error)
         assert "exit code 3" in str(error)
         with pytest.raises(BrokenPoolError):
