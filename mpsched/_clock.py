@@ -23,10 +23,10 @@ def wait_seconds(timeout: object) -> float | None:
     ValueError if NaN; infinite is None (no limit: a wait that long overflows the clock), and
     so is an int past the float range (``float()`` raised a bare OverflowError, also from an
     ``await_termination`` of a pool that had ended). Zero or negative stays: the wait times
-    out at once, as the stdlib's waits do. For ``Pool.map``, ``Pool.await_termination``, a
-    pool future's ``result()``/``exception()`` and a
-    child's ``result()``/``exception()`` (a value that failed in a join's arithmetic was taken
-    for an interrupt of mpsched's own code, and the worker exited)."""
+    out at once, as the stdlib's waits do. For ``Pool.map``, ``Pool.await_termination``, and
+    the ``result()``/``exception()`` of a pool's future and of a child's (in a join, a value
+    that failed in its arithmetic was taken for an interrupt of mpsched's own code, and the
+    worker exited)."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
     try:

@@ -64,8 +64,8 @@ _CHILD_ABANDONED = ChildState.ABANDONED
 # keep locks for microseconds, so a second is far beyond any live holder's preemption.
 ORPHAN_WAIT = 1.0  # seconds
 # SIGKILLed workers in a row, inside the pool's initializer with no task completed meanwhile,
-# that break the pool (killed_in_initializer): an external kill (the OOM killer) is survived, an
-# initializer killed by its own memory use every time is not retried for ever.
+# that break the pool (survives_initializer_kill): an external kill (the OOM killer) is
+# survived, an initializer killed by its own memory use every time is not retried for ever.
 INIT_KILLS_MAX = 3
 
 
@@ -93,7 +93,7 @@ class Recovering(CoordinatorState):
         if (
             self.has_initializer
             and self.slots[worker.slot].owner_pid() != worker.pid
-            and not self.killed_in_initializer(code)
+            and not self.survives_initializer_kill(code)
         ):
             # It died before bind_owner, i.e. inside the initializer (os._exit, a signal, a
             # crash in native code): an initializer that raises breaks the pool (INIT_FAILED),
@@ -109,13 +109,13 @@ class Recovering(CoordinatorState):
             self.respawns += 1
             self.spawn(worker.slot)
 
-    def killed_in_initializer(self, code: int | None) -> bool:
-        """A worker died before ``bind_owner``, in (or before) the initializer: True if that
-        was a SIGKILL from outside (the OOM killer, a user's ``kill -9``) to be survived with
-        a replacement. Only SIGKILL: an exit code or another signal is the initializer's own
-        doing, the same in every replacement. Survived ``INIT_KILLS_MAX - 1`` times in a row
-        without a task completing in between: an initializer that is itself OOM-killed every
-        time still breaks the pool, after that many respawns.
+    def survives_initializer_kill(self, code: int | None) -> bool:
+        """A worker died before ``bind_owner``, in (or before) the initializer: count it, and
+        return True if that was a SIGKILL from outside (the OOM killer, a user's ``kill -9``),
+        to be survived with a replacement. Only SIGKILL: an exit code or another signal is the
+        initializer's own doing, the same in every replacement. Survived ``INIT_KILLS_MAX - 1``
+        times in a row without a task completing in between: an initializer that is itself
+        OOM-killed every time still breaks the pool, after that many respawns.
         (Every such death broke the pool: under ``max_tasks_per_worker=1`` a worker is nearly
         always starting, and one kill of a fresh worker failed every later task.)"""
         if code != -signal.SIGKILL:

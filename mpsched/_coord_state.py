@@ -176,7 +176,7 @@ class CoordinatorState:
         self.respawns = 0
         self.completed = 0
         # Workers SIGKILLed in the initializer since a task last completed, and ``completed``
-        # at the first of them (Recovering.killed_in_initializer).
+        # at the first of them (Recovering.survives_initializer_kill).
         self.init_kills = 0
         self.init_kills_completed = 0
         self.retried = 0
