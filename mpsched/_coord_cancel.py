@@ -161,6 +161,8 @@ class Cancelling(CoordinatorState):
         killing its worker with ``force``). True if anything was cancelled or asked to stop.
 
         With ``recurrence``: only while it is still the id's recurrence."""
+        if force is not False and force is not True:  # two tests for the default, no call
+            raise TypeError(f"force must be a bool, not {type(force).__name__}")
         if self.disowned:  # a fork child's copy: the versions are the parent's (see __init__)
             return False
         timetable = self.timetable

@@ -365,6 +365,9 @@ class Pool(concurrent.futures.Executor):
         Returns:
             True if a version was cancelled or asked to stop; False for an id with nothing
             pending or running.
+
+        Raises:
+            TypeError: unhashable ``task_id``, or a ``force`` that is not a bool.
         """
         return self._coordinator.cancel_id(task_id, force=force)
 

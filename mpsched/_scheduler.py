@@ -11,7 +11,9 @@ that lock, so it must not call back into the scheduler. What the lock cannot giv
 in another, so act on the return value of ``cancel()``, not on an earlier ``state()``.
 
 Input is checked at the call, before anything changes: NaN or infinite ``run_at`` -> ValueError;
-non-real ``run_at``, non-int ``priority``, unhashable ``task_id``, non-callable ``fn`` -> TypeError.
+non-real ``run_at``, non-int ``priority``, unhashable ``task_id`` (for every method that takes
+one), non-callable ``fn``, a ``finish()`` of something that is no ``Due`` or with an ``error``
+that is no exception -> TypeError.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ class Scheduler:
         """Cancel ``task_id``: its pending version never runs (a guarantee); a running version
         is marked cancel-requested (see ``cancel_requested()``). False for unknown ids and ids
         whose versions have all finished."""
+        check_task_id(task_id)
         with self._lock:
             return self._heap.cancel(task_id)
 
@@ -130,22 +133,30 @@ class Scheduler:
 
         Raises:
             InvalidTransition: ``due`` is not running (finished twice, or stale).
+            TypeError: ``due`` is not a ``Due``, or ``error`` is neither None nor an exception.
         """
+        if not isinstance(due, Due):
+            raise TypeError(f"due must be a Due that next() returned, not {type(due).__name__}")
+        if error is not None and not isinstance(error, BaseException):
+            raise TypeError(f"error must be an exception or None, not {type(error).__name__}")
         with self._lock:
             return self._heap.finish(due, error)
 
     def state(self, task_id: Hashable) -> TaskState | None:
         """State of the latest version of ``task_id``; None if unknown."""
+        check_task_id(task_id)
         with self._lock:
             return self._heap.state(task_id)
 
     def cancel_requested(self, task_id: Hashable) -> bool:
         """True if the running version of ``task_id`` has been asked to cancel."""
+        check_task_id(task_id)
         with self._lock:
             return self._heap.cancel_requested(task_id)
 
     def discard(self, task_id: Hashable) -> bool:
         """Forget a finished id so its record stops using memory; True if it was dropped."""
+        check_task_id(task_id)
         with self._lock:
             return self._heap.discard(task_id)
 

@@ -585,6 +585,18 @@ def test_an_unhashable_id_is_named_by_cancel_and_state() -> None:
         assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
 
 
+@pytest.mark.parametrize("force", ["no", 0, 1, None])
+def test_a_force_that_is_not_a_bool_is_a_type_error_and_cancels_nothing(force: object) -> None:
+    """Taken as a truth value, ``force="no"`` would have killed the worker of a running
+    version; refused at the call, whatever the id's versions are doing."""
+    with Pool(1) as pool:
+        pool.schedule("t", time.monotonic() + 3600, 0, tasks.ident, 1)
+        with pytest.raises(TypeError, match="force must be a bool"):
+            pool.cancel("t", force=force)  # type: ignore[arg-type]
+        assert pool.state("t") is TaskState.PENDING
+        assert pool.cancel("t", force=False)
+
+
 @pytest.mark.timeout(60)
 def test_a_task_due_months_or_aeons_ahead_waits_without_breaking_the_pool() -> None:
     """epoll takes at most ~24.8 days: a finite ``run_at`` further ahead (or a recurrence's

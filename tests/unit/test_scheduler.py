@@ -501,9 +501,25 @@ def test_non_int_priority_is_a_type_error(sched: Scheduler, priority: object) ->
         sched.schedule("t", 0.0, priority, noop)  # type: ignore[arg-type]
 
 
-def test_unhashable_task_id_is_a_type_error(sched: Scheduler) -> None:
-    with pytest.raises(TypeError, match="hashable"):
-        sched.schedule(["list"], 0.0, 0, noop)
+@pytest.mark.parametrize("method", ["schedule", "cancel", "state", "cancel_requested", "discard"])
+def test_unhashable_task_id_is_a_type_error_that_names_it(sched: Scheduler, method: str) -> None:
+    args = (0.0, 0, noop) if method == "schedule" else ()
+    with pytest.raises(TypeError, match="task_id must be hashable, not list"):
+        getattr(sched, method)(["list"], *args)
+
+
+def test_finish_of_a_non_due_or_with_a_non_exception_error_is_a_type_error(
+    sched: Scheduler,
+) -> None:
+    sched.schedule("t", 0.0, 0, noop)
+    due = sched.next()
+    assert isinstance(due, Due)
+    with pytest.raises(TypeError, match="due must be a Due"):
+        sched.finish(("t", 1, 0.0, 0, noop))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="error must be an exception or None, not str"):
+        sched.finish(due, error="boom")  # type: ignore[arg-type]
+    assert sched.state("t") is TaskState.RUNNING  # neither call changed anything
+    assert sched.finish(due, error=ValueError("boom")) is TaskState.FAILED
 
 
 def test_non_callable_fn_is_a_type_error(sched: Scheduler) -> None:
