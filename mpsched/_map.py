@@ -17,21 +17,24 @@ there. ``Pool.shutdown`` (any thread) calls
 ``MapRun.send_rest`` for every live map. ``MapRun.lock`` orders the reads of
 the input, the sends and the changes of ``in_flight`` between those threads.
 
-Invariants: ``in_flight`` holds the chunks sent and not yet yielded, in input order (the rest
-of a chunk that stopped at its budget goes in right behind it, once: ``settle``, by the
-iterator or by ``send_rest``); new input is read only while
-fewer than ``MAP_PREFETCH_PER_WORKER`` chunks per worker are in flight (one a worker before a
-result was measured), or by ``send_rest``; every chunk still in flight when the iterator ends
-is cancelled: at once when it ends by its own error, timeout or Ctrl-C, by the coordinator
-thread (``cancel_later``) when it is closed. An error met ahead of the results (the input's, a
-chunk's submit) is raised only after every earlier result was yielded, and nothing after it is
-sent.
+Invariants: ``in_flight`` holds the chunks sent and not yet yielded, in input order (the rest of
+a chunk that stopped at its budget goes in right behind it, once: ``settle``, by the iterator,
+by ``send_rest`` or by an eager run's ``fill``); new input is read only while fewer than
+``MAP_PREFETCH_PER_WORKER`` chunks per worker are in flight (one a worker before a result was
+measured), or by ``send_rest``, or, for an ``eager`` run (a finite deadline and an input with a
+length), until the deadline while fewer than that many are unfinished (by its chunks'
+done-callbacks, ``_chunk_done``, in whichever thread settles them); every chunk still in flight
+when the iterator ends is cancelled: at once when it ends by its own error, timeout or Ctrl-C,
+by the coordinator thread (``cancel_later``) when it is closed. An error met ahead of the
+results (the input's, a chunk's submit) is raised only after every earlier result was yielded,
+and nothing after it is sent.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import itertools
 import math
 import pickle
@@ -91,6 +94,8 @@ class MapRun:
         "chunksize",
         "closed",
         "deadline",
+        "eager",
+        "ended",
         "exhausted",
         "final",
         "fn",
@@ -101,10 +106,12 @@ class MapRun:
         "out_per_item",
         "per_item",
         "pool",
+        "sending",
         "size",
         "sized",
         "star",
         "stoppable",
+        "unfinished",
         "window",
     )
 
@@ -131,6 +138,12 @@ class MapRun:
         self.star = star
         self.chunksize = chunksize
         self.deadline = deadline
+        # A finite deadline on a finite input: the chunks go as workers finish them, not as
+        # the results are read (see ``_chunk_done``).
+        self.eager = sized and deadline is not None and deadline < math.inf
+        self.unfinished = 0  # chunks sent and not done (kept only if eager)
+        self.ended: list[Future] = []  # eager: chunks that ended, their rest not yet settled
+        self.sending = False  # the lock's holder is sending (see ``_chunk_done``)
         # In input order: each chunk's future and its items (a chunk that stopped at its budget
         # leaves the rest of its items to go again, before every later chunk's results).
         self.in_flight: collections.deque[tuple[Future, list[Any]]] = collections.deque()
@@ -165,10 +178,45 @@ class MapRun:
         return ordered_results(self, pool)
 
     def fill(self) -> None:
-        """Send chunks while fewer than the window are in flight (the bounded read-ahead)."""
+        """Send chunks while fewer than the window are in flight (the bounded read-ahead), or,
+        if ``eager``, fewer than the window are unfinished until the deadline."""
         with self.lock:
-            while not self.exhausted and len(self.in_flight) < self.window:
-                self._send_next()
+            self.sending = True
+            try:
+                while True:
+                    while self.ended:  # (each is in ``in_flight`` by now: it is no send's)
+                        self.settle(self.ended.pop())
+                    if self.exhausted or not (
+                        len(self.in_flight) < self.window
+                        or (
+                            self.eager
+                            and self.unfinished < self.window
+                            and time.monotonic() < self.deadline  # type: ignore[operator]
+                        )
+                    ):
+                        return
+                    self._send_next()
+            finally:
+                self.sending = False
+
+    def _chunk_done(self, future: Future) -> None:
+        """An ``eager`` run's chunk ended (a done-callback: in the pool's callback thread, or
+        in the thread that collected it). Its rest goes at once and more chunks go, so that a
+        reader who pauses between results does not stop the work: with a timeout counted
+        from the call, as ``ProcessPoolExecutor.map``'s, which submits the whole input at the
+        call, the results still to be read came late and timed out while the workers idled.
+        An input with a length is read here too (as ``send_rest`` reads it from the shutdown's
+        thread); an iterator is read only by the reader (it may be bound to its thread)."""
+        with self.lock:
+            self.unfinished -= 1
+            if self.closed or self.final:  # ``send_rest`` settles what it sent before
+                return
+            self.ended.append(future)
+            # Called back at once by a send of this thread's (the chunk ended first), it is
+            # not in ``in_flight`` yet, and settling it would lose its rest: the next ``fill``
+            # settles it (the reader's, or this one's after the send).
+            if not self.sending:
+                self.fill()
 
     def send_rest(self, wait_chunks: bool = True) -> None:
         """``Pool.shutdown``, before it closes the pool: for a map whose input has a length,
@@ -240,8 +288,12 @@ class MapRun:
         ``in_flight``."""
         size = self.size
         entries = []
-        for start in range(0, len(items), size):
-            entries += self._send(items[start : start + size])[0]
+        sending, self.sending = self.sending, True
+        try:
+            for start in range(0, len(items), size):
+                entries += self._send(items[start : start + size])[0]
+        finally:
+            self.sending = sending
         for offset, entry in enumerate(entries):
             self.in_flight.insert(index + offset, entry)
 
@@ -311,6 +363,9 @@ class MapRun:
             future = pool.submit(run_chunk, fn, piece, self.star, budget, max_bytes)
             if budget != math.inf or max_bytes != math.inf:
                 self.stoppable.add(future)
+            if self.eager:
+                self.unfinished += 1
+                future.add_done_callback(functools.partial(_chunk_done, weakref.ref(self)))
             return [(future, piece)], True
         except Exception as exc:  # a BaseException (Ctrl-C) goes on at once
             found = first_unpicklable([fn, *piece]) if isinstance(exc, TaskPicklingError) else None
@@ -404,6 +459,14 @@ def ordered_results(run: MapRun, pool: Pool) -> Iterator[Any]:
         run.closed = True
         for future, _ in list(in_flight):
             future.cancel()
+
+
+def _chunk_done(ref: weakref.ref[MapRun], future: Future) -> None:
+    """A chunk's done-callback: it refers to its run weakly (the run's futures are in its
+    ``in_flight``: a cycle would keep a run, and the results it holds, until a collection)."""
+    run = ref()
+    if run is not None:
+        run._chunk_done(future)
 
 
 def _handed_out(results: list[Any], nbytes: int) -> Iterator[Any]:

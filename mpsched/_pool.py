@@ -389,7 +389,10 @@ class Pool(concurrent.futures.Executor):
         """Like ``map(fn, *iterables)``, run in the pool; results in input order.
 
         The work starts at the call, as ``ProcessPoolExecutor.map``'s. The input is read
-        lazily, at most a few chunks per worker ahead of the results; at ``shutdown`` (also
+        lazily, at most a few chunks per worker ahead of the results (with a finite
+        ``timeout``, an input with a length goes on as chunks end, until the deadline, so
+        that a reader who pauses does not time out the results to come; they wait to be
+        read); at ``shutdown`` (also
         the end of a ``with`` block) the rest of an input with a length (a list, a range, ...)
         is sent, and its results come after the pool ended too. An iterator's rest cannot be
         read then (it may be endless): its results come as far as it was read, then

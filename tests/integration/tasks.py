@@ -110,6 +110,11 @@ def spin(seconds: float) -> float:
     return seconds
 
 
+def spin_record(path: str, task_id: int, seconds: float) -> int:
+    spin(seconds)
+    return record(path, task_id)
+
+
 def gate(path: str) -> bool:
     """Block until the test opens the FIFO at ``path`` for writing and writes a byte (a
     cross-process event: no sleeping, no polling)."""

@@ -22,7 +22,7 @@ from mpsched._chunks import run_chunk
 
 from . import edge_tasks as et
 from . import tasks
-from .conditions import Fifos, wait_until
+from .conditions import CONDITION_TIMEOUT, Fifos, wait_until
 
 START_METHODS = ["forkserver", "spawn", "fork"]
 
@@ -286,6 +286,56 @@ def test_map_sends_again_what_a_chunk_left_at_its_budget(
     results = pool2.map(tasks.boom, ["first", "second"])
     with pytest.raises(ValueError, match="first"):
         next(results)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunking", ["chunksize 1", "default, 0.5 ms items", "budget 0"])
+def test_a_map_with_a_timeout_works_on_while_its_reader_pauses(
+    pool2: Pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunking: str
+) -> None:
+    """Its timeout counts from the call, as ProcessPoolExecutor.map's, which submits the whole
+    input then: a reader that paused between results left the workers idle once the read-ahead
+    was done (the rest of a chunk stopped at its budget waited for the reader too), and the
+    results still to come timed out. An input with a length now goes on as chunks end."""
+    if chunking == "budget 0":
+        monkeypatch.setattr(_map, "MAP_CHUNK_BUDGET", 0.0)  # every chunk stops after one item
+    log = tmp_path / "log"
+    log.touch()
+    n = 400 if chunking.startswith("default") else 60
+    seconds = 0.0005 if chunking.startswith("default") else 0.0
+    results = pool2.map(
+        tasks.spin_record,
+        [str(log)] * n,
+        range(n),
+        [seconds] * n,
+        chunksize=1 if chunking == "chunksize 1" else None,
+        timeout=10 * CONDITION_TIMEOUT,
+    )
+    assert next(results) == 0
+    wait_until(lambda: len(tasks.read_log(str(log))) == n, "every item ran, its reader paused")
+    assert list(results) == list(range(1, n))
+    assert sorted(tasks.read_log(str(log))) == list(range(n))  # each once
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout", [0.0, None])
+def test_a_map_works_ahead_of_its_reader_only_until_its_deadline(
+    pool2: Pool, timeout: float | None
+) -> None:
+    """Past the deadline, or with none, chunks go only as the reader takes results: the
+    results the reader can no longer get (or has not asked for) are not worked on."""
+    results = pool2.map(tasks.ident, range(60), chunksize=1, timeout=timeout)
+    (run,) = pool2._maps.live()
+    assert run.eager is (timeout is not None)
+    window = _map.MAP_PREFETCH_PER_WORKER * 2
+    wait_until(lambda: all(f.done() for f, _ in list(run.in_flight)), "the first window ran")
+    wait_until(lambda: run.unfinished == 0, "its chunks' callbacks ran")
+    assert len(run.in_flight) == window
+    if timeout is None:
+        assert list(results) == list(range(60))
+    else:
+        with pytest.raises(concurrent.futures.TimeoutError):
+            list(results)
 
 
 @pytest.mark.timeout(60)
