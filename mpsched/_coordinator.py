@@ -133,8 +133,15 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
     def check_usable(self) -> None:
         """Under ``self.lock``: may a new task come in? (Not once the pool broke or began to
         shut down: the drain must not see a task arrive after it began.)"""
-        if self.broken is not None:
-            raise BrokenPoolError(f"the pool is broken: {self.broken!r}") from self.broken
+        broken = self.broken
+        if broken is not None:
+            # Caused by what broke it, as its futures' errors are: the cause of a
+            # BrokenPoolError that says so (the initializer's exception), not that error.
+            if isinstance(broken, BrokenPoolError):
+                raise BrokenPoolError(f"the pool is broken: {broken}") from (
+                    broken.__cause__ or broken
+                )
+            raise BrokenPoolError(f"the pool is broken: {broken!r}") from broken
         if self.draining:
             raise PoolClosedError(POOL_CLOSED_MESSAGE)
 

@@ -26,7 +26,11 @@ Misfire: a run that could not *start* within ``misfire_grace`` seconds of its du
 was busy) is a misfire. "run_late" (the default) runs it anyway; "skip" drops that run, counts it
 in ``PoolStatistics.misfires`` and logs a warning: never silently. A run that the coordinator
 hands to a worker as soon as it finds it due is never a misfire, whatever the grace (zero
-included): the coordinator's own wake-up after the due time is not the pool being busy.
+included): the coordinator's own wake-up after the due time is not the pool being busy. The
+check is made as a run leaves the pool's ready queue: one handed on time to a worker's inbox (up
+to ``dispatch_window`` tasks ahead of it) that starts there late because that worker is busy
+runs late, uncounted, also with "skip" (known gap: docs/design.md, "Recurrence"; a smaller
+``dispatch_window`` keeps more runs in the ready queue).
 """
 
 from __future__ import annotations
@@ -80,7 +84,8 @@ class TaskOptions:
         overlap: what a recurring task does with due times that passed while its previous run
             was still going: ``"skip"``, ``"coalesce"`` or ``"queue"`` (module doc).
         misfire: ``"run_late"`` or ``"skip"`` for a recurring run that could not start within
-            ``misfire_grace`` seconds of its due time.
+            ``misfire_grace`` seconds of its due time (judged as it leaves the pool's ready
+            queue: one already in a busy worker's inbox runs late; see the module doc).
         misfire_grace: seconds; see ``misfire``.
     """
 

@@ -7,6 +7,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
@@ -64,9 +65,18 @@ def test_failing_initializer_breaks_the_pool_with_its_error_and_no_respawn_loop(
         chain.append(error)
         error = error.__cause__
     assert any("initializer" in str(e) for e in chain)
-    assert any(isinstance(e, OSError) and "no db" in str(e) for e in chain)
-    with pytest.raises(BrokenPoolError):
-        pool.submit(tasks.ident, 2)
+    (cause,) = [e for e in chain if isinstance(e, OSError) and "no db" in str(e)]
+    # A later call's error too, as the Pool docstring says: its cause is the initializer's
+    # exception (it was the first BrokenPoolError, the exception one level further down).
+    calls: list[Callable[[], object]] = [
+        lambda: pool.submit(tasks.ident, 2),
+        lambda: pool.schedule("t", 0.0, 0, tasks.ident, 2),
+        lambda: list(pool.map(tasks.ident, [2])),
+    ]
+    for call in calls:
+        with pytest.raises(BrokenPoolError, match="initializer") as later:
+            call()
+        assert later.value.__cause__ is cause
     pool.shutdown(wait=True)
     assert pool.statistics().respawns == 0
 
