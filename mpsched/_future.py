@@ -277,7 +277,9 @@ class Future(concurrent.futures.Future[Any]):
             sink(self)
 
     def cancel(self) -> bool:
-        """Cancel the task if no worker has claimed it yet; then it never runs.
+        """Cancel the task if no worker has claimed it yet; then it never runs. (A task with
+        ``retries`` whose worker died while running it is not claimed again until its retry
+        starts: until then it can be cancelled, and the retry never runs.)
 
         Returns:
             True if the future is cancelled; False if the task was claimed or has finished.

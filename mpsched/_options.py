@@ -78,7 +78,9 @@ class TaskOptions:
         timeout_grace: seconds between the cooperative cancel and the kill.
         retries: how many times the task runs again if its worker dies while running it
             (out of memory, a crash in native code); 0: it fails with ``WorkerCrashedError``.
-            A run that was asked to stop (``pool.cancel``, or its timeout) is not retried.
+            A run that was asked to stop (``pool.cancel``, or its timeout) is not retried. A
+            retry that has not started can be cancelled (``cancel()``, ``pool.cancel``), as a
+            task no worker claimed: its state goes from RUNNING to CANCELLED.
         every: seconds between the due times of a recurring task (``schedule`` only); None:
             one run.
         overlap: what a recurring task does with due times that passed while its previous run

@@ -20,7 +20,10 @@ class TaskState(enum.IntEnum):
 
         PENDING -> RUNNING | CANCELLED
         RUNNING -> COMPLETED | FAILED | CANCELLED   (CANCELLED only if the task acknowledged a
-                                                     cancel request by raising TaskCancelled)
+                                                     cancel request by raising TaskCancelled;
+                                                     in a Pool also after a forced cancel, and
+                                                     for a cancel while the retry of a run
+                                                     whose worker died waits to start)
     """
 
     PENDING = 0  # scheduled, waiting in the heap (or behind a running older version)
