@@ -462,6 +462,41 @@ def test_a_retried_run_of_a_superseded_recurrence_keeps_the_new_schedule(fifos: 
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("by_id", [False, True], ids=["future_cancel", "pool_cancel"])
+def test_a_retry_not_yet_claimed_is_cancelled_and_never_runs(
+    fifos: Fifos, tmp_path: Path, by_id: bool
+) -> None:
+    """What the docstrings of ``Future.cancel``, ``TaskOptions.retries`` and ``TaskState``
+    say: the retry of a run whose worker died is not claimed until it starts, so a cancel
+    (the future's, or ``pool.cancel`` by id) then wins, the retry never runs, and the state
+    goes from RUNNING to CANCELLED. The retry is held unclaimed in the inbox of the
+    replacement, whose initializer waits on a gate."""
+    marker = str(tmp_path / "replacing")
+    init_gate = str(tmp_path / "init")
+    os.mkfifo(init_gate)
+    with Pool(1, initializer=tt.gate_replacements, initargs=(marker, init_gate)) as pool:
+        f = pool.with_options(retries=1).schedule(
+            "r", 0.0, 0, tt.log_pid_then_gate, fifos.log, "r", fifos.gate
+        )
+        wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "the first run runs")
+        open(marker, "w").close()
+        [(_, pid)] = tt.read_tags(fifos.log)
+        os.kill(pid, signal.SIGKILL)
+        wait_until(
+            lambda: pool.statistics().per_worker[0].inbox_depth == 1,
+            "the retry waits in the replacement's inbox",
+        )
+        assert pool.state("r") is TaskState.RUNNING
+        assert (pool.cancel("r") if by_id else f.cancel()) is True
+        assert f.cancelled()
+        assert pool.state("r") is TaskState.CANCELLED
+        tasks.open_gate(init_gate)
+        assert pool.submit(tasks.ident, 1).result(timeout=CONDITION_TIMEOUT) == 1
+    assert len(tt.read_tags(fifos.log)) == 1, "the cancelled retry ran"
+    assert pool.statistics().retried == 1
+
+
+@pytest.mark.timeout(60)
 def test_future_cancel_of_a_retry_lets_the_deferred_version_run(
     fifos: Fifos, tmp_path: Path
 ) -> None:
