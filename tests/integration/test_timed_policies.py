@@ -461,6 +461,19 @@ def test_a_retried_run_of_a_superseded_recurrence_keeps_the_new_schedule(fifos: 
     assert pool.statistics().retried == 1
 
 
+def _kill_the_run_and_hold_its_retry(pool: Pool, fifos: Fifos, marker: str) -> None:
+    """SIGKILL the worker running the one logged run; its retry then waits, unclaimed, in the
+    inbox of the replacement, whose initializer (``tt.gate_replacements``) sees ``marker`` and
+    waits on its gate."""
+    open(marker, "w").close()
+    [(_, pid)] = tt.read_tags(fifos.log)
+    os.kill(pid, signal.SIGKILL)
+    wait_until(
+        lambda: pool.statistics().per_worker[0].inbox_depth == 1,
+        "the retry waits in the replacement's inbox",
+    )
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("by_id", [False, True], ids=["future_cancel", "pool_cancel"])
 def test_a_retry_not_yet_claimed_is_cancelled_and_never_runs(
@@ -479,13 +492,7 @@ def test_a_retry_not_yet_claimed_is_cancelled_and_never_runs(
             "r", 0.0, 0, tt.log_pid_then_gate, fifos.log, "r", fifos.gate
         )
         wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "the first run runs")
-        open(marker, "w").close()
-        [(_, pid)] = tt.read_tags(fifos.log)
-        os.kill(pid, signal.SIGKILL)
-        wait_until(
-            lambda: pool.statistics().per_worker[0].inbox_depth == 1,
-            "the retry waits in the replacement's inbox",
-        )
+        _kill_the_run_and_hold_its_retry(pool, fifos, marker)
         assert pool.state("r") is TaskState.RUNNING
         assert (pool.cancel("r") if by_id else f.cancel()) is True
         assert f.cancelled()
@@ -515,13 +522,7 @@ def test_future_cancel_of_a_retry_lets_the_deferred_version_run(
         wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "version 1 runs")
         v2 = pool.schedule("x", 0.0, 0, tt.log, fifos.log, "v2")
         wait_until(lambda: pool.statistics().scheduled == 1, "version 2 waits behind it")
-        open(marker, "w").close()
-        [(_, pid)] = tt.read_tags(fifos.log)
-        os.kill(pid, signal.SIGKILL)
-        wait_until(
-            lambda: pool.statistics().per_worker[0].inbox_depth == 1,
-            "the retry waits in the replacement's inbox",
-        )
+        _kill_the_run_and_hold_its_retry(pool, fifos, marker)
         assert pool.statistics().retried == 1
         assert v1.cancel() is True
         tasks.open_gate(init_gate)
