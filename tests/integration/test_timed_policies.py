@@ -8,6 +8,7 @@ by FIFO gates and conditions of the pool polled in a bounded loop, never by slee
 
 from __future__ import annotations
 
+import contextlib
 import fractions
 import logging
 import os
@@ -15,6 +16,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from concurrent.futures import wait
 from pathlib import Path
@@ -461,6 +463,17 @@ def test_a_retried_run_of_a_superseded_recurrence_keeps_the_new_schedule(fifos: 
     assert pool.statistics().retried == 1
 
 
+@contextlib.contextmanager
+def _pool_gating_replacements(tmp_path: Path) -> Iterator[tuple[Pool, str, str]]:
+    """A one-worker pool whose replacement workers wait in their initializer on the gate
+    (a fifo) once the marker file exists: (pool, marker, gate)."""
+    marker = str(tmp_path / "replacing")
+    init_gate = str(tmp_path / "init")
+    os.mkfifo(init_gate)
+    with Pool(1, initializer=tt.gate_replacements, initargs=(marker, init_gate)) as pool:
+        yield pool, marker, init_gate
+
+
 def _kill_the_run_and_hold_its_retry(pool: Pool, fifos: Fifos, marker: str) -> None:
     """SIGKILL the worker running the one logged run; its retry then waits, unclaimed, in the
     inbox of the replacement, whose initializer (``tt.gate_replacements``) sees ``marker`` and
@@ -484,10 +497,7 @@ def test_a_retry_not_yet_claimed_is_cancelled_and_never_runs(
     (the future's, or ``pool.cancel`` by id) then wins, the retry never runs, and the state
     goes from RUNNING to CANCELLED. The retry is held unclaimed in the inbox of the
     replacement, whose initializer waits on a gate."""
-    marker = str(tmp_path / "replacing")
-    init_gate = str(tmp_path / "init")
-    os.mkfifo(init_gate)
-    with Pool(1, initializer=tt.gate_replacements, initargs=(marker, init_gate)) as pool:
+    with _pool_gating_replacements(tmp_path) as (pool, marker, init_gate):
         f = pool.with_options(retries=1).schedule(
             "r", 0.0, 0, tt.log_pid_then_gate, fifos.log, "r", fifos.gate
         )
@@ -512,10 +522,7 @@ def test_future_cancel_of_a_retry_lets_the_deferred_version_run(
     replacement's inbox, where ``Future.cancel()`` withdraws it. That ends version 1, and
     version 2 may start: it must run (its due time was not handed to the loop, which never
     released it: its future never settled and the shutdown waited for it for ever)."""
-    marker = str(tmp_path / "replacing")
-    init_gate = str(tmp_path / "init")
-    os.mkfifo(init_gate)
-    with Pool(1, initializer=tt.gate_replacements, initargs=(marker, init_gate)) as pool:
+    with _pool_gating_replacements(tmp_path) as (pool, marker, init_gate):
         v1 = pool.with_options(retries=1).schedule(
             "x", 0.0, 0, tt.log_pid_then_gate, fifos.log, "v1", fifos.gate
         )
