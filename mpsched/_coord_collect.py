@@ -30,6 +30,7 @@ from typing import Any
 from mpsched._coord_state import (
     _CANCELLED,
     _ERROR,
+    _MISFIRED,
     _OK,
     _RESULT_NBYTES,
     CoordinatorState,
@@ -286,7 +287,7 @@ class Collecting(CoordinatorState):
             run = future._run
             if future._due is None and run is None:
                 resolve(*outcome)
-            elif run is not None and run.timed_out and outcome[1] != _OK:
+            elif run is not None and run.timed_out and outcome[1] not in (_OK, _MISFIRED):
                 # It ran out of time: whatever it raised (TaskCancelled, acknowledging the
                 # timeout's cooperative cancel, included) it fails with TimeoutError. Converted
                 # here, before end_runs, so that state() says FAILED as the future does (not
@@ -368,9 +369,14 @@ class Collecting(CoordinatorState):
                 # _handle -1 as "queued here"); resolve() sets the same owner later, unlocked.
                 future._owner = FINISHING
                 if future._due is not None:
-                    self.timetable.end(
-                        future, None if status == _OK else _FAILED, cancelled=status == _CANCELLED
-                    )
+                    if status == _MISFIRED:  # dropped unstarted by its worker, as by misfired()
+                        self.timetable.end(future, None, cancelled=True)
+                    else:
+                        self.timetable.end(
+                            future,
+                            None if status == _OK else _FAILED,
+                            cancelled=status == _CANCELLED,
+                        )
             self.note_heap_due()
 
 

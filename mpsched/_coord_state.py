@@ -43,6 +43,7 @@ _NBYTES = BlockField.NBYTES
 _RESULT_NBYTES = BlockField.RESULT_NBYTES
 _OK = ResultStatus.OK
 _CANCELLED = ResultStatus.CANCELLED
+_MISFIRED = ResultStatus.MISFIRED
 _UID_PID_SHIFT = 31  # a child's uid is (spawning worker's pid << 31) | counter (_children.next_uid)
 _ERROR = ResultStatus.ERROR
 _STATE = BlockField.STATE

@@ -4,7 +4,8 @@ Owns: adding a version of an id (``schedule``) and superseding the versions it r
 (``supersede``), the id's state (``state``), moving due versions from the timetable to the ready
 queue (``release_due``, ``make_ready``), the loop's next due time (``note_due``,
 ``note_heap_due``), and recurrences: the next run after one ends or misfires
-(``end_recurring_run``, ``continue_recurrence``, ``misfired``). The timetable itself (heap,
+(``end_recurring_run``, ``continue_recurrence``, ``misfired``), and the deadline after which a
+worker drops a run it claims too late (``misfire_deadline``). The timetable itself (heap,
 handed versions, recurrences) is ``_timed.Timetable``; this part decides when its methods run
 and keeps ``next_due`` and ``sleep_until`` in step with it.
 
@@ -28,6 +29,7 @@ from collections.abc import Hashable, Sequence
 from mpsched._coord_collect import resolve
 from mpsched._coord_state import (
     _CANCELLED,
+    _MISFIRED,
     _OK,
     CoordinatorState,
     logger,
@@ -209,14 +211,7 @@ class Timing(CoordinatorState):
             or not is_misfire(run.misfire_from, time.monotonic(), options.misfire_grace)
         ):
             return False
-        self.misfires += 1
-        logger.warning(
-            "mpsched: recurring task %r missed its run due at %.3f (more than %.3f s late); "
-            "skipped by its misfire policy",
-            run.recurrence.task_id,
-            run.run_at,
-            options.misfire_grace,
-        )
+        self.note_misfire(run)
         # Taken back from an inbox (take_back_lower): it still holds its slab block and its
         # entry in by_handle. Withdraw it (frees both), or the pool would count it in flight
         # for ever (found by test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block).
@@ -227,6 +222,33 @@ class Timing(CoordinatorState):
         if run.recurrence.active:  # else a schedule of the id replaced it: never continue it
             self.continue_recurrence(future, skipped=True)
         return True
+
+    def note_misfire(self, run: TaskRun) -> None:
+        """Under ``self.lock`` (``misfired``) or ``collect_lock`` (a worker dropped the run):
+        count a run skipped by its misfire policy and say so (never silently)."""
+        self.misfires += 1
+        logger.warning(
+            "mpsched: recurring task %r missed its run due at %.3f (more than %.3f s late); "
+            "skipped by its misfire policy",
+            run.recurrence.task_id,  # type: ignore[union-attr]  # a recurring run
+            run.run_at,
+            run.options.misfire_grace,
+        )
+
+    def misfire_deadline(self, future: Future) -> float | None:
+        """Under ``self.lock``, as ``future`` is written to its block (``inject``): the time
+        after which a worker that claims it behind other work drops it unstarted (see
+        ``Worker.run``), or None. Only a recurring run under "skip", and not a retry (see
+        ``misfired``): it was not late as it left the ready queue, but in an inbox it may wait
+        behind the worker's work past its grace."""
+        run = future._run
+        if run is None or run.recurrence is None:
+            return None
+        options = run.options
+        if options.misfire != "skip" or run.retries_left != options.retries:
+            return None
+        deadline: float = run.misfire_from + options.misfire_grace
+        return deadline
 
     def note_due(self, run_at: float | None) -> None:
         """Under ``self.lock``: the loop must wake at ``run_at`` (None: nothing new)."""
@@ -242,6 +264,15 @@ class Timing(CoordinatorState):
         """One run of a recurring id ended: schedule the next, or end the recurrence."""
         future._owner = None  # begun (``settle_interrupted`` does not begin it again)
         rec: Recurrence = future._run.recurrence
+        if status == _MISFIRED:  # dropped unstarted by its worker: ended as cancelled
+            self.completed -= 1  # (collect counted it: it did not run)
+            self.note_misfire(future._run)
+            with self.lock:
+                if rec.active:  # else stopped, or replaced by a schedule: never continue it
+                    self.continue_recurrence(future, skipped=True)
+            if threading.get_ident() != self.thread_id:
+                self.wakeup()  # its next due time: as for a run that ended, below
+            return
         if status == _OK and rec.active:
             with self.lock:
                 continued = rec.active

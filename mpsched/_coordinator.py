@@ -395,12 +395,13 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
                 for future, handle in zip(new, handles, strict=False):
                     payload = future._payload
                     due = future._due
+                    run = future._run
                     if due is not None:  # a version of an id: its number follows the call
-                        payload = with_version(payload, due.version)
+                        deadline = None if run is None else self.misfire_deadline(future)
+                        payload = with_version(payload, due.version, deadline)
                     if not slab.write(handle, payload, uid=TOP_LEVEL_UID, state=0):
                         slab.write(handle, b"", uid=TOP_LEVEL_UID, state=0)
                         slab.set_word(handle, _NBYTES, -self.stash_put(payload))
-                    run = future._run
                     if run is None:
                         future._payload = b""
                     else:  # a task taken back keeps its watch: only new ones are registered

@@ -27,10 +27,12 @@ was busy) is a misfire. "run_late" (the default) runs it anyway; "skip" drops th
 in ``PoolStatistics.misfires`` and logs a warning: never silently. A run that the coordinator
 hands to a worker as soon as it finds it due is never a misfire, whatever the grace (zero
 included): the coordinator's own wake-up after the due time is not the pool being busy. The
-check is made as a run leaves the pool's ready queue: one handed on time to a worker's inbox (up
-to ``dispatch_window`` tasks ahead of it) that starts there late because that worker is busy
-runs late, uncounted, also with "skip" (known gap: docs/design.md, "Recurrence"; a smaller
-``dispatch_window`` keeps more runs in the ready queue).
+check is made twice: as a run leaves the pool's ready queue, and, under "skip", by the worker
+that claims it from an inbox (up to ``dispatch_window`` tasks may wait there ahead of it): one
+that waited there behind other work past its grace is dropped unstarted; one claimed first
+thing after the worker's idle wait is not (it started at that worker's first chance: the
+worker's wake-up is not the pool being busy either). Such a run's state is RUNNING from the
+claim until the coordinator has counted it; the task's function is never called.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ class TaskOptions:
             was still going: ``"skip"``, ``"coalesce"`` or ``"queue"`` (module doc).
         misfire: ``"run_late"`` or ``"skip"`` for a recurring run that could not start within
             ``misfire_grace`` seconds of its due time (judged as it leaves the pool's ready
-            queue: one already in a busy worker's inbox runs late; see the module doc).
+            queue, and again as a worker claims it: see the module doc).
         misfire_grace: seconds; see ``misfire``.
     """
 

@@ -99,6 +99,9 @@ class ResultStatus(Constants):
     OK: Final = 0  # payload is the pickled return value
     ERROR: Final = 1  # payload is a pickled (exception, traceback text) pair
     CANCELLED: Final = 2  # the task raised TaskCancelled; payload as for ERROR
+    # A recurring run that its worker claimed after its misfire deadline (the policy "skip"):
+    # dropped unstarted, its function never called; payload empty.
+    MISFIRED: Final = 3
 
 
 class ChildState(Constants):

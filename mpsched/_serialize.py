@@ -9,9 +9,12 @@ Payload = ``pickle.dumps((fid, fn, args, kwargs, meta))``. ``meta`` is False for
 for a task scheduled with an id (``mpsched.current_task()`` reports it) it is ``(task_id,)``, and
 the pickle is followed by the version number (8 bytes), which the coordinator appends when it
 writes the task to shared memory (``with_version``): off the path of ``Pool.schedule``, whose
-rate is a target, and only for versions that come due. Everything that can fail or take time
-(pickling the call with its task id) happens before, in the caller, in one ``pickle.dumps``: a
-second one for the id alone cost a tenth of a ``Pool.schedule``. Then:
+rate is a target, and only for versions that come due. A recurring run under the misfire policy
+"skip" also carries its misfire deadline (a ``time.monotonic()`` float, 8 bytes, before the
+version, whose top bit then says so): the worker that claims it after that time drops it.
+Everything that can fail or take time (pickling the call with its task id) happens before, in
+the caller, in one ``pickle.dumps``: a second one for the id alone cost a tenth of a
+``Pool.schedule``. Then:
 
 * ``fid >= 0``: ``fn`` is None; the function lives in the pool's function table under ``fid``
   (pickled once per pool; pickling a function by reference is half the per-task pickle cost).
@@ -36,6 +39,7 @@ import contextlib
 import io
 import marshal
 import pickle
+import struct
 import sys
 import types
 import weakref
@@ -318,22 +322,35 @@ def check_task_id_picklable(task_id: Any) -> None:
 
 
 _VERSION_BYTES = 8  # little-endian version number, after the pickled call
+# The version word's top bit: a misfire deadline (float64, little-endian) precedes the word.
+# Versions count one id's schedules from 1: they never reach it.
+_DEADLINE_FLAG = 1 << 63
+_DEADLINE = struct.Struct("<d")
 
 
-def with_version(call: bytes, version: int) -> bytes:
-    """A scheduled task's payload: ``call`` (encoded with its ``meta``), then its version."""
-    return call + version.to_bytes(_VERSION_BYTES, "little")
+def with_version(call: bytes, version: int, deadline: float | None = None) -> bytes:
+    """A scheduled task's payload: ``call`` (encoded with its ``meta``), then its misfire
+    ``deadline`` if it has one, then its version."""
+    if deadline is None:
+        return call + version.to_bytes(_VERSION_BYTES, "little")
+    word = (version | _DEADLINE_FLAG).to_bytes(_VERSION_BYTES, "little")
+    return call + _DEADLINE.pack(deadline) + word
 
 
 def decode_call(data: bytes | bytearray | memoryview) -> Call:
-    """``(fid, fn, args, kwargs, meta)``; ``meta`` is ``(task_id, version)``, or False for a
-    call without one (the decoded tuple itself: no second tuple on the per-task path)."""
+    """``(fid, fn, args, kwargs, meta)``; ``meta`` is ``(task_id, version)``, or
+    ``(task_id, version, deadline)`` for a run with a misfire deadline, or False for a call
+    without one (the decoded tuple itself: no second tuple on the per-task path)."""
     call: Call = _loads(data)  # stops at the call's STOP opcode, before the version
     meta = call[4]
     if not meta:
         return call
     fid, fn, args, kwargs, _ = call
-    version = int.from_bytes(data[len(data) - _VERSION_BYTES :], "little")
+    end = len(data) - _VERSION_BYTES
+    version = int.from_bytes(data[end:], "little")
+    if version & _DEADLINE_FLAG:
+        deadline = _DEADLINE.unpack_from(data, end - _DEADLINE.size)[0]
+        return (fid, fn, args, kwargs, (meta[0], version ^ _DEADLINE_FLAG, deadline))
     return (fid, fn, args, kwargs, (meta[0], version))
 
 

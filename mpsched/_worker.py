@@ -111,6 +111,7 @@ SLEEP_MS_MAX = 2**31 - 1
 _SUCCESS = StealResult.SUCCESS
 _RETRY = StealResult.RETRY
 _CANCELLED = ResultStatus.CANCELLED
+_MISFIRED = ResultStatus.MISFIRED
 _PARENT = BlockField.PARENT
 _POKE = encode(Tag.RESULTS)
 
@@ -173,6 +174,9 @@ class Worker(Children):
         # What a task's signal handler raised in a join's sleep, left cleanly (see idle).
         self.interrupted_sleep: BaseException | None = None
         self.top_level_done = 0  # for max_tasks (children do not count)
+        # Nothing ran since this worker's last idle wait (or its start): the next task it
+        # claims starts at its first chance (the misfire check in ``run``).
+        self.after_idle = True
         self.draining = False
         self.pid = os.getpid()
         # This worker's part of every uid and stash key it makes (next_uid), and the uid it
@@ -192,12 +196,14 @@ class Worker(Children):
             handle = self.find_work()
             if handle >= 0:
                 self.run(handle)
+                self.after_idle = False
                 if self.abandoned:
                     self.release_abandoned()
                 if max_tasks and self.top_level_done >= max_tasks:
                     return True
             else:
                 self.idle(None)
+                self.after_idle = True
         return False
 
     def find_work(self) -> int:
@@ -251,14 +257,22 @@ class Worker(Children):
         try:
             fid, fn, args, kwargs, meta = decode_call(data)
             del data
-            if fid != INLINE:
-                fn = self.load_function(fid)
-            contexts.append((handle if parent < 0 else -1, meta))
-            pushed = True
-            value = fn(*args, **kwargs)
-            del fn, args, kwargs
-            status, out = _OK, dumps_result(value)
-            del value
+            if meta and len(meta) > 2 and not self.after_idle and time.monotonic() > meta[2]:
+                # A recurring run under the misfire policy "skip", claimed after its deadline
+                # behind other work: dropped unstarted, as the coordinator drops one still in
+                # its ready queue; the coordinator counts it and goes on. Claimed first thing
+                # after an idle wait, it is no misfire: it started at this worker's first
+                # chance, late only by the wake-up (as for the coordinator's: ``misfired``).
+                status, out = _MISFIRED, b""
+            else:
+                if fid != INLINE:
+                    fn = self.load_function(fid)
+                contexts.append((handle if parent < 0 else -1, meta))
+                pushed = True
+                value = fn(*args, **kwargs)
+                del fn, args, kwargs
+                status, out = _OK, dumps_result(value)
+                del value
         except TaskCancelled as exc:
             # Cancelled only if asked to: a TaskCancelled raised unprompted is an error.
             requested = parent < 0 and slab.get_word(handle, _STATE) == _CANCEL_REQUESTED
@@ -275,7 +289,8 @@ class Worker(Children):
         del out
         if parent < 0:
             self.me.complete(handle)
-            self.top_level_done += 1
+            if status != _MISFIRED:  # max_tasks counts the tasks that ran
+                self.top_level_done += 1
             self.unannounced += 1
             # A task that asked (announce_result) is announced at once, unless a user thread
             # is collecting the done rings itself (as in idle(): see Coordinator.help_wait).

@@ -108,6 +108,43 @@ def test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block(
     assert not lost, f"the skipped run stayed in flight: {lost}"
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("grace", [MISFIRE_GRACE, 0.0])
+@pytest.mark.parametrize("policy", ["skip", "run_late"])
+def test_a_run_that_waits_past_its_grace_in_a_busy_workers_inbox_misfires(
+    fifos: Fifos, policy: str, grace: float
+) -> None:
+    """The run is handed on time to the inbox of the busy worker (with a grace of 0: in the
+    first dispatch after it came due, which is no misfire) and waits there, past its grace,
+    behind the task that holds the worker: under "skip" the worker drops it unstarted
+    (counted, and the recurrence goes on from the next grid time); under "run_late" it runs
+    late. (Judged only as a run left the ready queue, it ran late under "skip" too.)"""
+    with Pool(1) as pool:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
+        tasks.wait_started(fifos.started)
+        due = time.monotonic()
+        options = pool.with_options(every=0.05, misfire=policy, misfire_grace=grace)
+        rec = options.schedule("m", due, 0, tt.log_version, fifos.log)
+        wait_until(lambda: pool.statistics().per_worker[0].inbox_depth == 1, "the run is injected")
+        assert pool.statistics().misfires == 0  # handed out on time
+        # Lateness is the subject here: wait for the clock, not for an event.
+        wait_until(lambda: time.monotonic() > due + 2 * grace, "the run is late")
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=CONDITION_TIMEOUT) == "blocker"
+        wait_until(lambda: tt.count_records(fifos.log) >= 2, "two runs ran")
+        assert pool.cancel("m") is True
+        assert rec.cancelled()
+        misfires = pool.statistics().misfires
+    versions = tt.read_tags(fifos.log)
+    if policy == "skip":
+        assert misfires == 1
+        assert versions[0] == 2, f"the late run ran: {versions}"
+    else:
+        assert misfires == 0
+        assert versions[0] == 1
+        assert tt.read_starts(fifos.log)[0] > due + 2 * grace  # it ran, late
+
+
 # ---------------------------------------------------------------- shutdown settings
 @pytest.mark.timeout(60)
 def test_recurrence_kept_after_shutdown_survives_timed_after_shutdown_false(

@@ -122,6 +122,11 @@ def recurring_run(path: str, long_first: float, last: int) -> float:
     return start
 
 
+def log_version(path: str) -> float:
+    """Log the running version of the recurring task (``log``); returns its start."""
+    return log(path, mpsched.current_task().version)
+
+
 def logged_span(path: str, seconds: float) -> int:
     """Log ``("start", id, version)``, busy-wait ``seconds``, log ``("end", id, version)`` (two
     O_APPEND writes, so two versions of one id that overlap would interleave in the log);

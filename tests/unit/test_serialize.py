@@ -48,6 +48,20 @@ def test_scheduled_call_carries_its_id_and_version(task_id: Any, version: int) -
     assert meta == (task_id, version)
 
 
+@given(
+    task_ids,
+    st.integers(min_value=1, max_value=2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+)
+def test_a_run_with_a_misfire_deadline_carries_it_after_its_id_and_version(
+    task_id: Any, version: int, deadline: float
+) -> None:
+    payload = with_version(encode_call(INLINE, len, ([1, 2],), {}, (task_id,)), version, deadline)
+    fid, fn, args, kwargs, meta = decode_call(memoryview(payload))
+    assert (fid, fn, args, kwargs) == (INLINE, len, ([1, 2],), {})
+    assert meta == (task_id, version, deadline)
+
+
 def test_one_call_many_versions() -> None:
     """A recurrence encodes its call once and appends each run's version."""
     call = encode_call(0, None, (), {}, ("tick",))
