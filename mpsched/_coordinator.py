@@ -12,8 +12,9 @@ else runs in the coordinator thread only, but for ``help_wait`` (a user thread c
 collectable): when it is collected, ``owner_dropped`` is set and the loop begins the shutdown.
 
 ``Coordinator`` is one object made of parts, one module each (``_coord_state`` lists them and
-holds the attributes): this module keeps start-up, ``submit``, the loop, dispatch and the
-messages from the zygote and the workers; ``_coord_timed`` the tasks with an id,
+holds the attributes): this module keeps start-up, ``submit``, the loop, the stash and the
+messages from the zygote and the workers; ``_coord_dispatch`` hands tasks to the inboxes,
+``_coord_timed`` the tasks with an id,
 ``_coord_cancel`` withdrawing and stopping tasks, ``_coord_collect`` the results,
 ``_coord_recovery`` a worker's death and ``_coord_drain`` the shutdown.
 
@@ -45,11 +46,11 @@ from typing import Any
 
 from mpsched._coord_cancel import Cancelling
 from mpsched._coord_collect import Collecting
+from mpsched._coord_dispatch import Dispatching
 from mpsched._coord_drain import Draining
 from mpsched._coord_recovery import Recovering
 from mpsched._coord_state import (
     _NBYTES,
-    _NO_LOW,
     _UID_PID_SHIFT,
     WorkerHandle,
 )
@@ -61,7 +62,6 @@ from mpsched._errors import (
     ProtocolError,
 )
 from mpsched._future import Future, defer_callbacks, release_if_left
-from mpsched._payloads import BlockField
 from mpsched._pool_errors import BrokenPoolError
 from mpsched._protocol import (
     Tag,
@@ -72,17 +72,8 @@ from mpsched._protocol import (
     recv_message,
     send_data,
 )
-from mpsched._serialize import with_version
-from mpsched._slot_region import INBOX_BACK, INBOX_FRONT
 
 _UID_COUNTER_MASK = (1 << _UID_PID_SHIFT) - 1  # counters wrap: see _children.UID_COUNTER_MASK
-# A top-level task's block: the uid names no process, so orphan_children never takes it for a
-# dead worker's child (the block's handle identifies the task; no per-task number is needed).
-TOP_LEVEL_UID = 0
-# A block the coordinator allocated for one task and has not written yet (see inject): the uid
-# names no process either (pid 0), and no live block keeps it past the write.
-IN_HAND_UID = 1
-_UID = BlockField.UID
 RESULT_SWEEP_INTERVAL = 0.005  # seconds between done-ring sweeps while tasks are in flight
 # While draining with nothing in flight, the loop re-checks the drain condition this often: the
 # last children may finish without waking it (a child's DONE wakes its parent, not the loop).
@@ -96,7 +87,7 @@ FINE_WAIT = 0.002  # seconds
 MAX_WAIT = 3600.0
 
 
-class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
+class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Draining):
     def __reduce__(self) -> Any:
         # A pool's bound ``cancel`` is this object's (see Pool.__init__): sent to a task, it
         # fails as the pool would, not on whichever lock the pickler meets first.
@@ -190,41 +181,6 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
             raise
         return True
 
-    def dispatch_one(self, future: Future) -> bool:
-        """Under ``self.lock``: inject one task into the next inbox with room; False if none."""
-        if len(self.by_handle) >= self.max_inflight:
-            return False
-        n = self.n_workers
-        slots = self.slots
-        workers = self.workers
-        # An awake worker first (it may still be spinning after its last task: no wake-up), then
-        # any worker, then a worker still starting: it finds the task when it starts (right
-        # after the pool's creation, the first task does not wait for the SPAWNED round trip).
-        # A worker running the pool's initializer (registered, its slot not yet bound) counts
-        # as starting: it looks awake, and a task handed to it waited for its initializer's end
-        # while a ready peer slept.
-        for rank in (0, 1, 2):
-            for i in range(n):
-                k = (self.next_slot + i) % n
-                if rank < 2:
-                    if self.not_ready(k):
-                        continue
-                elif workers[k] is None and k not in self.starting:
-                    continue
-                if slots[k].inbox_depth() < self.window and not (
-                    rank == 0 and slots[k].is_sleeping()
-                ):
-                    self.next_slot = (k + 1) % n
-                    return self.inject(k, [future], future._priority) == 1
-        return False
-
-    def not_ready(self, k: int) -> bool:
-        """Under ``self.lock``: slot ``k``'s worker is starting (not registered yet) or runs the
-        pool's initializer (registered, its slot not yet bound): it looks awake, but takes no
-        task before it is done."""
-        worker = self.workers[k]
-        return worker is None or (self.has_initializer and self.slots[k].owner_pid() != worker.pid)
-
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         self.thread_id = threading.get_ident()
@@ -315,216 +271,7 @@ class Coordinator(Timing, Cancelling, Collecting, Recovering, Draining):
         events = self.epoll.poll(-1 if timeout == math.inf else timeout)
         return [fd for fd, _ in events]
 
-    # ------------------------------------------------------------------ dispatch
-    def dispatch(self) -> None:
-        n = self.n_workers
-        with self.lock:
-            due = self.next_due
-            if due is not None and due <= (now := time.monotonic()):
-                # A version fell due (or was scheduled due at the call) since this pass read
-                # next_due: released first, or the submits queued since would be injected
-                # ahead of it, though it became due before them.
-                self.release_due_locked(now)
-            top = self.ready.top_priority()
-            if top is not None:
-                self.take_back_lower(top)
-            for i in range(n):
-                k = (self.next_slot + i) % n
-                if self.workers[k] is None or not self.ready:
-                    continue
-                depth = self.slots[k].inbox_depth()
-                if depth == 0:
-                    self.inbox_low[k] = _NO_LOW
-                room = min(self.window - depth, self.max_inflight - len(self.by_handle))
-                if room > 0:
-                    batch, lowest = self.take_ready(room)
-                    taken = self.inject(k, batch, lowest)
-                    if taken < len(batch):  # slab full: the rest waits for results
-                        self.ready.putback(batch[taken:])
-                        break
-            self.next_slot = (self.next_slot + 1) % n
-            self.dispatches += 1
-
-    def take_back_lower(self, top: int) -> None:
-        """Under ``self.lock``: a due task of priority ``top`` must not wait behind lower ones
-        in the inboxes: take them back (unclaimed entries, under the slot lock: the same race
-        as cancel, decided by the lock) to the front of the ready queue, to be re-injected in
-        priority order. Costs nothing unless priorities are mixed."""
-        for k, low in enumerate(self.inbox_low):
-            if low >= top:
-                continue
-            self.inbox_low[k] = _NO_LOW
-            futures = [self.by_handle[h] for h in self.slots[k].drain(include_deque=False)]
-            # (which marks them queued: out of the inbox), at their aged levels
-            self.ready.putback(futures, time.monotonic(), self.aging)
-
-    def take_ready(self, n: int) -> tuple[list[Future], int]:
-        """Under ``self.lock``: up to ``n`` due tasks, minus recurring runs that misfired."""
-        batch, lowest = self.ready.take(n)
-        if self.timetable.recurring:
-            batch = [f for f in batch if not self.misfired(f)]
-        return batch, lowest
-
-    def inject(self, k: int, batch: list[Future], lowest: int) -> int:
-        """Under ``self.lock``: write ``batch`` into slab blocks (tasks taken back already have
-        theirs) and inject them into inbox ``k`` in one lock round, waking a sleeper. Returns
-        how many went (the slab may be full)."""
-        if not batch:
-            return 0
-        slab = self.slab
-        new = [f for f in batch if f._handle < 0]
-        handles: list[int] = []
-        back = -1  # the inbox's back before the inject: did an interrupted one commit?
-        try:
-            if new:
-                # A single block is stamped IN_HAND_UID until written: an exception just after
-                # alloc() committed it (a Ctrl-C at its lock's release) loses the index, and
-                # the stamp is how inject_interrupted finds the block.
-                handles = slab.alloc_many(len(new)) if len(new) > 1 else [slab.alloc(IN_HAND_UID)]
-                if not handles or handles[0] < 0:
-                    handles = []
-                if len(handles) < len(new):
-                    # Slab short: only the tasks before the first new one left without a block
-                    # go (those taken back keep theirs); the caller puts the rest back in
-                    # order. (A batch cut only when no block at all was free injected the rest
-                    # as handle -1: lost futures, and a worker claiming block -1.)
-                    batch = batch[: batch.index(new[len(handles)])]
-                    if not batch:
-                        return 0
-                    new = new[: len(handles)]
-                for future, handle in zip(new, handles, strict=False):
-                    payload = future._payload
-                    due = future._due
-                    run = future._run
-                    if due is not None:  # a version of an id: its number follows the call
-                        deadline = None if run is None else self.misfire_deadline(future)
-                        payload = with_version(payload, due.version, deadline)
-                    if not slab.write(handle, payload, uid=TOP_LEVEL_UID, state=0):
-                        slab.write(handle, b"", uid=TOP_LEVEL_UID, state=0)
-                        slab.set_word(handle, _NBYTES, -self.stash_put(payload))
-                    if run is None:
-                        future._payload = b""
-                    else:  # a task taken back keeps its watch: only new ones are registered
-                        if not run.retries_left:
-                            future._payload = b""  # kept only to run the task again after a crash
-                        if run.options.timeout is not None:
-                            self.watched[handle] = future
-                    future._handle = handle
-                    self.by_handle[handle] = future  # before the inject: a result may come at once
-            queued = []
-            for future in batch:
-                future._slot = k
-                queued.append(future._handle)
-            slot = self.slots[k]
-            w = slot._w  # the inbox's back is written only under self.lock, which we hold
-            back = w[INBOX_BACK]
-            queued_before = back - w[INBOX_FRONT]  # inbox_depth(), with the back kept
-            injected, was_sleeping = slot.inject_wake(queued)
-            if injected != len(queued):
-                raise BrokenPoolError("inbox overflow: the dispatch window is broken")
-            self.inbox_low[k] = min(self.inbox_low[k], lowest)
-        except BaseException:
-            self.inject_interrupted(k, new, handles, back)
-            raise
-        if was_sleeping:
-            os.eventfd_write(self.wake_fds[k], 1)
-        elif (
-            queued_before + injected > 1 or slot.run_depth() or self.not_ready(k)
-        ) and self.header.sleepers():
-            # The worker is busy, gets more than it takes at once, or is not ready yet: a
-            # sleeper may steal some. (One task handed to an idle, awake worker needs no help:
-            # a woken peer would find nothing, and its wake-up costs a CPU that the round trip
-            # needs.) Not ready: injected while no worker was (right after Pool()), a task
-            # waited in the inbox of one still in its initializer while a peer that had become
-            # ready meanwhile (its slot bound, before its registration reached this thread)
-            # slept with nothing to wake it, for ever if that initializer waited for the task.
-            self.wake_sleepers()
-        return len(queued)
-
-    def inject_interrupted(self, k: int, new: list[Future], handles: list[int], back: int) -> None:
-        """Under ``self.lock``: an exception hit ``inject`` (in a user thread, a Ctrl-C's
-        KeyboardInterrupt in ``submit``'s direct dispatch; in the coordinator thread an
-        internal error, which breaks the pool: its sweep of ``by_handle`` ends the tasks).
-
-        Committed (the inbox's back moved: only a holder of ``self.lock`` moves it), the tasks
-        are the workers': ``inject_wake`` may have cleared the worker's sleep flag, and a
-        wake-up not written then left it asleep for ever with tasks in its inbox (nothing
-        woke it again: its flag said awake); a spare one costs a sleeping worker one look.
-        Not committed (hit before, or inside ``inject_wake`` before its commit), in a user
-        thread: the new tasks are withdrawn and their blocks freed, as by a cancel (their
-        futures are then cancelled: ``submit`` raises, the caller never had them). Left
-        recorded, such a task waited for the drain's ``cancel_lost``, its block taken, the
-        direct dispatch off (``by_handle`` not empty) and the loop sweeping every 5 ms; a
-        block allocated and not yet recorded leaked for the pool's life. A slot lock taken
-        by the interrupted call before it recorded its holder is released as an orphan: the
-        workers wait for it unguarded, and no thread of this process waited for it, so the
-        pool, and its drain, hung."""
-        slot = self.slots[k]
-        if back >= 0 and slot._w[INBOX_BACK] != back:
-            os.eventfd_write(self.wake_fds[k], 1)
-            return
-        if threading.get_ident() == self.thread_id:
-            return
-        locks = self.locks
-        if back >= 0 and locks is not None:
-            # Hit inside inject_wake, maybe between its acquire and its holder store: a guarded
-            # acquire repairs such an orphan (on_lock_stall, after ORPHAN_WAIT).
-            lock = locks.slots[k]
-            lock.acquire()
-            lock.release()
-        slab = self.slab
-        if new and self.stash:  # hit between the stash of the arguments and its key's store
-            key = (os.getpid() << _UID_PID_SHIFT) | self.stash_counter
-            if any(self.stash.get(key) is future._payload for future in new):
-                del self.stash[key]
-        recorded = []
-        for future in new:
-            handle = future._handle
-            if handle >= 0 and self.by_handle.get(handle) is future:
-                del self.by_handle[handle]
-                self.watched.pop(handle, None)
-                recorded.append(handle)
-            future._handle = -1
-            future._slot = -1
-            future._withdrawn = True
-            future._payload = b""
-        # Allocated and not recorded yet (maybe written, its arguments stashed); or allocated
-        # inside alloc(), the index lost. (An unwritten block's byte count is its previous
-        # task's: a key that left the stash with that task, dropped again for nothing.)
-        lost = [h for h in handles if h >= 0 and h not in recorded]
-        if not handles and new:
-            free = set(slab.free_indices())
-            lost = [
-                h
-                for h in range(slab.capacity)
-                if slab.get_word(h, _UID) == IN_HAND_UID and h not in free
-            ]
-        for handle in lost:
-            slab.set_uid(handle, TOP_LEVEL_UID)
-        self.drop_stashed(recorded + lost)
-        slab.free_tasks(recorded + lost)
-
-    def wake_sleepers(self, every: bool = False) -> None:
-        """Wake one sleeping worker, or with ``every`` all of them (after a death: the dead
-        worker may have died between a publication and its wake-up: a child's DONE published
-        and its parent, asleep in ``join``, not woken, which nothing else wakes in an idle
-        pool, or a push with the sleeper it owed a wake-up not woken). A woken worker rechecks
-        and sleeps again if it has nothing to do; the dead slot's own flag is cleared with the
-        rest (its replacement rechecks once).
-
-        With ``every``, each eventfd is written whatever its slot's flag says: the dead worker
-        may have cleared a sleeper's flag (which says "a waker writes my fd") and died before
-        its write, and that sleeper, no longer flagged, slept on for ever (a task closing the
-        worker's copy of that fd made it so every time). A worker that was awake finds its
-        eventfd readable at its next sleep and rechecks once."""
-        for k, slot in enumerate(self.slots):
-            if every:
-                slot.clear_sleeping()
-                os.eventfd_write(self.wake_fds[k], 1)
-            elif slot.is_sleeping() and slot.clear_sleeping():
-                os.eventfd_write(self.wake_fds[k], 1)
-                return
-
+    # ------------------------------------------------------------------ stash
     def drop_stashed(self, handles: list[int], field: int = _NBYTES) -> None:
         """Before freeing blocks whose stashed bytes nobody will take: drop them. ``_NBYTES``:
         the arguments of top-level tasks that will not fetch them (withdrawn, lost, or their
