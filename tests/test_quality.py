@@ -78,6 +78,7 @@ ZYGOTE_AVOIDS = {
     "mpsched._coord_timed",
     "mpsched._coord_cancel",
     "mpsched._coord_collect",
+    "mpsched._coord_dispatch",
     "mpsched._coord_recovery",
     "mpsched._coord_drain",
     "mpsched._pool_errors",
