@@ -224,8 +224,8 @@ class Timing(CoordinatorState):
         return True
 
     def note_misfire(self, run: TaskRun) -> None:
-        """Under ``self.lock`` (``misfired``) or ``collect_lock`` (a worker dropped the run):
-        count a run skipped by its misfire policy and say so (never silently)."""
+        """Under ``self.lock``: count a run skipped by its misfire policy (``misfired``, or
+        dropped by its worker: ``end_recurring_run``) and say so (never silently)."""
         self.misfires += 1
         logger.warning(
             "mpsched: recurring task %r missed its run due at %.3f (more than %.3f s late); "
@@ -265,9 +265,9 @@ class Timing(CoordinatorState):
         future._owner = None  # begun (``settle_interrupted`` does not begin it again)
         rec: Recurrence = future._run.recurrence
         if status == _MISFIRED:  # dropped unstarted by its worker: ended as cancelled
-            self.completed -= 1  # (collect counted it: it did not run)
-            self.note_misfire(future._run)
+            self.completed -= 1  # (collect counted it, under collect_lock: it did not run)
             with self.lock:
+                self.note_misfire(future._run)
                 if rec.active:  # else stopped, or replaced by a schedule: never continue it
                     self.continue_recurrence(future, skipped=True)
             if threading.get_ident() != self.thread_id:
