@@ -264,6 +264,7 @@ class Worker(Children):
                 # after an idle wait, it is no misfire: it started at this worker's first
                 # chance, late only by the wake-up (as for the coordinator's: ``misfired``).
                 status, out = _MISFIRED, b""
+                self.top_level_done -= 1  # max_tasks counts the tasks that ran (added below)
             else:
                 if fid != INLINE:
                     fn = self.load_function(fid)
@@ -289,8 +290,7 @@ class Worker(Children):
         del out
         if parent < 0:
             self.me.complete(handle)
-            if status != _MISFIRED:  # max_tasks counts the tasks that ran
-                self.top_level_done += 1
+            self.top_level_done += 1
             self.unannounced += 1
             # A task that asked (announce_result) is announced at once, unless a user thread
             # is collecting the done rings itself (as in idle(): see Coordinator.help_wait).
