@@ -501,10 +501,12 @@ def test_state_agrees_with_the_future_when_timeouts_race_cancels_and_completion(
 def test_recurrences_with_every_overlap_policy_under_cancels_reschedules_and_shutdown(
     tmp_path: Path,
 ) -> None:
-    """Recurrences (each overlap policy, some with a timeout, some whose runs raise) on ids
-    that are cancelled, rescheduled (as one-shot tasks or new recurrences) and finally stopped
-    by the shutdown, from the test thread while their runs go on. Afterwards: every future
-    ended (none lost), no two runs of an id overlapped, and no version ran twice."""
+    """Recurrences (each overlap policy, each misfire policy, some with a timeout, some whose
+    runs raise) on ids that are cancelled, rescheduled (as one-shot tasks or new recurrences)
+    and finally stopped by the shutdown, from the test thread while their runs go on; runs due
+    every 1-3 ms behind spans of up to 6 ms wait in the inboxes past their grace, where the
+    workers drop the "skip" ones. Afterwards: every future ended (none lost), no two runs of an
+    id overlapped, no version ran twice, and misfires were counted."""
     log = str(tmp_path / "log")
     rng = random.Random(11)
     ids = 12
@@ -520,6 +522,8 @@ def test_recurrences_with_every_overlap_policy_under_cancels_reschedules_and_shu
                     overlap=rng.choice(["skip", "coalesce", "queue"]),
                     timeout=rng.choice([None, 0.002]),
                     timeout_grace=0.005,
+                    misfire=rng.choice(["run_late", "skip"]),
+                    misfire_grace=rng.choice([0.0, 0.002]),
                 )
                 seconds = rng.choice([0.0, 0.002, 0.006])
                 args = (log, seconds, rng.choice([0, 3]))
@@ -538,6 +542,7 @@ def test_recurrences_with_every_overlap_policy_under_cancels_reschedules_and_shu
                     time.sleep(0.0005)
     finally:
         pool.shutdown(wait=True)
+    assert pool.statistics().misfires > 0, "the misfire policy was not exercised"
     not_done = [f for f in futures if not f.done()]
     assert not not_done, f"{len(not_done)} futures never ended"
     running: dict[Any, tuple[int, int]] = {}
