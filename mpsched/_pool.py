@@ -58,6 +58,29 @@ _INF = float("inf")
 YIELD_AFTER_BYTES = CHAIN_BYTES_MAX
 
 
+def _module_body_hint() -> str:
+    """For the daemonic-process error: a pool created by a module's body as it is imported.
+    A worker imports a task's module to load its function or arguments (and a task may
+    import one), so a module that starts a pool at import time tries it in every worker.
+    Only a module being imported counts (its spec's ``_initializing``, which importlib sets
+    while it runs the body; absent, no hint): a process's own main code (``python -c``, a
+    spawned child's bootstrap) is no import."""
+    frame: Any = sys._getframe(2)  # the caller of Pool()
+    while frame is not None and not (
+        frame.f_code.co_name == "<module>"
+        and getattr(frame.f_globals.get("__spec__"), "_initializing", False)
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    name = frame.f_globals.get("__name__")
+    return (
+        f" This Pool() runs in the body of module {name!r} as it is imported here (a worker "
+        "imports a task's module to load its function or arguments): create the pool under "
+        "`if __name__ == '__main__':` or in a function."
+    )
+
+
 def _default_start_method() -> str:
     return "forkserver" if sys.platform.startswith("linux") else "spawn"
 
@@ -144,7 +167,7 @@ class Pool(concurrent.futures.Executor):
                 f"mpsched.Pool(start_method={method!r}) cannot start in a daemonic process (a "
                 "task in a pool's worker, or a multiprocessing daemon): multiprocessing lets "
                 "such a process start no child. Inside a task, use mpsched.submit for nested "
-                "tasks; a pool there needs start_method='fork'."
+                "tasks; a pool there needs start_method='fork'." + _module_body_hint()
             )
         if isinstance(dispatch_window, bool) or not isinstance(dispatch_window, int):
             raise TypeError(f"dispatch_window must be an int, not {type(dispatch_window).__name__}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib
 import math
 import os
 import sys
@@ -724,8 +725,22 @@ def test_a_pool_in_a_task_starts_under_fork_and_says_why_not_otherwise(
     if inner == "fork":
         assert future.result(timeout=60) == 42
     else:
-        with pytest.raises(RuntimeError, match=r"daemonic process .* mpsched\.submit"):
+        with pytest.raises(RuntimeError, match=r"daemonic process .* mpsched\.submit") as raised:
             future.result(timeout=60)
+        assert "body of module" not in str(raised.value)  # no module was being imported
+
+
+@pytest.mark.timeout(60)
+def test_a_pool_started_by_a_module_body_in_a_worker_names_that_module(pool2: Pool) -> None:
+    """A module that starts a pool as it is imported, imported in a worker (as the worker
+    imports a task's module to load its function): the error names that module and the way
+    out, not only the daemonic process (a user saw a deadlock elsewhere, gh-155890)."""
+    future = pool2.submit(importlib.import_module, "tests.integration.pool_at_import")
+    with pytest.raises(RuntimeError, match=r"daemonic process") as raised:
+        future.result(timeout=60)
+    message = str(raised.value)
+    assert "body of module 'tests.integration.pool_at_import'" in message
+    assert "if __name__ == '__main__':" in message
 
 
 @pytest.mark.timeout(60)
