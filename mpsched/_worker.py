@@ -187,6 +187,13 @@ class Worker(Children):
         self.poller = select.poll()
         self.poller.register(self.my_wake_fd, select.POLLIN)
         self.poller.register(conn.fileno(), select.POLLIN)
+        # The wakeup fd of Python's signal handling: a signal that a task's handler waits for
+        # may reach another thread, or come just before this thread blocks in poll (Python runs
+        # handlers between bytecodes, after the C-level handler noted the signal); either way
+        # poll slept on and the handler waited for the next wake-up. Its byte wakes the sleep.
+        self.signal_fd, self.signal_write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.poller.register(self.signal_fd, select.POLLIN)
+        self.watch_signals()
 
     # ------------------------------------------------------------------ main loop
     def main_loop(self) -> bool:
@@ -372,8 +379,13 @@ class Worker(Children):
                 if deadline is not None:
                     left_ms = (deadline - time.monotonic()) * 1e3
                     timeout_ms = max(0, int(min(left_ms, SLEEP_MS_MAX)))
+                if not joining:  # between tasks: a task may have set a wakeup fd of its own
+                    self.watch_signals()
                 try:
                     events = self.poller.poll(timeout_ms)
+                    # Woken by a signal's byte: its handler runs at this call (a Python frame's
+                    # start), still inside the sleep's handling below.
+                    self.drain_signal_fd(events)
                 except BaseException as exc:
                     # A signal handler of the task's raised while this worker slept (its time
                     # limit's alarm, in a join, say): only the sleep was under way. Left cleanly,
@@ -385,7 +397,7 @@ class Worker(Children):
                 for fd, _ in events:
                     if fd == self.my_wake_fd:
                         self.consume_wake()
-                    else:
+                    elif fd != self.signal_fd:
                         self.read_messages()
                 me.clear_sleeping()
         finally:
@@ -400,6 +412,19 @@ class Worker(Children):
             sum(len(slot) for slot in self.slots) > 1 or (joining and len(me))
         ):
             self.wake_one_sleeper()
+
+    def watch_signals(self) -> None:
+        """Make this worker's pipe the process's signal wakeup fd (again: a task may have set
+        one of its own, e.g. an asyncio loop's, and left -1 behind when its loop closed). Main
+        thread only, which runs the worker's loop; a C call, on the sleep path only."""
+        signal.set_wakeup_fd(self.signal_write_fd, warn_on_full_buffer=False)
+
+    def drain_signal_fd(self, events: list[tuple[int, int]]) -> None:
+        for fd, _ in events:
+            if fd == self.signal_fd:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(fd, 512):
+                        pass
 
     def consume_wake(self) -> None:
         try:
@@ -445,7 +470,7 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the coordinator
     worker = Worker(slot, views, wake_fds, conn, options)
     _serialize.table_loader = worker.load_function  # for the arguments' stand-ins
-    os.register_at_fork(after_in_child=lambda: _forked_by_a_task(conn))
+    os.register_at_fork(after_in_child=lambda: _forked_by_a_task(conn, worker.signal_write_fd))
     if options.initializer and not run_initializer(conn, slot, options.initializer):
         return 0  # the coordinator breaks the pool with the initializer's error
     _children._current = worker
@@ -505,7 +530,7 @@ def _raised_by_user_code(exc: BaseException) -> bool:
     return not tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)
 
 
-def _forked_by_a_task(conn: Connection) -> None:
+def _forked_by_a_task(conn: Connection, signal_write_fd: int) -> None:
     """In a process that a task (or the initializer) forked from this worker: it is no worker.
     It lets go of its copy of the worker's socket, whose EOF is how the coordinator learns of
     the worker's death: a copy kept by a process that outlives its task (a daemon) hid the
@@ -514,6 +539,12 @@ def _forked_by_a_task(conn: Connection) -> None:
     worker's deque beside the worker, the deque's one owner."""
     _children._current = None
     conn.close()
+    # Its signals are its own: the worker's wakeup fd would wake the worker for them. (One
+    # that a task set, an asyncio loop's, stays: the child's copy of that loop reads it.)
+    with contextlib.suppress(ValueError):  # no main thread here to set it from
+        previous = signal.set_wakeup_fd(-1)
+        if previous != signal_write_fd:
+            signal.set_wakeup_fd(previous)
 
 
 def run_initializer(conn: Connection, slot: int, initializer: bytes) -> bool:

@@ -375,6 +375,23 @@ def raise_on_sigusr1() -> int:
     return os.getpid()
 
 
+def raise_on_sigusr1_sent_by_a_thread(path: str) -> int:
+    """Leave a raising SIGUSR1 handler installed, and a thread that, once the test opens the
+    gate at ``path``, sends SIGUSR1 to itself (``pthread_kill``): the signal reaches that
+    thread, not the worker's main thread asleep in ``poll``, which only a wakeup fd wakes to
+    run the handler. Returns this worker's pid."""
+    import threading
+
+    signal.signal(signal.SIGUSR1, _raise_handler_error)
+
+    def send() -> None:
+        gate(path)
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
+
+    threading.Thread(target=send, daemon=True).start()
+    return os.getpid()
+
+
 def _gated_child(path: str) -> str:
     gate(path)
     return "child"

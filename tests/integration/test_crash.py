@@ -12,7 +12,7 @@ import pytest
 from mpsched import Pool, WorkerCrashedError
 
 from . import tasks
-from .conditions import wait_until
+from .conditions import Fifos, wait_until
 
 
 @pytest.mark.timeout(60)
@@ -57,6 +57,36 @@ def test_a_worker_dying_with_a_lock_held_stalls_nobody(which: str, record_pid: b
             doomed.result(timeout=30)
         assert [f.result(timeout=30) for f in futures] == [21] * 200
         assert pool.statistics().crashes == 1
+
+
+def _main_thread_blocked(pid: int) -> bool:
+    """The process's main thread is blocked in a system call (state S, D or t)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "SDt"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_caught_by_another_thread_of_a_sleeping_worker_runs_its_handler(
+    fifos: Fifos,
+) -> None:
+    """A task leaves a raising handler and a thread that signals itself once the worker is
+    asleep: the signal interrupts that thread, not the worker's main thread in ``poll``, so
+    the handler (which runs in the main thread) ran only once something else woke the worker,
+    here never. Likewise a signal that came just before the worker blocked in ``poll`` (its
+    handler not yet run: Python runs handlers between bytecodes) waited for the next wake-up.
+    The worker's wakeup fd (``signal.set_wakeup_fd``) wakes it: the handler runs, raises, and
+    the worker is replaced."""
+    with Pool(1) as pool:
+        pid = pool.submit(tasks.raise_on_sigusr1_sent_by_a_thread, fifos.gate).result(timeout=30)
+        slot = pool._coordinator.slots[0]
+        wait_until(lambda: slot.is_sleeping() and _main_thread_blocked(pid), "the worker sleeps")
+        tasks.open_gate(fifos.gate)
+        wait_until(lambda: pool.statistics().respawns == 1, "the worker was replaced")
+        assert pool.statistics().crashes == 1
+        assert pool.submit(tasks.add, 1, 2).result(timeout=30) == 3
 
 
 @pytest.mark.timeout(60)
