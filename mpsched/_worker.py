@@ -34,10 +34,10 @@ Sleep protocol ("announce, recheck, then block"; the lost-wake-up argument is in
     1. sleepers += 1 (global lock);  2. announce_sleep() on the own slot (sets ``sleeping`` under
     the own lock if both own rings are empty);  3. recheck every peer with ``probe()`` (under each
     peer's lock) and, when joining, the awaited child's state (under the own lock);  4. block in
-    ``poll`` on the own wake eventfd and the coordinator socket. Wakers push first, then read
-    ``sleepers`` and clear a sleeper's flag under its lock before writing its eventfd. A waker
-    wakes one sleeper per publication, so a worker whose sleep ends passes the wake-up on to
-    one more sleeper while more than one entry is queued in all.
+    ``poll`` on the own wake eventfd, the coordinator socket and the signal wakeup pipe.
+    Wakers push first, then read ``sleepers`` and clear a sleeper's flag under its lock before
+    writing its eventfd. A waker wakes one sleeper per publication, so a worker whose sleep
+    ends passes the wake-up on to one more sleeper while more than one entry is queued in all.
 
 Exceptions from user code are caught and reported as the task's error (including SystemExit and
 KeyboardInterrupt raised by a task); exceptions from mpsched's own code end the worker with a
