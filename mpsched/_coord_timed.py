@@ -41,6 +41,20 @@ from mpsched._task import TaskState
 from mpsched._timed import Recurrence, TaskRun
 
 
+def skips_misfires(run: TaskRun) -> bool:
+    """A recurring run under the misfire policy "skip", and not a retry. A retry (its worker
+    died) started on time, so it runs again, as the retries option says. Dropped, it continued
+    a recurrence that a schedule of the id may have replaced meanwhile: that next version
+    superseded the new schedule's, whose future never settled
+    (test_a_retried_run_of_a_superseded_recurrence_keeps_the_new_schedule)."""
+    options = run.options
+    return (
+        run.recurrence is not None
+        and options.misfire == "skip"
+        and run.retries_left == options.retries
+    )
+
+
 class Timing(CoordinatorState):
     def schedule(
         self,
@@ -193,22 +207,15 @@ class Timing(CoordinatorState):
     def misfired(self, future: Future) -> bool:
         """Under ``self.lock``: drop a recurring run that is too late, if its policy says so."""
         run = future._run
-        if run is None or run.recurrence is None:
-            return False
-        options = run.options
         if (
-            options.misfire != "skip"
+            run is None
+            or not skips_misfires(run)
             # In the first dispatch since it came due: the pool could start it at once, and
             # only the coordinator's own wake-up (~0.1-1 ms after the due time here) made it
             # late. Counted, any grace under that delay skipped every run of an idle pool
             # (misfire_grace=0: none ever ran).
             or run.made_ready == self.dispatches
-            # A retry (its worker died): the run started on time, so it runs again, as the
-            # retries option says. Dropped, it continued a recurrence that a schedule of the id
-            # may have replaced meanwhile: that next version superseded the new schedule's,
-            # whose future never settled (test_a_retried_run_of_a_superseded_recurrence_...).
-            or run.retries_left != options.retries
-            or not is_misfire(run.misfire_from, time.monotonic(), options.misfire_grace)
+            or not is_misfire(run.misfire_from, time.monotonic(), run.options.misfire_grace)
         ):
             return False
         self.note_misfire(run)
@@ -238,16 +245,13 @@ class Timing(CoordinatorState):
     def misfire_deadline(self, future: Future) -> float | None:
         """Under ``self.lock``, as ``future`` is written to its block (``inject``): the time
         after which a worker that claims it behind other work drops it unstarted (see
-        ``Worker.run``), or None. Only a recurring run under "skip", and not a retry (see
-        ``misfired``): it was not late as it left the ready queue, but in an inbox it may wait
-        behind the worker's work past its grace."""
+        ``Worker.run``), or None. Only a run that ``skips_misfires``: it was not late as it
+        left the ready queue, but in an inbox it may wait behind the worker's work past its
+        grace."""
         run = future._run
-        if run is None or run.recurrence is None:
+        if run is None or not skips_misfires(run):
             return None
-        options = run.options
-        if options.misfire != "skip" or run.retries_left != options.retries:
-            return None
-        deadline: float = run.misfire_from + options.misfire_grace
+        deadline: float = run.misfire_from + run.options.misfire_grace
         return deadline
 
     def note_due(self, run_at: float | None) -> None:
