@@ -161,9 +161,14 @@ class CoordinatorState:
         self.aborted = False
         # When Draining.poll_orphans last looked for orphaned locks (coordinator thread only).
         self.orphans_polled_at = -math.inf
-        # The Pool was garbage-collected: the loop begins a shutdown(wait=False) itself.
-        # Written by: the drop callback (_lifecycle; takes no lock). Read by: the loop.
-        self.owner_dropped = False
+        # A shutdown asked for without taking any lock (PoolResources.ask_shutdown): by the
+        # drop callback (the Pool was garbage-collected), or by a shutdown() called back
+        # inside a pool call of its own thread (a signal handler's, a finalizer's), which may
+        # hold the locks it would take. The loop begins it, as shutdown(wait=False) does.
+        # Only ever set, cancel_asked first: the loop that reads shutdown_asked then reads
+        # the cancel_asked that came with it.
+        self.shutdown_asked = False
+        self.cancel_asked = False  # with cancel_futures
         # A copy in a child of the user's os.fork() (PoolResources.disown): the pool and its
         # shared memory are the parent's. Cancels and help_wait from the child's copies of the
         # futures must not touch the parent's queues and slab (a cancel there tombstoned the

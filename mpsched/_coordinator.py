@@ -9,7 +9,8 @@ handshake. Called from: user threads through ``Pool`` (``submit``, ``schedule``,
 loop if needed), and its own thread (``run``, from ``_lifecycle.run_coordinator``). Everything
 else runs in the coordinator thread only, but for ``help_wait`` (a user thread collecting) and
 ``on_lock_stall`` (any thread). Nothing here references the ``Pool`` (a dropped pool must be
-collectable): when it is collected, ``owner_dropped`` is set and the loop begins the shutdown.
+collectable): when it is collected, ``shutdown_asked`` is set and the loop begins the
+shutdown (as for a shutdown called back inside a pool call: ``_lifecycle.interrupted_pool_call``).
 
 ``Coordinator`` is one object made of parts, one module each (``_coord_state`` lists them and
 holds the attributes): this module keeps start-up, ``submit``, the loop, the stash and the
@@ -231,8 +232,10 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
                 # task, and a timeout check would then flag or kill that task's worker.
                 with self.collect_lock:
                     self.check_timeouts()
-            if self.owner_dropped and not self.draining:
-                self.begin_shutdown(False)  # what the Pool's shutdown(wait=False) does
+            if self.shutdown_asked and (
+                not self.draining or (self.cancel_asked and not self.cancelling)
+            ):
+                self.begin_shutdown(self.cancel_asked)  # as the Pool's shutdown(wait=False)
             if self.draining and self.drained():
                 self.drain_workers()
                 return

@@ -10,7 +10,13 @@ Messages say what happened, the likely causes and what to do next. ``timeout_err
 
 from __future__ import annotations
 
+import os
 import sys
+
+# Where mpsched's own code lives: a frame of a file elsewhere runs user code (the worker's
+# classification of an error, ``_worker._raised_by_user_code``; a shutdown called back inside
+# a pool call, ``_lifecycle.interrupted_pool_call``).
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class MpschedError(Exception):

@@ -19,7 +19,9 @@ The drop callback (``_on_pool_dropped``) runs wherever the garbage collector run
 thread, possibly inside a critical section of that same thread (the coordinator's lock, the
 wakeup's lock), as the map finalizer of tests/integration/test_engine_edges.py showed. So it
 takes no lock and waits for nothing: it sets flags and writes a byte to the wakeup pipe
-(``Wakeup.wakeup_nowait``); the coordinator loop then begins the shutdown itself.
+(``Wakeup.wakeup_nowait``); the coordinator loop then begins the shutdown itself
+(``ask_shutdown``). A ``shutdown`` that a signal handler or a finalizer calls inside a call of
+the pool's in the same thread does the same (``interrupted_pool_call``).
 
 Registries: ``_unreleased``, every started pool's resources until they are released, and
 ``live_pools``, the started ``Pool`` objects not yet released (weak references). The
@@ -35,17 +37,21 @@ exits:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import select
 import sys
 import threading
+import types
 import weakref
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from mpsched._coordinator import Coordinator
+from mpsched._errors import PACKAGE_DIR
 from mpsched._function_cache import FunctionCache
+from mpsched._future import CallbackRunner
 from mpsched._shm import AnonSegment, SharedFd, disown_inherited_process
 from mpsched._wakeup import Wakeup
 from mpsched._zygote import ForkedZygote
@@ -76,6 +82,40 @@ EXIT_BEGAN_MESSAGE = (
     "cannot start a Pool: the interpreter's exit has shut mpsched's pools down (its atexit "
     "hook ran, before this atexit handler: import mpsched before registering it)"
 )
+
+
+# The frames that call a done-callback, never with a lock of the pool's held (docs/design.md,
+# "Where done-callbacks run"): interrupted_pool_call stops at them.
+_CALLBACK_CALLERS = frozenset(
+    (
+        concurrent.futures.Future._invoke_callbacks.__code__,  # type: ignore[attr-defined]
+        concurrent.futures.Future.add_done_callback.__code__,
+        CallbackRunner._run.__code__,
+    )
+)
+
+
+def interrupted_pool_call(frame: types.FrameType | None) -> bool:
+    """Whether ``frame``, the caller of a public call of the pool, is user code that a call
+    of the pool's in the same thread called back, other than a done-callback: a signal
+    handler that interrupted that call (Python runs handlers between two bytecodes of the
+    main thread, wherever it is), or a finalizer or weakref callback that the garbage
+    collector ran there. That call may hold any of the pool's locks (none is reentrant: the
+    state each guards may be half-changed), so the callback must not wait for one.
+
+    Called by ``Pool.shutdown`` only (a walk up the stack: ~0.25 us a frame); the pool's
+    own calls of it (a ``with`` block's exit, the exit hook) are not callbacks."""
+    if frame is None or frame.f_code.co_filename.startswith(PACKAGE_DIR):
+        return False
+    frame = frame.f_back
+    while frame is not None:
+        code = frame.f_code
+        if code in _CALLBACK_CALLERS:
+            return False
+        if code.co_filename.startswith(PACKAGE_DIR):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class PoolResources:
@@ -121,8 +161,16 @@ class PoolResources:
 
     def _deliver_drop(self, coordinator: Any) -> None:
         self.dropped = True
-        coordinator.owner_dropped = True  # the loop begins a shutdown(wait=False)
-        self.release_requested = True  # and the thread tears down once the drain ended
+        self.ask_shutdown(coordinator, cancel_futures=False)
+
+    def ask_shutdown(self, coordinator: Any, cancel_futures: bool) -> None:
+        """Any thread, inside any critical section of its own: no lock, no wait (see the
+        module docstring). The loop begins a ``shutdown(wait=False, cancel_futures=...)``,
+        and the thread tears down once the drain ended."""
+        if cancel_futures:
+            coordinator.cancel_asked = True  # before shutdown_asked: the loop reads it after
+        coordinator.shutdown_asked = True
+        self.release_requested = True
         self.wakeup.wakeup_nowait()
 
     def deliver_lost_drop(self) -> None:

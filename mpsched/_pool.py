@@ -34,7 +34,7 @@ from mpsched._errors import POOL_CLOSED_MESSAGE, POOL_NOT_PICKLABLE_MESSAGE, Poo
 from mpsched._function_cache import FunctionCache
 from mpsched._future import Future
 from mpsched._layout import SegmentViews
-from mpsched._lifecycle import PoolResources, live_pools
+from mpsched._lifecycle import PoolResources, interrupted_pool_call, live_pools
 from mpsched._map import MapRun
 from mpsched._options import TaskOptions, check_seconds
 from mpsched._payloads import CHAIN_BYTES_MAX
@@ -490,7 +490,21 @@ class Pool(concurrent.futures.Executor):
         except that ``wait=True`` waits for the end, including the done-callbacks of the
         futures the pool settled (docs/design.md, "Where done-callbacks run"). Called from such
         a callback, it waits for the end but not for the callbacks that come after it in the
-        pool's callback thread (they would wait for it)."""
+        pool's callback thread (they would wait for it).
+
+        Called back inside a call of the pool's in the same thread (by a signal handler that
+        interrupted it, or by a finalizer the garbage collector ran there), it only asks for
+        the shutdown and returns, with ``wait=True`` too: the interrupted call may hold the
+        locks a shutdown takes, and goes on once the handler returned. The rest of the input
+        of a ``map`` is not sent then (its iterator raises PoolClosedError where it is
+        needed). A later ``shutdown(wait=True)`` (the end of a ``with`` block) waits."""
+        if interrupted_pool_call(sys._getframe(1)):
+            # Such a shutdown waited for ever for a lock its own thread held (a SIGTERM
+            # handler's, in one of three runs of a loop of submits). No lock, no wait here.
+            self._closed = True
+            if self._started:
+                self._resources.ask_shutdown(self._coordinator, cancel_futures)
+            return
         if not cancel_futures and self._started and not self._closed:
             # What a map was given is work submitted, as ProcessPoolExecutor.map submits it
             # all at the call: a map of an input with a length sends the rest of it now, so

@@ -74,7 +74,7 @@ from mpsched._children import (
     abandon_worker,
     write_wake,
 )
-from mpsched._errors import InternalError, TaskCancelled
+from mpsched._errors import PACKAGE_DIR, InternalError, TaskCancelled
 from mpsched._layout import SegmentViews
 from mpsched._payloads import BlockField
 from mpsched._protocol import (
@@ -98,8 +98,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-# mpsched's own code: an error raised in a frame elsewhere is user code's (_raised_by_user_code).
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 STEAL_RETRY_ROUNDS = 64  # full rounds over the peers while some answered RETRY, then sleep
 # Before sleeping, watch the own queues this long (s): a caller that waits for each result
 # before it submits the next task (a latency-bound loop) hands the next one over within tens of
@@ -527,7 +525,7 @@ def _raised_by_user_code(exc: BaseException) -> bool:
         return False
     while tb.tb_next is not None:
         tb = tb.tb_next
-    return not tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+    return not tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR)
 
 
 def _forked_by_a_task(conn: Connection, signal_write_fd: int) -> None:

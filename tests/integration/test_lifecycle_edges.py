@@ -9,6 +9,7 @@ import contextlib
 import errno
 import math
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from mpsched import Pool, PoolClosedError
+from mpsched import Pool, PoolClosedError, _coordinator
 
 from . import tasks
 from .conditions import Fifos, wait_until
@@ -228,3 +229,62 @@ def test_a_generator_closed_inside_a_with_block_lets_the_running_task_finish(
     opener.join()
     assert not future.cancelled()
     assert future.result(timeout=0) == 7
+
+
+class _SignalInSubmit:
+    """Stands for the ``time`` module of ``mpsched._coordinator``: the main thread's next
+    ``monotonic()`` there, which ``Coordinator.submit`` reads while it holds the coordinator's
+    lock, raises SIGUSR1 first. So its handler runs inside that critical section, as a
+    SIGTERM's may in a loop of submits, where a signal comes between any two bytecodes."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def monotonic(self) -> float:
+        if self.armed and threading.current_thread() is threading.main_thread():
+            self.armed = False
+            signal.raise_signal(signal.SIGUSR1)  # the handler runs before this returns
+        return time.monotonic()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cancel_futures", [True, False])
+def test_a_shutdown_in_a_signal_handler_that_interrupted_a_submit_is_asked_not_awaited(
+    fifos: Fifos, monkeypatch: pytest.MonkeyPatch, cancel_futures: bool
+) -> None:
+    """The handler's ``shutdown`` waited for ever for the coordinator's lock, which the
+    interrupted ``submit`` of its own thread held (one run in three of a loop of submits with
+    a SIGTERM handler that shuts the pool down). Now it asks for the shutdown and returns;
+    the pool refuses work from then on, and ends by itself."""
+    shim = _SignalInSubmit()
+    monkeypatch.setattr(_coordinator, "time", shim)
+    pool = Pool(1)
+    returned: list[bool] = []
+
+    def handler(signum: int, frame: object) -> None:
+        pool.shutdown(wait=True, cancel_futures=cancel_futures)
+        returned.append(True)
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        held = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
+        tasks.wait_started(fifos.started)
+        shim.armed = True
+        queued = pool.submit(tasks.ident, 1)  # the handler runs in here
+        assert returned == [True]
+        with pytest.raises(PoolClosedError):
+            pool.submit(tasks.ident, 2)
+        if cancel_futures:  # the loop began the shutdown: what no worker claimed is cancelled
+            wait_until(queued.done, "the queued task is cancelled")
+            assert queued.cancelled()
+        tasks.open_gate(fifos.gate)
+        assert pool.await_termination(timeout=20) is True
+        assert held.result(timeout=0) == 0
+        assert cancel_futures or queued.result(timeout=0) == 1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        shim.armed = False
+        pool.shutdown(cancel_futures=True)

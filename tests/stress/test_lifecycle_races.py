@@ -18,6 +18,7 @@ import functools
 import gc
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -705,3 +706,72 @@ def test_a_pool_started_while_another_pool_forgets_a_worker_starts() -> None:
         for fd in spare + fillers:
             os.close(fd)
         x.shutdown(wait=True)
+
+
+SIGNAL_ROUNDS = 30
+
+
+def _calls_until_a_signal_shuts_the_pool_down(round_: int, main: int) -> None:
+    """One round of the test below: its pool, handler and sender."""
+    pool = Pool(2, start_method=METHOD)
+    cancel_futures = round_ % 2 == 0
+    stopped = threading.Event()
+    going = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        pool.shutdown(wait=True, cancel_futures=cancel_futures)
+        stopped.set()
+
+    def send() -> None:
+        going.wait()
+        _jitter()
+        signal.pthread_kill(main, signal.SIGUSR1)
+
+    signal.signal(signal.SIGUSR1, handler)
+    sender = threading.Thread(target=send)
+    sender.start()
+    futures: list[mpsched.Future] = []
+    i = 0
+    try:
+        with fast_switching():
+            while not stopped.is_set():
+                try:
+                    future = pool.submit(tasks.ident, i)
+                    futures.append(future)
+                    futures.append(pool.schedule(i % 8, time.monotonic(), i % 3, tasks.ident, i))
+                except PoolClosedError:  # a call the handler interrupted before it was taken
+                    assert stopped.is_set(), f"round {round_}: refused before the shutdown"
+                    break
+                pool.cancel((i + 3) % 8)
+                if i % 5 == 0:
+                    future.cancel()
+                pool.state(i % 8)
+                i += 1
+                if i == 20:
+                    going.set()
+    finally:
+        going.set()
+        sender.join()
+    with pytest.raises(PoolClosedError):
+        pool.submit(tasks.ident, -1)
+    assert pool.await_termination(timeout=CONDITION_TIMEOUT), f"round {round_}: not ended"
+    _, not_done = wait(futures, timeout=CONDITION_TIMEOUT)
+    assert not not_done, f"round {round_}: futures left pending"
+    pool.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_signal_handler_that_shuts_the_pool_down_wherever_it_lands_in_a_loop_of_calls() -> None:
+    """A SIGUSR1 from another thread lands between two bytecodes of the main thread, in a loop
+    of ``submit``, ``schedule``, cancels by id and by future and ``state``: inside the pool's
+    critical sections, or between the calls. Its handler shuts the pool down (waiting, and
+    in every other round cancelling). Before, that shutdown waited for ever for a lock of the
+    call it interrupted (one run in three of a loop of submits). Now, in every round, the
+    handler returns, the pool refuses the next call and ends, and every future ends."""
+    main = threading.get_ident()
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        for round_ in range(SIGNAL_ROUNDS):
+            _calls_until_a_signal_shuts_the_pool_down(round_, main)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
