@@ -175,24 +175,13 @@ class _AppendThenInterrupt(collections.deque[Any]):
             raise KeyboardInterrupt
 
 
-def _interrupt_at_entry(*args: Any) -> None:
-    raise KeyboardInterrupt
-
-
-@pytest.mark.parametrize("where", ["ended-id memory", "prune"])
-def test_an_interrupt_in_the_bookkeeping_after_a_withdrawal_keeps_the_item_for_the_caller(
-    where: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Interrupted after the version was taken out (in the prune, or as the ended-id memory
-    noted it): the item was lost with the return value (the pool's future stayed pending for
-    ever). The caller's handler takes it (``take_interrupted``), once."""
+def test_an_interrupt_in_the_bookkeeping_after_a_withdrawal_keeps_the_item_for_the_caller() -> None:
+    """Interrupted after the version was taken out (as the ended-id memory noted it): the
+    item was lost with the return value (the pool's future stayed pending for ever). The
+    caller's handler takes it (``take_interrupted``), once."""
     heap = VersionedHeap(remember=10)
     heap.schedule("a", 1.0, 0, "item")
-    if where == "prune":
-        monkeypatch.setattr(_heap, "PRUNE_SLACK", -10)  # the next withdraw prunes
-        monkeypatch.setattr(VersionedHeap, "_prune", _interrupt_at_entry)
-    else:
-        heap._finished = _AppendThenInterrupt(after=1)
+    heap._finished = _AppendThenInterrupt(after=1)
     assert heap.take_interrupted() is None
     with pytest.raises(KeyboardInterrupt):
         heap.withdraw("a")
