@@ -270,31 +270,29 @@ class VersionedHeap:
             rec = records[task_id] = (run_at, neg, seq, task_id, 1, _PENDING, 0, False, priority)
             items[seq] = item
             self._in_heap += 1
-            heap = self._heap
-            heapq.heappush(heap, rec)
-            # Here too: the entries of cancelled versions, left by withdraw, go at the next
-            # schedule (batches of new ids scheduled and cancelled grew the heap for ever).
-            if len(heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
-                self._prune()
-            return rec
-        _, _, old_seq, _, version, _, running, cancel_requested, _ = old
-        if old_seq in items:  # a pending version, superseded: its heap entry goes stale
-            del items[old_seq]
-            if running:  # it was deferred
-                self._deferred -= 1
-            else:
-                self._in_heap -= 1
-        elif not running:  # an ended id: its entry in the ended-id memory goes stale
-            self._stale += 1
-        version += 1
-        rec = records[task_id] = (run_at, neg, seq, task_id, version, _PENDING, running,
-                                  cancel_requested, priority)  # fmt: skip
-        items[seq] = item
-        if running:  # deferred: it enters the heap when the running version finishes
-            self._deferred += 1
-        else:
-            self._in_heap += 1
             heapq.heappush(self._heap, rec)
+        else:
+            _, _, old_seq, _, version, _, running, cancel_requested, _ = old
+            if old_seq in items:  # a pending version, superseded: its heap entry goes stale
+                del items[old_seq]
+                if running:  # it was deferred
+                    self._deferred -= 1
+                else:
+                    self._in_heap -= 1
+            elif not running:  # an ended id: its entry in the ended-id memory goes stale
+                self._stale += 1
+            version += 1
+            rec = records[task_id] = (run_at, neg, seq, task_id, version, _PENDING, running,
+                                      cancel_requested, priority)  # fmt: skip
+            items[seq] = item
+            if running:  # deferred: it enters the heap when the running version finishes
+                self._deferred += 1
+            else:
+                self._in_heap += 1
+                heapq.heappush(self._heap, rec)
+        # After a new id's push too: the entries of cancelled versions, left by withdraw, go
+        # at the next schedule (batches of new ids scheduled and cancelled grew the heap for
+        # ever).
         if len(self._heap) > PRUNE_FACTOR * self._in_heap + PRUNE_SLACK:
             self._prune()
         return rec
