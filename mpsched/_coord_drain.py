@@ -138,6 +138,7 @@ class Draining(CoordinatorState):
         Recurring tasks stop unless ``recurring_after_shutdown``; timed one-shot tasks still run
         when due unless ``timed_after_shutdown`` is False; ``cancel_futures`` cancels all that
         has not started."""
+        self.release_workers()  # they must answer the handshake, even with no task run
         cancelled: list[Future] = []
         injected: list[Future] = []
         try:
@@ -277,7 +278,7 @@ class Draining(CoordinatorState):
             if self.workers[worker.slot] is worker:  # did not answer in time
                 self.forget_worker(worker)
         with contextlib.suppress(OSError):
-            self.zygote.send_bytes(encode(Tag.STOP))
+            self.send_to_zygote(Tag.STOP)
 
     def break_pool(self, exc: BaseException) -> None:
         """An internal error: fail every unfinished future with BrokenPoolError."""
@@ -303,7 +304,7 @@ class Draining(CoordinatorState):
             if worker is not None:
                 self.forget_worker(worker)
         with contextlib.suppress(OSError):
-            self.zygote.send_bytes(encode(Tag.STOP))
+            self.send_to_zygote(Tag.STOP)
 
     def close(self) -> None:
         self.epoll.close()

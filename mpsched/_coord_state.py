@@ -95,12 +95,18 @@ class CoordinatorState:
         recurring_after_shutdown: bool = False,
         wakeup_nowait: Any = None,
         has_initializer: bool = False,
+        workers_await_start: bool = False,
     ) -> None:
         self.slots = views.slots
         self.slab = views.slab
         self.header = views.header
         self.wake_fds = [f.fd for f in wake_fds]
         self.zygote = zygote_conn
+        # Whether START was sent (or is not awaited: ZygoteConfig.await_start). Read and written
+        # under zygote_send_lock, which orders every write to the zygote (START comes from a
+        # submitting thread or the drain's start, SPAWN and STOP from the coordinator thread).
+        self.workers_released = not workers_await_start
+        self.zygote_send_lock = threading.Lock()
         self.wakeup = wakeup
         self.clear_wakeup = clear_wakeup
         self.wakeup_nowait = wakeup if wakeup_nowait is None else wakeup_nowait
@@ -210,6 +216,8 @@ class CoordinatorState:
         # by a part that does not define it. Not defined at run time: Coordinator's are found.
         # _coordinator
         def spawn(self, slot: int) -> None: ...
+        def release_workers(self, modules: tuple[str, ...] = ()) -> None: ...
+        def send_to_zygote(self, tag: int, *fields: Any) -> None: ...
         def check_usable(self) -> None: ...
         def drop_stashed(self, handles: list[int], field: int = _NBYTES) -> None: ...
         def stash_put(self, data: bytes) -> int: ...

@@ -106,9 +106,29 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
     def spawn(self, slot: int) -> None:
         self.starting.add(slot)
         try:
-            self.zygote.send_bytes(encode(Tag.SPAWN, slot))
+            self.send_to_zygote(Tag.SPAWN, slot)
         except OSError as exc:  # EPIPE: it died, its EOF not read yet (e.g. during a recovery)
             raise zygote_died() from exc
+
+    def release_workers(self, modules: tuple[str, ...] = ()) -> None:
+        """Any thread: let a zygote that awaits START fork the initial workers, after it
+        imported ``modules`` (the pool's first task's, which every worker then inherits).
+        Sent by the pool's first submission, or by the drain's start (workers must answer it)
+        if none came; a no-op once sent. Noted as sent only after the send: a Ctrl-C between
+        the two makes a later call send a second START, which the zygote ignores."""
+        with self.zygote_send_lock:
+            if self.workers_released:
+                return
+            # EPIPE: the zygote died; the loop reads its EOF and breaks the pool.
+            with contextlib.suppress(OSError):
+                self.zygote.send_bytes(encode(Tag.START, modules))
+            self.workers_released = True
+
+    def send_to_zygote(self, tag: int, *fields: Any) -> None:
+        """Coordinator thread: one command to the zygote, never in the middle of a submitting
+        thread's START. Raises OSError if the zygote is gone."""
+        with self.zygote_send_lock:
+            self.zygote.send_bytes(encode(tag, *fields))
 
     def wait_ready(self, timeout: float) -> tuple[str, ...]:
         """Before the loop runs, in the pool's thread: wait for the zygote's READY (it has

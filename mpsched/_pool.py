@@ -39,7 +39,7 @@ from mpsched._map import MapRun
 from mpsched._options import TaskOptions, check_seconds
 from mpsched._payloads import CHAIN_BYTES_MAX
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
-from mpsched._serialize import dumps_for_workers, portable
+from mpsched._serialize import dumps_for_workers, module_by_name, portable
 from mpsched._startup import DISPATCH_WINDOW, DISPATCH_WINDOW_MAX, start
 from mpsched._statistics import PoolStatistics, snapshot
 from mpsched._task import TaskState
@@ -131,6 +131,8 @@ class Pool(concurrent.futures.Executor):
     _functions: FunctionCache
     _wakeup: Wakeup
     _coordinator_pid: int  # the process that started the pool (a fork child is not it)
+    # The zygote awaits the first submission to fork the workers (see _release_workers).
+    _workers_deferred: bool
 
     def __init__(
         self,
@@ -237,6 +239,13 @@ class Pool(concurrent.futures.Executor):
         """The zygote's Process (or ForkedZygote): tests signal it and read its pid."""
         return self._resources.zygote
 
+    def _release_workers(self, fn: Callable[..., Any]) -> None:
+        """The pool's first submission: the zygote forks the workers now, after importing the
+        module that each would import to load ``fn`` (see _startup, step 5)."""
+        module = module_by_name(fn)
+        self._coordinator.release_workers(() if module is None else (module,))
+        self._workers_deferred = False  # after: a Ctrl-C before the send leaves it to the next
+
     # ------------------------------------------------------------------ submitting
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         """Run ``fn(*args, **kwargs)`` in a worker; returns its future.
@@ -260,6 +269,8 @@ class Pool(concurrent.futures.Executor):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         if self._closed:  # early, before pickling; the coordinator decides under its lock
             raise PoolClosedError(self._closed_message)
+        if self._workers_deferred:
+            self._release_workers(fn)
         payload = self._functions.encode(fn, args, kwargs)
         future = Future(self._coordinator, payload)
         if options is not None and not options.is_plain:
@@ -331,6 +342,8 @@ class Pool(concurrent.futures.Executor):
             raise TypeError(f"task_id must be hashable and picklable: {exc!r}") from exc
         if self._closed:  # early, before pickling; the coordinator decides under its lock
             raise PoolClosedError(self._closed_message)
+        if self._workers_deferred:
+            self._release_workers(fn)
         coordinator = self._coordinator
         call = self._functions.encode(fn, args, kwargs, (task_id,))
         future = Future(coordinator, call, priority)
@@ -459,6 +472,8 @@ class Pool(concurrent.futures.Executor):
             timeout = wait_seconds(timeout)
         if self._closed:
             raise PoolClosedError(self._closed_message)
+        if self._workers_deferred:
+            self._release_workers(fn)
         deadline = None if timeout is None else time.monotonic() + timeout
         # An input with a length is finite (zip stops at the shortest): shutdown sends the
         # rest of it (see shutdown).

@@ -21,6 +21,8 @@ of arguments, against ProcessPoolExecutor's ~0.9 (measured, docs/design.md "Big 
 |----------|----------------|------------------------------------|---------------------------------|
 | READY    | zygote -> coord| zygote opened locks and segment;   | unlink the semaphore names;     |
 |          |                | with the names in its ``__main__`` | note them (stand-ins)           |
+| START    | coord -> zygote| the pool's first task (forkserver, | import its function's module,   |
+|          |                | spawn; no initializer), or drain   | then fork the initial workers   |
 | SPAWN    | coord -> zygote| a worker slot needs a process      | fork a worker, answer SPAWNED   |
 | SPAWNED  | zygote -> coord| after fork; the socket fd follows  | ``recv_handle`` the worker end  |
 | EXITED   | zygote -> coord| a worker was reaped                | record the exit code            |
@@ -79,6 +81,7 @@ class Tag(Constants):
     SPAWNED: Final = 3
     EXITED: Final = 4
     STOP: Final = 5
+    START: Final = 6
     RESULTS: Final = 10
     STASH: Final = 11
     FETCH: Final = 12

@@ -477,3 +477,17 @@ def of_main(obj: Any) -> bool:
     """A class or function defined in ``__main__``: plain pickle writes it as the global
     ``__main__.<qualname>`` (one imported there pickles under its own module's name)."""
     return isinstance(obj, _BY_NAME) and getattr(obj, "__module__", None) == "__main__"
+
+
+def module_by_name(fn: Any) -> str | None:
+    """The module that a worker imports to unpickle ``fn``, if plain pickle writes it by name
+    (pickle's own test: its ``__qualname__`` looked up from ``__module__`` is ``fn``); None for
+    ``__main__`` (the workers have theirs) and for what travels by value (a lambda, a closure,
+    a bound method), which imports no module of its own."""
+    name = getattr(fn, "__module__", None)
+    if not isinstance(fn, _BY_NAME) or type(name) is not str or name == "__main__":
+        return None
+    found: Any = sys.modules.get(name)
+    for part in getattr(fn, "__qualname__", "").split("."):
+        found = getattr(found, part, None)
+    return name if found is fn else None

@@ -18,7 +18,10 @@ Start-up, in order (the reasons are in docs/design.md, section 2):
      coordinator thread go and return: the workers are not waited for;
   5. the zygote forks the workers (listed in its config: no SPAWN message each); the
      coordinator thread registers each as its SPAWNED comes. A task submitted before may wait
-     in a starting worker's inbox.
+     in a starting worker's inbox. Under forkserver and spawn, with no initializer, the zygote
+     forks them only once the pool's first submission sends START (``Pool._release_workers``)
+     with the module of its function, which the zygote imports first, so that the workers
+     inherit it (``ZygoteConfig.await_start``).
 
 Ctrl-C: SIGINT is held (noted, not raised) from step 1 to the end, but for the wait for
 READY in step 4 (``_HeldInterrupt``): there every resource is in ``PoolResources``, which
@@ -118,7 +121,12 @@ def _start(pool: Pool, held: _HeldInterrupt) -> None:
         # Format the segment, which the zygote checks when it attaches; the bulk of it,
         # the slab's free stack, is filled below while the zygote starts up.
         pool._views = attach(segment, layout, guarded, init=True, fill_slab=False)
-        zygote_conn = _start_zygote(pool, layout, locks)
+        # Not under fork (the zygote has the modules of the pool's process) nor with an
+        # initializer (a module imported before it ran could see another environment).
+        pool._workers_deferred = await_start = (
+            pool._start_method != "fork" and not pool._worker_options.initializer
+        )
+        zygote_conn = _start_zygote(pool, layout, locks, await_start)
         # While the zygote starts up: build the coordinator, mark every worker as starting
         # (the zygote forks them after READY), fill the free stack (no block is allocated
         # before Pool() returns) and start the coordinator thread (it waits for go). None
@@ -140,6 +148,7 @@ def _start(pool: Pool, held: _HeldInterrupt) -> None:
             recurring_after_shutdown=pool._recurring_after_shutdown,
             wakeup_nowait=pool._wakeup.wakeup_nowait,
             has_initializer=bool(pool._worker_options.initializer),
+            workers_await_start=await_start,
         )
         pool._coordinator.mark_all_starting()
         pool._views.slab.fill_free_stack()
@@ -227,7 +236,9 @@ class _HeldInterrupt:
         self.pending = (signum, None)
 
 
-def _start_zygote(pool: Pool, layout: SegmentLayout, locks: SegmentLocks) -> Connection:
+def _start_zygote(
+    pool: Pool, layout: SegmentLayout, locks: SegmentLocks, await_start: bool
+) -> Connection:
     ctx: Any = multiprocessing.get_context(pool._start_method)
     parent_conn: Connection
     parent_conn, child_conn = ctx.Pipe(duplex=True)
@@ -245,6 +256,7 @@ def _start_zygote(pool: Pool, layout: SegmentLayout, locks: SegmentLocks) -> Con
         worker_options=pool._worker_options,
         close_fds=sorted(coordinator_fds) if fork else [],
         initial_slots=list(range(pool._workers)),
+        await_start=await_start,
         # Under fork the zygote inherits the workers' views: attaching here costs ~0.1 ms,
         # in the zygote (copy-on-write faults after the fork) ~0.7 ms on the start-up path.
         views=attach(res.segment, layout, locks) if fork else None,

@@ -15,6 +15,9 @@ Protocol with the coordinator (one duplex Connection; see ``_protocol``):
     zygote -> READY (its __main__ names) after attaching; then it forks the pool's initial
                                         workers (``ZygoteConfig.initial_slots``), answering
                                         SPAWNED for each as for a SPAWN
+    coord  -> START(modules)            first, if ``ZygoteConfig.await_start``: the initial
+                                        workers wait for it (the pool's first task); the
+                                        zygote imports ``modules`` before forking them
     coord  -> SPAWN(slot)               (a replacement) zygote forks, answers SPAWNED(slot,
                                         pid) and then sends the coordinator's end of the
                                         worker's socket pair as an fd (``send_handle``)
@@ -39,6 +42,7 @@ import sys
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 
+from mpsched._errors import ProtocolError
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach
 from mpsched._protocol import Tag, decode, encode
 from mpsched._shm import AnonSegment, SharedFd, become_forked_child, death_signal_setter
@@ -75,6 +79,7 @@ class ZygoteConfig:
         worker_options: WorkerOptions,
         close_fds: list[int],
         initial_slots: list[int],
+        await_start: bool = False,
         views: SegmentViews | None = None,
         inherited: Sequence[AnonSegment | SharedFd] = (),
     ) -> None:
@@ -86,7 +91,8 @@ class ZygoteConfig:
         self.coordinator_pid = coordinator_pid
         self.worker_options = worker_options
         self.close_fds = close_fds  # fork start method: coordinator-side fds inherited by accident
-        self.initial_slots = initial_slots  # forked right after READY, with no SPAWN each
+        self.initial_slots = initial_slots  # forked with no SPAWN each: after READY, or
+        self.await_start = await_start  # after START if this is set (see _await_start)
         # Fork start method: the workers' views, attached by the pool's process before the fork
         # (inherited, never pickled), so that the zygote's path to its first fork is shorter.
         self.views = views
@@ -136,14 +142,39 @@ class _Zygote:
             self.conn.send_bytes(encode(Tag.READY, tuple(getattr(main, "__dict__", ()))))
         except OSError:  # EPIPE: Pool() gave up before READY (a Ctrl-C in it): exit quietly,
             self._coordinator_gone()  # not with a traceback on the user's terminal
-        for slot in self.cfg.initial_slots:
-            self._spawn(slot)
+        if self.cfg.await_start:
+            self._await_start()
+        if not self.stopping:
+            for slot in self.cfg.initial_slots:
+                self._spawn(slot)
         while not (self.stopping and not self.children):
             for fd, _ in self.poller.poll():
                 if fd == self.conn.fileno():
                     self._on_command()
                 else:
                     self._on_child_exit(fd)
+
+    def _await_start(self) -> None:
+        """Forkserver and spawn, with no initializer: before forking the initial workers, wait
+        for the pool's first task (START, with the module of its function, imported here once
+        so that every worker inherits it) or for the pool's end before any (STOP: none is
+        forked). Each worker, a child of this process, imported that module with ~3x the page
+        faults of the same import here (see docs/design.md, "Start-up to the first result")."""
+        try:
+            tag, fields = decode(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            self._coordinator_gone()
+        if tag == Tag.STOP:
+            self.stopping = True
+            return
+        if tag != Tag.START:
+            raise ProtocolError(f"the zygote got {Tag.name(tag)} before START")
+        for name in fields[0]:
+            if name not in sys.modules:
+                # An import that fails here fails again in the worker that needs it, which
+                # sends the error to the task's future, where its user sees it.
+                with contextlib.suppress(BaseException):
+                    __import__(name)
 
     def _on_command(self) -> None:
         try:
@@ -156,6 +187,7 @@ class _Zygote:
                 self._spawn(fields[0])
         elif tag == Tag.STOP:
             self.stopping = True
+        # else START again (a Ctrl-C in the pool's process right after it sent one): done
 
     def _spawn(self, slot: int) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

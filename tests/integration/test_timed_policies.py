@@ -186,7 +186,9 @@ def test_shutdown_cancel_futures_ends_a_recurrence_kept_after_shutdown(tmp_path:
 # ---------------------------------------------------------------- aging
 def stop_worker(pool: Pool) -> int:
     """SIGSTOP the only worker of ``pool`` while it sleeps (blocked in poll, holding no lock):
-    tasks injected meanwhile stay unclaimed in its inbox until ``os.kill(pid, SIGCONT)``."""
+    tasks injected meanwhile stay unclaimed in its inbox until ``os.kill(pid, SIGCONT)``.
+    A first task brings the worker up (under forkserver it waits for one)."""
+    assert pool.submit(int, 7).result(timeout=CONDITION_TIMEOUT) == 7
     wait_until(lambda: pool.statistics().per_worker[0].pid != 0, "the worker is up")
     slot = pool._views.slots[0]
     wait_until(slot.is_sleeping, "the worker sleeps")
@@ -699,7 +701,9 @@ def test_a_zero_misfire_grace_skips_no_run_of_an_idle_pool(tmp_path: Path) -> No
     each, and none ever ran."""
     log = str(tmp_path / "log")
     with Pool(2) as pool:
-        # Its workers up first: a run due before any could take it waited for one (a misfire).
+        # Its workers up first (a first task starts them): a run due before any could take it
+        # waited for one (a misfire).
+        assert pool.submit(int, 7).result(timeout=CONDITION_TIMEOUT) == 7
         coordinator = pool._coordinator
         wait_until(lambda: all(w is not None for w in coordinator.workers), "the workers are up")
         options = pool.with_options(every=0.02, misfire="skip", misfire_grace=0.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import sys
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -299,3 +300,36 @@ class _FindCounter(bytes):
     def find(self, *args: Any) -> int:
         self.finds += 1
         return super().find(*args)
+
+
+class _Holder:
+    @staticmethod
+    def static() -> None: ...
+
+    def method(self) -> None: ...
+
+
+def test_module_by_name_is_the_module_a_worker_imports_to_unpickle_a_function() -> None:
+    """What the zygote imports for the pool's first task (``Pool._release_workers``): the
+    module of a function or class that plain pickle writes by name, nothing else."""
+    import functools
+    import json
+
+    from mpsched._serialize import module_by_name
+
+    assert module_by_name(json.dumps) == "json"
+    assert module_by_name(json.JSONDecoder) == "json.decoder"  # where it is defined
+    assert module_by_name(len) == "builtins"
+    assert module_by_name(_Holder.static) == __name__
+    assert module_by_name(_Holder.method) == __name__
+    assert module_by_name(_Holder().method) is None  # a bound method travels by value
+    assert module_by_name(lambda: None) is None
+    assert module_by_name(functools.partial(len)) is None
+    assert module_by_name({}.get) is None
+
+    def local() -> None: ...
+
+    assert module_by_name(local) is None
+    main_function = types.FunctionType(local.__code__, {"__name__": "__main__"})
+    assert main_function.__module__ == "__main__"
+    assert module_by_name(main_function) is None

@@ -1,0 +1,106 @@
+"""The pool's first task under forkserver and spawn: the zygote waits for it to fork the
+workers, and imports its function's module first, so that every worker inherits the module
+(docs/design.md, "Start-up to the first result")."""
+
+from __future__ import annotations
+
+import threading
+
+import psutil
+import pytest
+
+from mpsched import Pool
+
+from . import preload_refused, preload_tasks, tasks
+from .conditions import CONDITION_TIMEOUT, wait_until
+
+DEFERRING = ["forkserver", "spawn"]
+
+
+def _workers_up(pool: Pool) -> bool:
+    return all(w.pid != 0 for w in pool.statistics().per_worker)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", DEFERRING)
+def test_every_worker_inherits_the_first_tasks_module_from_the_zygote(start_method: str) -> None:
+    with Pool(2, start_method=start_method) as pool:
+        zygote = pool._zygote.pid
+        # Nothing forked before the first task: the zygote waits for START.
+        assert psutil.Process(zygote).children() == []
+        seen = [pool.submit(preload_tasks.where_imported).result(timeout=20) for _ in range(50)]
+        wait_until(lambda: _workers_up(pool), "both workers are up")
+        seen += pool.map(preload_tasks.where_imported, range(200), chunksize=1)
+    assert {imported_in for imported_in, _ in seen} == {zygote}
+    assert zygote not in {pid for _, pid in seen}
+
+
+@pytest.mark.timeout(60)
+def test_first_submissions_from_many_threads_at_once_start_the_workers_once() -> None:
+    """First submissions racing from many threads: each task runs once, in a worker that
+    inherited the module of the one whose START went first (the zygote imports only that)."""
+    n = 8
+    barrier = threading.Barrier(n)
+    seen: list[tuple[int, int]] = []
+
+    def first_call(pool: Pool) -> None:
+        barrier.wait()
+        seen.append(pool.submit(preload_tasks.where_imported).result(timeout=20))
+
+    for _ in range(3):
+        seen.clear()
+        with Pool(2, start_method="forkserver") as pool:
+            threads = [threading.Thread(target=first_call, args=(pool,)) for _ in range(n)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            zygote = pool._zygote.pid
+        assert len(seen) == n
+        assert {imported_in for imported_in, _ in seen} == {zygote}
+        assert sorted(pool._coordinator.final_stats) == [0, 1]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first", ["schedule", "map"])
+def test_a_schedule_or_a_map_as_the_first_call_starts_the_workers_too(first: str) -> None:
+    with Pool(2, start_method="forkserver") as pool:
+        zygote = pool._zygote.pid
+        if first == "schedule":
+            seen = [pool.schedule("t", 0.0, 0, preload_tasks.where_imported).result(timeout=20)]
+        else:
+            seen = list(pool.map(preload_tasks.where_imported, range(4)))
+    assert {imported_in for imported_in, _ in seen} == {zygote}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["forkserver", "fork"])
+def test_workers_start_with_the_pool_under_fork_or_with_an_initializer(start_method: str) -> None:
+    """Under fork the zygote has the modules of the pool's process; with an initializer, a
+    module imported before it ran could see another environment: neither waits, and with an
+    initializer each worker imports the task's module itself."""
+    initializer = None if start_method == "fork" else tasks.remember
+    with Pool(2, start_method=start_method, initializer=initializer, initargs=(1,)) as pool:
+        wait_until(lambda: _workers_up(pool), "the workers are up, with no task")
+        imported_in, pid = pool.submit(preload_tasks.where_imported).result(timeout=20)
+        zygote = pool._zygote.pid
+    assert imported_in != zygote
+    assert imported_in == (pid if initializer else preload_tasks.IMPORTED_IN)
+
+
+@pytest.mark.timeout(60)
+def test_a_first_tasks_module_that_fails_to_import_in_the_zygote_fails_only_its_tasks() -> None:
+    with Pool(2, start_method="forkserver") as pool:
+        failed = pool.submit(preload_refused.one)
+        with pytest.raises(ImportError, match="not in a pool's process"):
+            failed.result(timeout=CONDITION_TIMEOUT)  # the worker's own import, as without
+        assert pool.submit(tasks.add, 2, 3).result(timeout=CONDITION_TIMEOUT) == 5
+    assert sorted(pool._coordinator.final_stats) == [0, 1]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", DEFERRING)
+def test_a_pool_shut_down_before_any_task_drains_its_workers(start_method: str) -> None:
+    with Pool(2, start_method=start_method) as pool:
+        pass
+    assert sorted(pool._coordinator.final_stats) == [0, 1]
