@@ -34,6 +34,7 @@ process behind, and the memfd and the unlinked semaphores vanish with their last
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import select
 import signal
@@ -104,6 +105,11 @@ class ZygoteConfig:
 
 def zygote_main(cfg: ZygoteConfig) -> None:
     """Target of the zygote's ``Process``. Never returns normally: exits with ``os._exit``."""
+    # What this process inherited (under fork: the user's whole heap) is never collected here
+    # nor in the workers: a garbage cycle not yet collected in the user's process had its
+    # finalizers run again in each (a file removed, a message sent, twice); and a collection
+    # that walks inherited objects writes to their pages, which the fork shared.
+    gc.freeze()
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the coordinator
@@ -192,6 +198,7 @@ class _Zygote:
     def _spawn(self, slot: int) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         zygote_pid = os.getpid()
+        gc.freeze()  # and what the zygote made since (a module it imported): see zygote_main
         pid = os.fork()
         if pid == 0:  # the worker
             ours.close()

@@ -415,3 +415,22 @@ def join_a_stolen_child(joining: str, gate_path: str) -> int:
 def flag_seen(path: str) -> tuple[int, bool]:
     """This worker's pid, and whether the file ``path`` exists."""
     return os.getpid(), os.path.exists(path)
+
+
+def collect_garbage() -> int:
+    """A full collection in the worker; the number of unreachable objects it found."""
+    import gc
+
+    return gc.collect()
+
+
+def private_growth_of_a_collection() -> int:
+    """Bytes of this worker's own memory (USS) that one full collection added."""
+    import gc
+
+    import psutil
+
+    me = psutil.Process()
+    before = me.memory_full_info().uss
+    gc.collect()
+    return int(me.memory_full_info().uss - before)

@@ -6,6 +6,7 @@ a Ctrl-C that ends a program whose pool is in no ``with`` block (a script in ``t
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pathlib
 import time
@@ -86,3 +87,51 @@ def test_ctrl_c_that_ends_the_program_outside_a_with_block_stops_running_tasks(
     assert code != 0
     assert err.count("Traceback (most recent call last)") == 1, err
     assert err.rstrip().endswith("KeyboardInterrupt"), err
+
+
+class _FinalizedOnce:
+    """Garbage in a reference cycle whose finalizer logs the pid of the process that ran it."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+        self.me = self
+
+    def __del__(self) -> None:
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+@pytest.mark.timeout(60)
+def test_a_fork_pools_processes_never_finalize_garbage_of_the_pools_process(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Under fork the zygote is a copy of the user's process, and the workers copies of it: a
+    garbage cycle not yet collected there was collected again in each of them, and its
+    finalizer ran once per process (a file removed, a message sent, a line logged, twice).
+    The zygote freezes what it inherited (``gc.freeze``): only the user's process finalizes."""
+    log = str(tmp_path / "finalized")
+    gc.disable()  # the cycle must still be there when the zygote is forked
+    try:
+        _FinalizedOnce(log)
+        with Pool(2, start_method="fork") as pool:
+            for _ in range(20):
+                pool.submit(tasks.collect_garbage).result(timeout=TIMEOUT)
+    finally:
+        gc.enable()
+    assert not os.path.exists(log)
+    gc.collect()
+    with open(log) as f:
+        assert f.read().split() == [str(os.getpid())]
+
+
+@pytest.mark.timeout(60)
+def test_a_collection_in_a_fork_pools_worker_copies_none_of_the_inherited_heap() -> None:
+    """A full collection writes to the header of every object it walks: in a worker forked
+    with the user's heap (300,000 lists here, ~40 MiB), it made a private copy of every page
+    that held one (measured before: +127 MiB in each worker for 10^6 lists). Frozen by the
+    zygote, they are not walked."""
+    heap = [[i, str(i)] for i in range(300_000)]
+    with Pool(1, start_method="fork") as pool:
+        growth = pool.submit(tasks.private_growth_of_a_collection).result(timeout=TIMEOUT)
+    assert len(heap) == 300_000  # alive throughout
+    assert growth < 4 * 2**20
