@@ -94,7 +94,10 @@ class Pool(concurrent.futures.Executor):
     Args:
         workers: number of worker processes (default ``os.cpu_count()``).
         start_method: ``"forkserver"`` (default on Linux), ``"spawn"`` or ``"fork"``: how the
-            pool's zygote process starts; workers are forked from the zygote.
+            pool's zygote process starts; workers are forked from the zygote. Under forkserver
+            and spawn, unless there is an initializer, they are forked at the first ``submit``,
+            ``schedule`` or ``map``, once the zygote imported the module of its function, which
+            every worker (replacements too) then inherits, as it does the main module's imports.
         dispatch_window: tasks handed ahead to each worker's inbox (default 128). A newly due
             task of a *higher* priority never waits behind them (the coordinator takes lower
             ones back); one of equal priority waits behind at most this many per worker. A
