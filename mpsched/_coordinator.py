@@ -97,8 +97,8 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
     # ------------------------------------------------------------------ start-up
     def mark_all_starting(self) -> None:
         """Before the loop runs: every worker is starting (the zygote forks the initial ones
-        from its config after READY, with no SPAWN). The loop registers each worker as its
-        SPAWNED comes; until then a task may already be injected into its inbox
+        from its config after READY, or after START, with no SPAWN). The loop registers each
+        worker as its SPAWNED comes; until then a task may already be injected into its inbox
         (``dispatch_one``), where the worker finds it when it starts, or a peer steals it.
         Nothing waits for the round trip."""
         self.starting.update(range(self.n_workers))

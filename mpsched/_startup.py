@@ -128,9 +128,9 @@ def _start(pool: Pool, held: _HeldInterrupt) -> None:
         )
         zygote_conn = _start_zygote(pool, layout, locks, await_start)
         # While the zygote starts up: build the coordinator, mark every worker as starting
-        # (the zygote forks them after READY), fill the free stack (no block is allocated
-        # before Pool() returns) and start the coordinator thread (it waits for go). None
-        # of it is then on the path to the first result.
+        # (the zygote forks them after READY, or after START), fill the free stack (no block
+        # is allocated before Pool() returns) and start the coordinator thread (it waits for
+        # go). None of it is then on the path to the first result.
         pool._functions = res.functions = FunctionCache(pool._views.functions.add)
         pool._coordinator = res.coordinator = Coordinator(
             pool._views,

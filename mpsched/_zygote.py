@@ -162,10 +162,11 @@ class _Zygote:
 
     def _await_start(self) -> None:
         """Forkserver and spawn, with no initializer: before forking the initial workers, wait
-        for the pool's first task (START, with the module of its function, imported here once
-        so that every worker inherits it) or for the pool's end before any (STOP: none is
-        forked). Each worker, a child of this process, imported that module with ~3x the page
-        faults of the same import here (see docs/design.md, "Start-up to the first result")."""
+        for START (the pool's first task, with the module of its function, imported here once
+        so that every worker inherits it; or the drain of a pool that got none) or STOP (a pool
+        that broke first: none is forked). Each worker, a child of this process, imported that
+        module with ~3x the page faults of the same import here (docs/design.md, "The first
+        task's module")."""
         try:
             tag, fields = decode(self.conn.recv_bytes())
         except (EOFError, OSError):
