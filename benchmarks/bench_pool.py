@@ -8,8 +8,8 @@ Usage, from the repository root::
         --json /tmp/bench.json
 
 Workloads (shapes as in the project's peer survey; details in ``benchmarks/README.md``):
-throughput, latency, imbalanced, forkjoin, startup, and payloads100k and payloads1m (no issue
-target; shown beside them). Each runs mpsched and its peers interleaved per repeat
+throughput, latency, imbalanced, forkjoin, startup, and recycle, payloads100k and payloads1m
+(no issue target; shown beside them). Each runs mpsched and its peers interleaved per repeat
 (``_common.run_interleaved``), prints a table of medians and paired ratios, and the run ends with
 a PASS/FAIL/SKIP line per project target. Until ``mpsched.Pool`` exists, its rows say "mpsched:
 not available" and its targets SKIP. A wrong result from any pool raises ``BenchmarkError`` and
@@ -92,6 +92,10 @@ PAYLOAD_PPE = "ProcessPoolExecutor.submit"
 PAYLOAD_LOKY = "loky submit"
 PAYLOAD_KEYS = ("payloads100k", "payloads1m")  # the workloads of Sizes.payloads, in order
 START_METHODS = ("forkserver", "fork")
+# recycle: mpsched's default; ProcessPoolExecutor refuses max_tasks_per_child under fork.
+RECYCLE_START_METHOD = "forkserver"
+RECYCLE_MPSCHED = "mpsched Pool (max_tasks_per_worker=1)"
+RECYCLE_PPE = "ProcessPoolExecutor (max_tasks_per_child=1)"
 
 # Distributions whose versions go into the machine info of --json.
 JSON_DISTS = ("psutil", "loky", "distributed", "cloudpickle")
@@ -119,15 +123,30 @@ class Sizes:
     # payloads: (tasks, bytes of each one's argument and then of its result) per workload:
     # past a slab chain (~60 KiB; they go through the coordinator's stash) and well past it.
     payloads: tuple[tuple[int, int], ...]
+    recycle_tasks: int  # tasks after the first in ``recycle``, each in a new worker
     idle_max_wait_s: float  # s; one idle gate gives up (and marks the repeat) after this
     idle_budget_s: float  # s; all gates of the run together wait at most this (then 1 window)
     watchdog_s: int  # s; the whole run is killed (stacks dumped) after this
 
 
 DEFAULT = Sizes(
-    5, 15, 20_000, 200, 2_000, 400, 8.0, 0.8, ((2_000, 100 << 10), (300, 1 << 20)), 10.0, 60.0, 1800
+    5,
+    15,
+    20_000,
+    200,
+    2_000,
+    400,
+    8.0,
+    0.8,
+    ((2_000, 100 << 10), (300, 1 << 20)),
+    8,
+    10.0,
+    60.0,
+    1800,
 )
-QUICK = Sizes(3, 3, 2_000, 50, 200, 40, 1.0, 0.2, ((200, 100 << 10), (30, 1 << 20)), 2.0, 10.0, 600)
+QUICK = Sizes(
+    3, 3, 2_000, 50, 200, 40, 1.0, 0.2, ((200, 100 << 10), (30, 1 << 20)), 2, 2.0, 10.0, 600
+)
 
 
 # --------------------------------------------------------------------------- pools
@@ -546,6 +565,62 @@ def bench_startup(run: Run) -> Workload:
     )
 
 
+def recycle_probe(impl: str, tasks: int) -> dict[str, Any]:
+    """In a fresh interpreter: a pool whose workers each run one task, of a module with a heavy
+    import (``_heavy_tasks``); creation to the first result, and to the last of ``tasks`` more,
+    each submitted once the one before it returned (so each waits for a new worker), in s."""
+    from benchmarks import _heavy_tasks as heavy  # here, not at the top: see its docstring
+
+    context = multiprocessing.get_context(RECYCLE_START_METHOD)
+    make: Callable[[], AbstractContextManager[Any]]
+    if impl == "mpsched":
+        import mpsched
+
+        common.mpsched_status("Pool")  # imported before the clock, as ProcessPoolExecutor is
+        make = functools.partial(
+            mpsched.Pool, WORKERS, start_method=RECYCLE_START_METHOD, max_tasks_per_worker=1
+        )
+    else:
+        make = functools.partial(
+            ProcessPoolExecutor, WORKERS, mp_context=context, max_tasks_per_child=1
+        )
+    t0 = time.perf_counter()
+    with make() as pool:
+        results = [pool.submit(heavy.ident, 0).result()]
+        t1 = time.perf_counter()
+        results += [pool.submit(heavy.ident, i).result() for i in range(1, tasks + 1)]
+        t2 = time.perf_counter()
+    return {"seconds": t2 - t0, "first_s": t1 - t0, "results": results}
+
+
+def recycle_run(impl: str, tasks: int) -> Measurement:
+    """Run ``recycle_probe`` in a fresh interpreter and check its results."""
+    out = common.run_probe(
+        f"{PROBE_MODULE}:recycle_probe", {"impl": impl, "tasks": tasks}, PROBE_TIMEOUT_S
+    )
+    common.verify(out["results"] == list(range(tasks + 1)), f"recycle {impl}: {out['results']}")
+    return Measurement(out["seconds"], None, {"first_s": out["first_s"]})
+
+
+def bench_recycle(run: Run) -> Workload:
+    """No issue target: workers that each run one task (``max_tasks_per_worker=1``, as a
+    pipeline that contains a leaky library sets), of a module with a heavy import. mpsched's
+    zygote imports the first task's module and every worker it forks inherits it; each of
+    ProcessPoolExecutor's new workers imports it again. A fresh interpreter per sample."""
+    n = run.sizes.recycle_tasks
+    impls = [
+        Impl(RECYCLE_MPSCHED, lambda: recycle_run("mpsched", n), needs=NEEDS_POOL),
+        Impl(RECYCLE_PPE, lambda: recycle_run("ppe", n), baseline=RECYCLE_MPSCHED),
+    ]
+    series, gates = run.interleave("recycle", impls)
+    title = (
+        f"pool creation to the last of 1 + {n} tasks submitted one after another, each worker "
+        f"running one, of a module that imports distributed; {RECYCLE_START_METHOD}, fresh "
+        f"interpreter per sample; no issue target"
+    )
+    return Workload("recycle", title, "s", series, gates, {"tasks": n + 1})
+
+
 def bench_payloads(run: Run, which: int) -> Workload:
     """Big arguments, then big results: ``sizes.payloads[which]`` (tasks, bytes), each task
     submitted one by one; no issue target (a data pipeline's arrays), shown against PPE and
@@ -597,6 +672,7 @@ BENCHES: dict[str, Callable[[Run], Workload]] = {
     "imbalanced": bench_imbalanced,
     "forkjoin": bench_forkjoin,
     "startup": bench_startup,
+    "recycle": bench_recycle,
     PAYLOAD_KEYS[0]: functools.partial(bench_payloads, which=0),
     PAYLOAD_KEYS[1]: functools.partial(bench_payloads, which=1),
 }
@@ -626,6 +702,8 @@ def extra_columns(w: Workload) -> list[common.ExtraColumn]:
         return [("efficiency", lambda s: _fmt_plain(common.paired_ratio([ref], s)))]
     if w.key == "startup":
         return [("shutdown", lambda s: common.fmt_time(s.extra_median("shutdown_s"), "ms"))]
+    if w.key == "recycle":
+        return [("first result", lambda s: common.fmt_time(s.extra_median("first_s"), "ms"))]
     return []
 
 
