@@ -105,8 +105,10 @@ class CoordinatorState:
         # Whether START was sent (or is not awaited: ZygoteConfig.await_start). Read and written
         # under zygote_send_lock, which orders every write to the zygote (START comes from a
         # submitting thread or the drain's start, SPAWN and STOP from the coordinator thread).
+        # Reentrant: a signal handler's submission inside the first one's send of START sends
+        # its own, whole (a frame this small is one write), and the zygote ignores the second.
         self.workers_released = not workers_await_start
-        self.zygote_send_lock = threading.Lock()
+        self.zygote_send_lock = threading.RLock()
         self.wakeup = wakeup
         self.clear_wakeup = clear_wakeup
         self.wakeup_nowait = wakeup if wakeup_nowait is None else wakeup_nowait
