@@ -4,12 +4,15 @@ workers, and imports its function's module first, so that every worker inherits 
 
 from __future__ import annotations
 
+import signal
 import threading
+from typing import Any
 
 import psutil
 import pytest
 
-from mpsched import Pool
+from mpsched import Pool, _coordinator
+from mpsched._protocol import Tag
 
 from . import preload_refused, preload_tasks, tasks
 from .conditions import CONDITION_TIMEOUT, wait_until
@@ -103,4 +106,40 @@ def test_a_first_tasks_module_that_fails_to_import_in_the_zygote_fails_only_its_
 def test_a_pool_shut_down_before_any_task_drains_its_workers(start_method: str) -> None:
     with Pool(2, start_method=start_method) as pool:
         pass
+    assert sorted(pool._coordinator.final_stats) == [0, 1]
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_handler_that_submits_inside_the_first_submissions_start_does_not_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A SIGUSR1 raised while the first submission holds the zygote's send lock (as it encodes
+    START): the handler's own first submission takes that lock again in the same thread. With
+    a plain lock it waited for ever; it sends its START, and the zygote ignores the second."""
+    real_encode = _coordinator.encode
+    raised: list[bool] = []
+
+    def encode(tag: int, *fields: Any) -> bytes:
+        if tag == Tag.START and not raised:
+            raised.append(True)
+            signal.raise_signal(signal.SIGUSR1)  # the handler runs before this returns
+        return real_encode(tag, *fields)
+
+    from_handler: list[Any] = []
+    with Pool(2, start_method="forkserver") as pool:
+        previous = signal.signal(
+            signal.SIGUSR1, lambda *_: from_handler.append(pool.submit(tasks.add, 1, 2))
+        )
+        monkeypatch.setattr(_coordinator, "encode", encode)
+        try:
+            first = pool.submit(preload_tasks.where_imported)
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        assert raised
+        assert len(from_handler) == 1
+        assert from_handler[0].result(timeout=CONDITION_TIMEOUT) == 3
+        # The handler's START went first, with its own task's module: the zygote imported
+        # that one, and ignored the second START (with preload_tasks) that came after it.
+        imported_in, pid = first.result(timeout=CONDITION_TIMEOUT)
+        assert imported_in == pid != pool._zygote.pid
     assert sorted(pool._coordinator.final_stats) == [0, 1]
