@@ -54,7 +54,7 @@ from mpsched._function_cache import FunctionCache
 from mpsched._future import CallbackRunner
 from mpsched._shm import AnonSegment, SharedFd, disown_inherited_process
 from mpsched._wakeup import Wakeup
-from mpsched._zygote import ForkedZygote
+from mpsched._zygote import EXIT_STATUS_LOST, ForkedZygote
 
 if TYPE_CHECKING:
     from mpsched._pool import Pool
@@ -230,7 +230,7 @@ class PoolResources:
             if self.zygote.is_alive():
                 self.zygote.kill()
                 self.zygote.join()
-            self.zygote.close()
+            _close_process(self.zygote)
         self.wakeup.close()
         for fd in self.wake_fds:
             fd.close()
@@ -260,6 +260,19 @@ class PoolResources:
                 if worker is not None:
                     with contextlib.suppress(OSError):
                         worker.conn.close()
+
+
+def _close_process(zygote: Any) -> None:
+    """``close()`` the zygote, joined: under spawn it is the pool's child, and where the pool's
+    process ignores SIGCHLD the kernel reaped it, so multiprocessing's waitpid finds no child
+    and takes it for running: ``close()`` raised ValueError, and the pool's end left its
+    sentinel's fd open and a traceback in the coordinator thread. Joined, it is gone (its
+    sentinel said so): its exit status, which the kernel dropped, is marked lost."""
+    try:
+        zygote.close()
+    except ValueError:
+        zygote._popen.returncode = EXIT_STATUS_LOST
+        zygote.close()
 
 
 def run_coordinator(resources: PoolResources) -> None:

@@ -53,12 +53,15 @@ from mpsched._worker import WorkerOptions, worker_main  # loaded once; every wor
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
-    from typing import NoReturn
+    from typing import Any, NoReturn
 
 # Looked up at import: every worker calls it right after fork, on its start-up path, and under
 # the fork start method the zygote inherits it from the pool's process (imported before).
 _set_death_signal = death_signal_setter()
 ZYGOTE_NAME = "mpsched-zygote"  # its multiprocessing.current_process().name, and its workers'
+# ForkedZygote's exit code when the kernel reaped it (the pool's process ignores SIGCHLD) and
+# its status is gone; as a negative code is a signal's, 255 (exit(-1)) stands for "unknown".
+EXIT_STATUS_LOST = 255
 
 
 class ZygoteConfig:
@@ -113,6 +116,11 @@ def zygote_main(cfg: ZygoteConfig) -> None:
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the coordinator
+        # Reaping needs SIGCHLD's default action: ignored (a daemon's way to have no zombies,
+        # inherited from the pool's process by fork, or through exec from a forkserver it
+        # started), the kernel reaped the workers itself, and the zygote's waitpid failed
+        # with ECHILD at the first worker's death: the pool broke. The workers get it back.
+        workers_sigchld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in cfg.close_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -120,7 +128,7 @@ def zygote_main(cfg: ZygoteConfig) -> None:
             with contextlib.suppress(BufferError, OSError):  # a view left: the fd goes anyway
                 owned.close()
         views = cfg.views if cfg.views is not None else attach(cfg.segment, cfg.layout, cfg.locks)
-        _Zygote(cfg, views).serve()
+        _Zygote(cfg, views, workers_sigchld).serve()
     except BaseException:
         _print_exc()
         code = 1
@@ -130,8 +138,11 @@ def zygote_main(cfg: ZygoteConfig) -> None:
 
 
 class _Zygote:
-    def __init__(self, cfg: ZygoteConfig, views: SegmentViews) -> None:
+    def __init__(self, cfg: ZygoteConfig, views: SegmentViews, workers_sigchld: Any) -> None:
         self.cfg = cfg
+        # SIGCHLD's handler for the workers: the one this process inherited, or the one that
+        # the first task's module set (see zygote_main and _await_start).
+        self.workers_sigchld = workers_sigchld
         self.views = views
         self.conn = cfg.conn
         self.poller = select.poll()
@@ -182,6 +193,9 @@ class _Zygote:
                 # sends the error to the task's future, where its user sees it.
                 with contextlib.suppress(BaseException):
                     __import__(name)
+        handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # a module may have set one
+        if handler != signal.SIG_DFL:
+            self.workers_sigchld = handler
 
     def _on_command(self) -> None:
         try:
@@ -222,6 +236,9 @@ class _Zygote:
             _set_death_signal(signal.SIGKILL)  # SIGKILL us when the zygote dies
             if os.getppid() != zygote_pid:  # the zygote died between fork and prctl
                 os._exit(1)
+            handler = self.workers_sigchld
+            if handler == signal.SIG_IGN or callable(handler):  # None: not settable here
+                signal.signal(signal.SIGCHLD, handler)
             for pidfd in self.children:
                 os.close(pidfd)
             self.conn.close()
@@ -299,8 +316,9 @@ class ForkedZygote:
         try:
             self._pidfd = os.pidfd_open(pid)  # works until we reap it, even once it exited
         except BaseException:  # EMFILE: nobody would reap the child (a zombie per Pool())
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):  # see join
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
             raise
 
     def join(self, timeout: float | None = None) -> None:
@@ -308,16 +326,23 @@ class ForkedZygote:
             return
         if not select.select([self._pidfd], [], [], timeout)[0]:
             return
-        _, status = os.waitpid(self.pid, 0)
-        self.exitcode = os.waitstatus_to_exitcode(status)
+        try:
+            _, status = os.waitpid(self.pid, 0)
+        except ChildProcessError:  # this process ignores SIGCHLD: the kernel reaped it
+            self.exitcode = EXIT_STATUS_LOST
+        else:
+            self.exitcode = os.waitstatus_to_exitcode(status)
 
     def is_alive(self) -> bool:
         self.join(0)
         return self.exitcode is None
 
     def kill(self) -> None:
-        if self.exitcode is None:  # not reaped: the pid is still ours
-            os.kill(self.pid, signal.SIGKILL)
+        # Through the pidfd, which names this process only: reaped by the kernel (see join),
+        # its pid may be another process's by now.
+        if self.exitcode is None and self._pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
     def close(self) -> None:
         if self.is_alive():
