@@ -341,15 +341,26 @@ def test_a_user_thread_collector_interrupted_after_taking_a_stashed_result_loses
         assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
         coordinator = pool._coordinator
         slot = pool._views.slots[0]
-        coordinator.collect_lock.acquire()  # the loop reads the STASH, then waits for this
+        # The loop reads the STASH and skips its collections until this is set: the result is
+        # left to the collector below. (Holding collect_lock instead stopped the loop before
+        # it read the STASH whenever it woke first for another reason: a sweep, a dispatch.)
+        loop_collects = threading.Event()
+        real_collect = coordinator.collect
+
+        def collect() -> None:
+            if loop_collects.is_set():
+                real_collect()
+
+        coordinator.collect = collect  # type: ignore[method-assign]
         try:
             big = pool.submit(tasks.make_bytes, BIG)
             _poll(lambda: bool(coordinator.stash) and slot.done_depth() == 1, "no result")
             coordinator.stash = _TakeThenInterrupt(coordinator.stash)
-            with pytest.raises(KeyboardInterrupt):
+            with coordinator.collect_lock, pytest.raises(KeyboardInterrupt):
                 coordinator.collect_locked(False)  # what help_wait runs, interrupted
         finally:
-            coordinator.collect_lock.release()
+            loop_collects.set()
+            pool._wakeup.wakeup()
         assert len(big.result(timeout=20)) == BIG
         assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
         assert coordinator.stash == {}
