@@ -95,8 +95,8 @@ class ZygoteConfig:
         self.coordinator_pid = coordinator_pid
         self.worker_options = worker_options
         self.close_fds = close_fds  # fork start method: coordinator-side fds inherited by accident
-        self.initial_slots = initial_slots  # forked with no SPAWN each: after READY, or
-        self.await_start = await_start  # after START if this is set (see _await_start)
+        self.initial_slots = initial_slots  # forked with no SPAWN each, after READY or START
+        self.await_start = await_start  # fork them only once START came (see _await_start)
         # Fork start method: the workers' views, attached by the pool's process before the fork
         # (inherited, never pickled), so that the zygote's path to its first fork is shorter.
         self.views = views
