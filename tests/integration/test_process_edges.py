@@ -9,6 +9,8 @@ import contextlib
 import gc
 import os
 import pathlib
+import subprocess
+import sys
 import time
 
 import psutil
@@ -18,7 +20,7 @@ from mpsched import Pool, WorkerCrashedError
 
 from . import proc_tasks, tasks
 from .conditions import wait_until
-from .test_exit_paths import _run, _run_and_interrupt
+from .test_exit_paths import ROOT, _run_and_interrupt
 
 TIMEOUT = 20.0  # s; bound of every wait that must succeed
 SOON = 5.0  # s; what the pool may take to notice a death or end, far below the helper's life
@@ -137,20 +139,31 @@ def test_a_collection_in_a_fork_pools_worker_copies_none_of_the_inherited_heap()
     assert growth < 4 * 2**20
 
 
-# A program that ignores SIGCHLD (a daemon's way to have no zombies): the kernel then reaps its
+# A program that ignores SIGCHLD (a daemon's way to have no zombies) has the kernel reap its
 # children itself, and a fork or forkserver zygote inherits the setting (the forkserver through
-# exec). A worker that died made the zygote's waitpid fail (ECHILD): the pool broke. Under spawn
-# the zygote is the program's own child, and the pool's end raised in its thread (closing a
-# "running" Process) and left an fd open.
-IGNORES_SIGCHLD = """
+# exec): a worker's death made the zygote's waitpid fail (ECHILD), and the pool broke. A server
+# whose SIGCHLD handler reaps every child (``waitpid(-1)``) did the same to a fork zygote, which
+# inherited the handler. Under spawn the zygote is the program's own child: when the kernel
+# reaped it, the pool's end raised in its thread (closing a "running" Process) and left an fd.
+SIGCHLD_PROGRAM = """
 import os, signal, sys
 import mpsched
 
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
-def ignores_sigchld():
-    return signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN
+def reap(signum, frame):
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+def sigchld_handler():
+    handler = signal.getsignal(signal.SIGCHLD)
+    if handler == signal.SIG_IGN:
+        return "ignored"
+    return "default" if handler == signal.SIG_DFL else handler.__name__
 
 def a_crash_in_a_pool():
     with mpsched.Pool(2, start_method=sys.argv[1]) as pool:
@@ -159,11 +172,11 @@ def a_crash_in_a_pool():
         except mpsched.WorkerCrashedError:
             print("crash reported", flush=True)
         print("after:", pool.submit(abs, -5).result(timeout=20), flush=True)
-        print("workers ignore it:", pool.submit(ignores_sigchld).result(timeout=20), flush=True)
+        print("workers:", pool.submit(sigchld_handler).result(timeout=20), flush=True)
     return len(os.listdir("/proc/self/fd"))
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN if sys.argv[2] == "ignored" else reap)
     first = a_crash_in_a_pool()  # multiprocessing's own helpers (a forkserver) stay open
     print("fds left by a second pool:", a_crash_in_a_pool() - first, flush=True)
 """
@@ -171,14 +184,26 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
-def test_a_program_that_ignores_sigchld_keeps_its_pool_through_a_worker_crash(
-    tmp_path: pathlib.Path, start_method: str
+@pytest.mark.parametrize("sigchld", ["ignored", "reap"])
+def test_a_program_that_ignores_or_reaps_sigchld_keeps_its_pool_through_a_worker_crash(
+    tmp_path: pathlib.Path, start_method: str, sigchld: str
 ) -> None:
-    result = _run(tmp_path, IGNORES_SIGCHLD, start_method, timeout=50, prelude="")
+    script = tmp_path / "prog.py"
+    script.write_text(SIGCHLD_PROGRAM)
+    result = subprocess.run(
+        [sys.executable, str(script), start_method, sigchld],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert "crash reported" in result.stdout, result.stdout
     assert "after: 5" in result.stdout, result.stdout
-    # The workers keep the program's setting (the zygote alone takes the default back).
-    assert "workers ignore it: True" in result.stdout, result.stdout
+    # The workers keep the program's setting (the zygote alone takes the default back); a
+    # Python handler travels only by fork (exec resets it: forkserver, spawn).
+    kept = sigchld if sigchld == "ignored" or start_method == "fork" else "default"
+    assert f"workers: {kept}" in result.stdout, result.stdout
     assert "fds left by a second pool: 0" in result.stdout, result.stdout
