@@ -92,8 +92,10 @@ def test_final_statistics_keep_the_counts_of_a_worker_that_died_in_the_drain(
 ) -> None:
     """A worker that dies while the pool drains sends no DRAINED message: its slot's counters
     (in shared memory until the release) are kept all the same. The final snapshot read 0 for
-    its slot, so the per-worker counts no longer added up to the tasks that ran."""
-    pool = Pool(2)
+    its slot, so the per-worker counts no longer added up to the tasks that ran. One worker:
+    it runs all 20 tasks, so the counts it must keep are not 0 (with two, the one that took the
+    blocking task had at times run none of them: the other, up first, took them all)."""
+    pool = Pool(1)
     try:
         futures = [pool.submit(tasks.ident, i) for i in range(20)]
         assert [f.result(RESULT_TIMEOUT) for f in futures] == list(range(20))
