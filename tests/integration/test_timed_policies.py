@@ -121,15 +121,22 @@ def test_a_run_that_waits_past_its_grace_in_a_busy_workers_inbox_misfires(
     late. (Judged only as a run left the ready queue, it ran late under "skip" too.)"""
     with Pool(1) as pool:
         blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
-        tasks.wait_started(fifos.started)
-        due = time.monotonic()
-        options = pool.with_options(every=0.05, misfire=policy, misfire_grace=grace)
-        rec = options.schedule("m", due, 0, tt.log_version, fifos.log)
-        wait_until(lambda: pool.statistics().per_worker[0].inbox_depth == 1, "the run is injected")
-        assert pool.statistics().misfires == 0  # handed out on time
-        # Lateness is the subject here: wait for the clock, not for an event.
-        wait_until(lambda: time.monotonic() > due + 2 * grace, "the run is late")
-        tasks.open_gate(fifos.gate)
+        try:
+            tasks.wait_started(fifos.started)
+            # Registered too: the worker starts with the first task, and a run due before the
+            # coordinator knew of it could not be handed out in the first dispatch (a misfire).
+            wait_until(lambda: pool.statistics().per_worker[0].pid != 0, "the worker is known")
+            due = time.monotonic()
+            options = pool.with_options(every=0.05, misfire=policy, misfire_grace=grace)
+            rec = options.schedule("m", due, 0, tt.log_version, fifos.log)
+            wait_until(
+                lambda: pool.statistics().per_worker[0].inbox_depth == 1, "the run is injected"
+            )
+            assert pool.statistics().misfires == 0  # handed out on time
+            # Lateness is the subject here: wait for the clock, not for an event.
+            wait_until(lambda: time.monotonic() > due + 2 * grace, "the run is late")
+        finally:
+            tasks.open_gate(fifos.gate)  # a failure above must not leave the exit waiting on it
         assert blocker.result(timeout=CONDITION_TIMEOUT) == "blocker"
         wait_until(lambda: tt.count_records(fifos.log) >= 2, "two runs ran")
         assert pool.cancel("m") is True
