@@ -571,7 +571,6 @@ def recycle_probe(impl: str, tasks: int) -> dict[str, Any]:
     each submitted once the one before it returned (so each waits for a new worker), in s."""
     from benchmarks import _heavy_tasks as heavy  # here, not at the top: see its docstring
 
-    context = multiprocessing.get_context(RECYCLE_START_METHOD)
     make: Callable[[], AbstractContextManager[Any]]
     if impl == "mpsched":
         import mpsched
@@ -581,6 +580,7 @@ def recycle_probe(impl: str, tasks: int) -> dict[str, Any]:
             mpsched.Pool, WORKERS, start_method=RECYCLE_START_METHOD, max_tasks_per_worker=1
         )
     else:
+        context = multiprocessing.get_context(RECYCLE_START_METHOD)
         make = functools.partial(
             ProcessPoolExecutor, WORKERS, mp_context=context, max_tasks_per_child=1
         )
