@@ -393,8 +393,10 @@ class Children:
         uid_base: int
         stash_counter: int
         interrupted_sleep: BaseException | None
+        peers_dormant: bool
 
         def find_child_work(self) -> int: ...
+        def want_peers(self) -> None: ...
         def run(self, handle: int, recorded: bool = True) -> None: ...
         def load_function(self, fid: int) -> Callable[..., Any]: ...
         def idle(
@@ -409,6 +411,8 @@ class Children:
     ) -> ChildFuture:
         fid = self.fid_of.get(fn, INLINE) if type(fn).__hash__ is not None else INLINE
         payload = encode_call(fid, None if fid != INLINE else fn, args, kwargs)
+        if self.peers_dormant:  # no peer to steal the child yet: ask for them, once
+            self.want_peers()
         if self.depth >= MAX_NESTING - 1:
             # join() stops helping at this depth (the run stack is full): a child pushed now
             # would wait in our own deque for a joiner that never runs it, and with no idle

@@ -95,18 +95,37 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         raise TypeError(POOL_NOT_PICKLABLE_MESSAGE)
 
     # ------------------------------------------------------------------ start-up
-    def mark_all_starting(self) -> None:
-        """Before the loop runs: every worker is starting (the zygote forks the initial ones
-        from its config after READY, or after START, with no SPAWN). The loop registers each
-        worker as its SPAWNED comes; until then a task may already be injected into its inbox
-        (``dispatch_one``), where the worker finds it when it starts, or a peer steals it.
-        Nothing waits for the round trip."""
-        self.starting.update(range(self.n_workers))
+    def mark_starting(self, initial: list[int]) -> None:
+        """Before the loop runs: the ``initial`` workers are starting (the zygote forks them
+        from its config after READY, or after START, with no SPAWN); the others are dormant
+        (``wake_dormant``). The loop registers each worker as its SPAWNED comes; until then a
+        task may already be injected into its inbox (``dispatch_one``), where the worker finds
+        it when it starts, or a peer steals it. Nothing waits for the round trip."""
+        self.starting.update(initial)
+        self.dormant = [k for k in range(self.n_workers) if k not in self.starting]
+
+    def wake_dormant(self) -> None:
+        """Coordinator thread, each loop pass: ask for the dormant workers once they are
+        wanted: more top-level work (in flight or queued) than workers asked for, or a worker
+        pushed a child (WANT_PEERS: its children are for peers to steal). Not for a result:
+        a pool used one task at a time needs one worker, and forking the others as a result
+        comes would take the CPUs that its way to the caller needs (docs/design.md, "Dormant
+        workers")."""
+        if not (
+            self.peers_wanted
+            or len(self.by_handle) + len(self.ready) > self.n_workers - len(self.dormant)
+        ):
+            return
+        slots, self.dormant = self.dormant, []
+        for slot in slots:
+            self.spawn(slot)
 
     def spawn(self, slot: int) -> None:
         self.starting.add(slot)
         try:
-            self.send_to_zygote(Tag.SPAWN, slot)
+            # With whether peers are still dormant: a replacement asks for them (WANT_PEERS)
+            # at its first child, as the first worker does.
+            self.send_to_zygote(Tag.SPAWN, slot, bool(self.dormant))
         except OSError as exc:  # EPIPE: it died, its EOF not read yet (e.g. during a recovery)
             raise zygote_died() from exc
 
@@ -246,6 +265,8 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
                 self.release_due()
             if self.ready:
                 self.dispatch()
+            if self.dormant:
+                self.wake_dormant()
             if self.watched:
                 # Under collect_lock: a user thread's collection frees a task's block before
                 # end_runs takes it out of ``watched``; in between, the block may carry a new
@@ -350,6 +371,8 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         elif tag == Tag.DRAINED:
             worker.drained = True
             self.final_stats[worker.slot] = fields[1]
+        elif tag == Tag.WANT_PEERS:
+            self.peers_wanted = True  # the loop's wake_dormant, after this pass's messages
         elif tag == Tag.RETIRING:
             worker.retiring = True
             worker.left_children = bool(fields[1])

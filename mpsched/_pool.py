@@ -92,12 +92,15 @@ class Pool(concurrent.futures.Executor):
     ``loop.run_in_executor``, libraries that take an executor) takes a pool.
 
     Args:
-        workers: number of worker processes (default ``os.cpu_count()``).
+        workers: number of worker processes (default ``os.cpu_count()``). Unless there is an
+            initializer, one starts with the pool and the others once work waits for them:
+            more tasks in flight or queued than workers started, or a task's first child.
         start_method: ``"forkserver"`` (default on Linux), ``"spawn"`` or ``"fork"``: how the
             pool's zygote process starts; workers are forked from the zygote. Under forkserver
-            and spawn, unless there is an initializer, they are forked at the first ``submit``,
-            ``schedule`` or ``map``, once the zygote imported the module of its function, which
-            every worker (replacements too) then inherits, as it does the main module's imports.
+            and spawn, unless there is an initializer, the first one is forked at the first
+            ``submit``, ``schedule`` or ``map``, once the zygote imported the module of its
+            function, which every worker (replacements too) then inherits, as it does the main
+            module's imports.
         dispatch_window: tasks handed ahead to each worker's inbox (default 128). A newly due
             task of a *higher* priority never waits behind them (the coordinator takes lower
             ones back); one of equal priority waits behind at most this many per worker. A
@@ -243,8 +246,8 @@ class Pool(concurrent.futures.Executor):
         return self._resources.zygote
 
     def _release_workers(self, fn: Callable[..., Any]) -> None:
-        """The pool's first submission: the zygote forks the workers now, after importing the
-        module that each would import to load ``fn`` (see _startup, step 5)."""
+        """The pool's first submission: the zygote forks the first worker now, after importing
+        the module that each would import to load ``fn`` (see _startup, step 5)."""
         module = module_by_name(fn)
         self._coordinator.release_workers(() if module is None else (module,))
         self._workers_deferred = False  # after: a Ctrl-C before the send leaves it to the next

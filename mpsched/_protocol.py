@@ -94,6 +94,9 @@ class Tag(Constants):
     # worker -> coordinator: max_tasks_per_worker reached; it exits cleanly next. Field: how many
     # of its children's futures were still unsettled (the coordinator frees those blocks).
     RETIRING: Final = 18
+    # worker -> coordinator: it pushed a child while its peers were dormant (not forked yet):
+    # fork them, so that they can steal (sent once, by a worker forked with peers dormant).
+    WANT_PEERS: Final = 19
 
 
 class ResultStatus(Constants):

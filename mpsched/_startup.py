@@ -12,16 +12,19 @@ Start-up, in order (the reasons are in docs/design.md, section 2):
   2. create the memfd segment (no name), the locks (named for now), one wake eventfd per slot,
      and format the segment but for the slab's free stack;
   3. start the zygote through the start method (under fork: a bare fork, see ForkedZygote);
-     it opens the locks and maps the segment; meanwhile build the coordinator, mark every
-     worker as starting, fill the free stack and start the coordinator thread (it waits);
+     it opens the locks and maps the segment; meanwhile build the coordinator, mark the
+     initial workers as starting (the others dormant), fill the free stack and start the
+     coordinator thread (it waits);
   4. on READY, unlink every lock name (from here on nothing of the pool has a name), let the
      coordinator thread go and return: the workers are not waited for;
-  5. the zygote forks the workers (listed in its config: no SPAWN message each); the
-     coordinator thread registers each as its SPAWNED comes. A task submitted before may wait
-     in a starting worker's inbox. Under forkserver and spawn, with no initializer, the zygote
-     forks them only once the pool's first submission sends START (``Pool._release_workers``)
-     with the module of its function, which the zygote imports first, so that the workers
-     inherit it (``ZygoteConfig.await_start``).
+  5. the zygote forks the initial workers (listed in its config: no SPAWN message each; the
+     first one only, unless there is an initializer); the coordinator thread registers each as
+     its SPAWNED comes, and SPAWNs the dormant ones once work waits for them
+     (``Coordinator.wake_dormant``). A task submitted before may wait in a starting worker's
+     inbox. Under forkserver and spawn, with no initializer, the zygote forks the first one
+     only once the pool's first submission sends START (``Pool._release_workers``) with the
+     module of its function, which the zygote imports first, so that the workers inherit it
+     (``ZygoteConfig.await_start``).
 
 Ctrl-C: SIGINT is held (noted, not raised) from step 1 to the end, but for the wait for
 READY in step 4 (``_HeldInterrupt``): there every resource is in ``PoolResources``, which
@@ -126,11 +129,14 @@ def _start(pool: Pool, held: _HeldInterrupt) -> None:
         pool._workers_deferred = await_start = (
             pool._start_method != "fork" and not pool._worker_options.initializer
         )
-        zygote_conn = _start_zygote(pool, layout, locks, await_start)
-        # While the zygote starts up: build the coordinator, mark every worker as starting
-        # (the zygote forks them after READY, or after START), fill the free stack (no block
-        # is allocated before Pool() returns) and start the coordinator thread (it waits for
-        # go). None of it is then on the path to the first result.
+        # The first worker only; the others once work waits for them (wake_dormant). With an
+        # initializer all of them, as before: it is the user's per-worker set-up.
+        initial = list(range(n)) if pool._worker_options.initializer else [0]
+        zygote_conn = _start_zygote(pool, layout, locks, await_start, initial)
+        # While the zygote starts up: build the coordinator, mark the initial workers as
+        # starting (the zygote forks them after READY, or after START), fill the free stack
+        # (no block is allocated before Pool() returns) and start the coordinator thread (it
+        # waits for go). None of it is then on the path to the first result.
         pool._functions = res.functions = FunctionCache(pool._views.functions.add)
         pool._coordinator = res.coordinator = Coordinator(
             pool._views,
@@ -150,7 +156,7 @@ def _start(pool: Pool, held: _HeldInterrupt) -> None:
             has_initializer=bool(pool._worker_options.initializer),
             workers_await_start=await_start,
         )
-        pool._coordinator.mark_all_starting()
+        pool._coordinator.mark_starting(initial)
         pool._views.slab.fill_free_stack()
         pool._thread = res.thread = threading.Thread(
             target=run_coordinator, args=(res,), name="mpsched-coordinator", daemon=True
@@ -237,7 +243,7 @@ class _HeldInterrupt:
 
 
 def _start_zygote(
-    pool: Pool, layout: SegmentLayout, locks: SegmentLocks, await_start: bool
+    pool: Pool, layout: SegmentLayout, locks: SegmentLocks, await_start: bool, initial: list[int]
 ) -> Connection:
     ctx: Any = multiprocessing.get_context(pool._start_method)
     parent_conn: Connection
@@ -255,7 +261,8 @@ def _start_zygote(
         coordinator_pid=os.getpid(),
         worker_options=pool._worker_options,
         close_fds=sorted(coordinator_fds) if fork else [],
-        initial_slots=list(range(pool._workers)),
+        initial_slots=initial,
+        peers_dormant=len(initial) < pool._workers,
         await_start=await_start,
         # Under fork the zygote inherits the workers' views: attaching here costs ~0.1 ms,
         # in the zygote (copy-on-write faults after the fork) ~0.7 ms on the start-up path.

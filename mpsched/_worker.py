@@ -112,6 +112,7 @@ _CANCELLED = ResultStatus.CANCELLED
 _MISFIRED = ResultStatus.MISFIRED
 _PARENT = BlockField.PARENT
 _POKE = encode(Tag.RESULTS)
+_WANT_PEERS = encode(Tag.WANT_PEERS)
 
 
 class WorkerOptions:
@@ -143,6 +144,7 @@ class Worker(Children):
         wake_fds: list[SharedFd],
         conn: Connection,
         options: WorkerOptions,
+        peers_dormant: bool = False,
     ) -> None:
         self.slot = slot
         self.thread = get_ident()  # the thread that runs the tasks: children are its alone
@@ -157,6 +159,9 @@ class Worker(Children):
         self.conn = conn
         self.frame_waiting = frame_watch(conn)
         self.options = options
+        # The other slots were not forked yet (the pool's first worker): its first child
+        # asks for them (want_peers), or the child would wait for this worker's join.
+        self.peers_dormant = peers_dormant
         self.fn_cache: dict[int, Callable[..., Any]] = {}
         self.fid_of: dict[Callable[..., Any], int] = {}  # reverse of fn_cache, for children
         self.abandoned: list[int] = []  # children whose futures were dropped (see __del__)
@@ -316,6 +321,11 @@ class Worker(Children):
                 self.fid_of[fn] = fid
         return fn
 
+    def want_peers(self) -> None:
+        self.peers_dormant = False
+        with contextlib.suppress(OSError):  # the coordinator is gone: our EOF comes next
+            self.conn.send_bytes(_WANT_PEERS)
+
     def poke(self) -> None:
         """Tell the coordinator that results wait in this worker's done ring."""
         if self.unannounced:
@@ -463,10 +473,12 @@ def worker_main(
     wake_fds: list[SharedFd],
     conn: Connection,
     options: WorkerOptions,
+    peers_dormant: bool = False,
 ) -> int:
-    """Entry point of a worker process (called in the child of the zygote's fork)."""
+    """Entry point of a worker process (called in the child of the zygote's fork).
+    ``peers_dormant``: the other slots have no worker yet (see ``Worker.want_peers``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the coordinator
-    worker = Worker(slot, views, wake_fds, conn, options)
+    worker = Worker(slot, views, wake_fds, conn, options, peers_dormant)
     _serialize.table_loader = worker.load_function  # for the arguments' stand-ins
     os.register_at_fork(after_in_child=lambda: _forked_by_a_task(conn, worker.signal_write_fd))
     if options.initializer and not run_initializer(conn, slot, options.initializer):

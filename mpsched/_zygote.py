@@ -14,13 +14,16 @@ spawn) or in a bare fork (``ForkedZygote``, fork start method). Runs in the zygo
 Protocol with the coordinator (one duplex Connection; see ``_protocol``):
     zygote -> READY (its __main__ names) after attaching; then it forks the pool's initial
                                         workers (``ZygoteConfig.initial_slots``), answering
-                                        SPAWNED for each as for a SPAWN
+                                        SPAWNED for each as for a SPAWN; the other slots are
+                                        dormant until the coordinator SPAWNs them
     coord  -> START(modules)            first, if ``ZygoteConfig.await_start``: the initial
                                         workers wait for it (the pool's first task); the
                                         zygote imports ``modules`` before forking them
-    coord  -> SPAWN(slot)               (a replacement) zygote forks, answers SPAWNED(slot,
-                                        pid) and then sends the coordinator's end of the
-                                        worker's socket pair as an fd (``send_handle``)
+    coord  -> SPAWN(slot, dormant)      (a dormant slot's first worker, or a replacement)
+                                        zygote forks, answers SPAWNED(slot, pid) and then
+                                        sends the coordinator's end of the worker's socket
+                                        pair as an fd (``send_handle``); ``dormant``: other
+                                        slots are still dormant (see ``worker_main``)
     zygote -> EXITED(slot, pid, code)   a worker exited (reaped here; its pidfd fired)
     coord  -> STOP                      spawn no more; exit once every worker has been reaped
 
@@ -83,6 +86,7 @@ class ZygoteConfig:
         worker_options: WorkerOptions,
         close_fds: list[int],
         initial_slots: list[int],
+        peers_dormant: bool = False,
         await_start: bool = False,
         views: SegmentViews | None = None,
         inherited: Sequence[AnonSegment | SharedFd] = (),
@@ -96,6 +100,7 @@ class ZygoteConfig:
         self.worker_options = worker_options
         self.close_fds = close_fds  # fork start method: coordinator-side fds inherited by accident
         self.initial_slots = initial_slots  # forked with no SPAWN each, after READY or START
+        self.peers_dormant = peers_dormant  # the other slots wait for a SPAWN (dormant)
         self.await_start = await_start  # fork them only once START came (see _await_start)
         # Fork start method: the workers' views, attached by the pool's process before the fork
         # (inherited, never pickled), so that the zygote's path to its first fork is shorter.
@@ -163,7 +168,7 @@ class _Zygote:
             self._await_start()
         if not self.stopping:
             for slot in self.cfg.initial_slots:
-                self._spawn(slot)
+                self._spawn(slot, self.cfg.peers_dormant)
         while not (self.stopping and not self.children):
             for fd, _ in self.poller.poll():
                 if fd == self.conn.fileno():
@@ -205,19 +210,19 @@ class _Zygote:
         tag, fields = decode(frame)
         if tag == Tag.SPAWN:
             if not self.stopping:
-                self._spawn(fields[0])
+                self._spawn(*fields)
         elif tag == Tag.STOP:
             self.stopping = True
         # else START again (a Ctrl-C in the pool's process right after it sent one): done
 
-    def _spawn(self, slot: int) -> None:
+    def _spawn(self, slot: int, peers_dormant: bool) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         zygote_pid = os.getpid()
         gc.freeze()  # and what the zygote made since (a module it imported): see zygote_main
         pid = os.fork()
         if pid == 0:  # the worker
             ours.close()
-            self._become_worker(slot, theirs, zygote_pid)
+            self._become_worker(slot, theirs, zygote_pid, peers_dormant)
         theirs.close()
         pidfd = os.pidfd_open(pid)
         self.children[pidfd] = (slot, pid)
@@ -230,7 +235,9 @@ class _Zygote:
         finally:
             ours.close()
 
-    def _become_worker(self, slot: int, sock: socket.socket, zygote_pid: int) -> None:
+    def _become_worker(
+        self, slot: int, sock: socket.socket, zygote_pid: int, peers_dormant: bool
+    ) -> None:
         code = 1
         try:
             _set_death_signal(signal.SIGKILL)  # SIGKILL us when the zygote dies
@@ -248,6 +255,7 @@ class _Zygote:
                 self.cfg.wake_fds,
                 Connection(sock.detach()),
                 self.cfg.worker_options,
+                peers_dormant,
             )
         except BaseException:
             _print_exc()

@@ -11,6 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from mpsched import Pool
+
 CONDITION_TIMEOUT = 20.0  # seconds a polled condition may take before the test fails
 
 
@@ -21,6 +23,17 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting until {what}")
         time.sleep(0.001)
+
+
+def start_every_worker(pool: Pool) -> None:
+    """Fork a pool's dormant workers now, as a worker's first child would have them forked
+    (WANT_PEERS), and wait until every slot has a worker: for a test whose premise is a full
+    pool, without the work that would wake them (docs/design.md, "Dormant workers")."""
+    coordinator = pool._coordinator
+    coordinator.release_workers()  # START before any SPAWN (forkserver and spawn)
+    coordinator.peers_wanted = True
+    pool._wakeup.wakeup()
+    wait_until(lambda: all(w.pid for w in pool.statistics().per_worker), "every worker is up")
 
 
 def still_running(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:

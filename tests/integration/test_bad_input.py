@@ -46,6 +46,7 @@ from mpsched._slot_region import MAX_NESTING
 
 from . import bad_tasks as bt
 from . import tasks
+from .conditions import start_every_worker
 
 WORKERS = 2
 CASE_TIMEOUT = 20.0  # s; each future of a case must end within this (a hang fails the case)
@@ -104,6 +105,8 @@ def wait_replaced(pool: Pool, dead_pid: int) -> None:
 
 def run_case(case: Case, start_method: str | None) -> None:
     with bounded_pool(start_method) as pool:
+        if case.exitcode is not None:
+            start_every_worker(pool)  # wait_replaced waits for a worker in every slot
         args = case.args if case.make_args is None else case.make_args()
         future = pool.submit(case.fn, *args)
         del args

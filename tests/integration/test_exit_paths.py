@@ -473,14 +473,12 @@ def test_a_task_that_takes_its_workers_streams_away_leaves_a_clean_exit(
 # A user's fork child that outlives its parent; the parent is then SIGKILLed.
 USER_FORK_OUTLIVES = """
 import json, os, signal
+from tests.integration.conditions import start_every_worker
 
 if __name__ == "__main__":
     pool = mpsched.Pool(2, start_method=sys.argv[1])
     assert pool.submit(abs, -3).result(timeout=20) == 3
-    deadline = time.monotonic() + 20.0
-    while not all(w.pid for w in pool.statistics().per_worker):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    start_every_worker(pool)
     ours = [w.pid for w in pool.statistics().per_worker] + [pool._zygote.pid]
     child = os.fork()
     if child == 0:

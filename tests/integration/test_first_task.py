@@ -15,7 +15,7 @@ from mpsched import Pool, _coordinator
 from mpsched._protocol import Tag
 
 from . import preload_refused, preload_tasks, tasks
-from .conditions import CONDITION_TIMEOUT, wait_until
+from .conditions import CONDITION_TIMEOUT, start_every_worker, wait_until
 
 DEFERRING = ["forkserver", "spawn"]
 
@@ -32,7 +32,7 @@ def test_every_worker_inherits_the_first_tasks_module_from_the_zygote(start_meth
         # Nothing forked before the first task: the zygote waits for START.
         assert psutil.Process(zygote).children() == []
         seen = [pool.submit(preload_tasks.where_imported).result(timeout=20) for _ in range(50)]
-        wait_until(lambda: _workers_up(pool), "both workers are up")
+        start_every_worker(pool)  # one task at a time needs one worker
         seen += pool.map(preload_tasks.where_imported, range(200), chunksize=1)
     assert {imported_in for imported_in, _ in seen} == {zygote}
     assert zygote not in {pid for _, pid in seen}
@@ -78,13 +78,21 @@ def test_a_schedule_or_a_map_as_the_first_call_starts_the_workers_too(first: str
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("start_method", ["forkserver", "fork"])
-def test_workers_start_with_the_pool_under_fork_or_with_an_initializer(start_method: str) -> None:
+def test_workers_start_with_the_pool_under_fork_the_first_or_with_an_initializer_all(
+    start_method: str,
+) -> None:
     """Under fork the zygote has the modules of the pool's process; with an initializer, a
     module imported before it ran could see another environment: neither waits, and with an
-    initializer each worker imports the task's module itself."""
+    initializer each worker imports the task's module itself. Under fork the first worker
+    starts, the other one stays dormant (no work for it); with an initializer both start."""
     initializer = None if start_method == "fork" else tasks.remember
     with Pool(2, start_method=start_method, initializer=initializer, initargs=(1,)) as pool:
-        wait_until(lambda: _workers_up(pool), "the workers are up, with no task")
+        wait_until(lambda: pool.statistics().per_worker[0].pid != 0, "a worker is up, no task")
+        if initializer:
+            wait_until(lambda: _workers_up(pool), "the workers are up, with no task")
+        else:
+            assert pool._coordinator.dormant == [1]
+            assert pool.statistics().per_worker[1].pid == 0
         imported_in, pid = pool.submit(preload_tasks.where_imported).result(timeout=20)
         zygote = pool._zygote.pid
     assert imported_in != zygote

@@ -28,7 +28,7 @@ from mpsched._coordinator import Coordinator
 from mpsched._timed import Timetable
 
 from . import tasks
-from .conditions import wait_until
+from .conditions import start_every_worker, wait_until
 from .interrupts import sigint_after, sigint_before
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -323,6 +323,7 @@ def test_a_ctrl_c_in_a_direct_submit_leaves_no_block_taken(
         coordinator = pool._coordinator
         slab = pool._views.slab
         assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
+        start_every_worker(pool)
         _poll(
             lambda: (
                 all(w is not None for w in coordinator.workers)

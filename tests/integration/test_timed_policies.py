@@ -35,7 +35,7 @@ from mpsched._shm_deque import SlotQueues
 from . import bad_tasks as bt
 from . import tasks
 from . import timed_tasks as tt
-from .conditions import CONDITION_TIMEOUT, Fifos, wait_until
+from .conditions import CONDITION_TIMEOUT, Fifos, start_every_worker, wait_until
 
 
 # ---------------------------------------------------------------- timeouts and state()
@@ -708,9 +708,8 @@ def test_a_zero_misfire_grace_skips_no_run_of_an_idle_pool(tmp_path: Path) -> No
     each, and none ever ran."""
     log = str(tmp_path / "log")
     with Pool(2) as pool:
-        # Its workers up first (a first task starts them): a run due before any could take it
-        # waited for one (a misfire).
-        assert pool.submit(int, 7).result(timeout=CONDITION_TIMEOUT) == 7
+        # Its workers up first: a run due before any could take it waited for one (a misfire).
+        start_every_worker(pool)
         coordinator = pool._coordinator
         wait_until(lambda: all(w is not None for w in coordinator.workers), "the workers are up")
         options = pool.with_options(every=0.02, misfire="skip", misfire_grace=0.0)

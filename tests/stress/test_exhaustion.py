@@ -29,7 +29,7 @@ from mpsched._payloads import BLOCK_BYTES, BLOCK_HEADER_BYTES, CHAIN_BYTES_MAX, 
 from mpsched._serialize import dumps
 from mpsched._slot_region import MAX_NESTING
 from mpsched._timed import FINISHED_IDS_KEPT
-from tests.integration.conditions import CONDITION_TIMEOUT, wait_until
+from tests.integration.conditions import CONDITION_TIMEOUT, start_every_worker, wait_until
 from tests.stress import exhaustion_tasks as tasks
 
 
@@ -382,6 +382,7 @@ def test_a_recurring_task_run_thousands_of_times_leaves_no_residue(tmp_path: Pat
     open(log, "wb").close()
     with Pool(2) as pool:
         assert pool.submit(tasks.count, log).result(CONDITION_TIMEOUT) == 0  # tables count
+        start_every_worker(pool)
         wait_until(lambda: len(pool._coordinator.by_fd) == 2, "both workers started")
         before = _container_sizes(pool)
         rec = pool.with_options(every=0.0001).schedule("r", 0.0, 0, tasks.count, log)
