@@ -33,6 +33,7 @@ import mpsched
 from mpsched import Pool, PoolClosedError, TaskState
 from tests.integration import tasks
 from tests.integration import timed_tasks as tt
+from tests.integration.conditions import start_every_worker
 
 pytestmark = pytest.mark.slow
 
@@ -368,6 +369,9 @@ def test_reschedules_racing_a_running_version_never_overlap(tmp_path: Path) -> N
     log = str(tmp_path / "log")
     futures: list[mpsched.Future] = []
     with fast_switching(), Pool(2) as pool:
+        # Both workers up first: in a loaded CI run the race (~0.3 s) ended before the first
+        # worker came up, and only the last version of each id ran.
+        start_every_worker(pool)
 
         def reschedule(i: int) -> mpsched.Future:
             return pool.schedule(i % ids, 0.0, 0, tt.logged_span, log, 0.0003)
