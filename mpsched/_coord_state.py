@@ -161,8 +161,8 @@ class CoordinatorState:
         # Slots whose worker was asked for (SPAWN) and not registered yet (SPAWNED not read).
         self.starting: set[int] = set()
         # Slots whose first worker was never asked for: the zygote forks the initial ones only,
-        # and the loop asks for these once the pool has more work than workers or a task
-        # spawns a child (``Coordinator.wake_dormant``). Coordinator thread only, after go.
+        # and the loop asks for these as tasks outnumber the workers asked for, or all once a
+        # task spawns a child (``Coordinator.wake_dormant``). Coordinator thread only, after go.
         self.dormant: list[int] = []
         self.peers_wanted = False  # a worker with dormant peers pushed a child (WANT_PEERS)
         self.by_fd: dict[int, WorkerHandle] = {}

@@ -105,20 +105,22 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         self.dormant = [k for k in range(self.n_workers) if k not in self.starting]
 
     def wake_dormant(self) -> None:
-        """Coordinator thread, each loop pass: ask for the dormant workers once they are
-        wanted: more top-level work (in flight or queued) than workers asked for, or a worker
-        pushed a child (WANT_PEERS: its children are for peers to steal). Not for a result:
-        a pool used one task at a time needs one worker, and forking the others as a result
-        comes would take the CPUs that its way to the caller needs (docs/design.md, "Dormant
-        workers")."""
-        if not (
-            self.peers_wanted
-            or len(self.by_handle) + len(self.ready) > self.n_workers - len(self.dormant)
-        ):
-            return
-        slots, self.dormant = self.dormant, []
+        """Coordinator thread, each loop pass: ask for dormant workers once they are wanted:
+        one for each top-level task (in flight or queued) beyond the workers asked for, or all
+        of them once a worker pushed a child (WANT_PEERS: its children are for peers to steal,
+        and the coordinator does not see them). Not for a result: a pool used one task at a
+        time needs one worker, and forking the others as a result comes would take the CPUs
+        that its way to the caller needs (docs/design.md, "Dormant workers")."""
+        if self.peers_wanted:
+            wanted = len(self.dormant)
+        else:
+            asked = self.n_workers - len(self.dormant)
+            wanted = len(self.by_handle) + len(self.ready) - asked
+            if wanted <= 0:
+                return
+        slots, self.dormant = self.dormant[:wanted], self.dormant[wanted:]
         for slot in slots:
-            self.spawn(slot)
+            self.spawn(slot)  # while some stay dormant, its first child asks for them
 
     def spawn(self, slot: int) -> None:
         self.starting.add(slot)

@@ -93,8 +93,9 @@ class Pool(concurrent.futures.Executor):
 
     Args:
         workers: number of worker processes (default ``os.cpu_count()``). Unless there is an
-            initializer, one starts with the pool and the others once work waits for them:
-            more tasks in flight or queued than workers started, or a task's first child.
+            initializer, one starts with the pool and the others as work waits for them: one
+            for each task in flight or queued beyond the workers started, or all of them at a
+            task's first child (for them to steal).
         start_method: ``"forkserver"`` (default on Linux), ``"spawn"`` or ``"fork"``: how the
             pool's zygote process starts; workers are forked from the zygote. Under forkserver
             and spawn, unless there is an initializer, the first one is forked at the first

@@ -19,7 +19,7 @@ Start-up, in order (the reasons are in docs/design.md, section 2):
      coordinator thread go and return: the workers are not waited for;
   5. the zygote forks the initial workers (listed in its config: no SPAWN message each; the
      first one only, unless there is an initializer); the coordinator thread registers each as
-     its SPAWNED comes, and SPAWNs the dormant ones once work waits for them
+     its SPAWNED comes, and SPAWNs the dormant ones as work waits for them
      (``Coordinator.wake_dormant``). A task submitted before may wait in a starting worker's
      inbox. Under forkserver and spawn, with no initializer, the zygote forks the first one
      only once the pool's first submission sends START (``Pool._release_workers``) with the
@@ -129,7 +129,7 @@ def _start(pool: Pool, held: _HeldInterrupt) -> None:
         pool._workers_deferred = await_start = (
             pool._start_method != "fork" and not pool._worker_options.initializer
         )
-        # The first worker only; the others once work waits for them (wake_dormant). With an
+        # The first worker only; the others as work waits for them (wake_dormant). With an
         # initializer all of them, as before: it is the user's per-worker set-up.
         initial = list(range(n)) if pool._worker_options.initializer else [0]
         zygote_conn = _start_zygote(pool, layout, locks, await_start, initial)

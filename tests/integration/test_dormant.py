@@ -56,6 +56,29 @@ def test_more_tasks_than_workers_wake_the_dormant_ones(tmp_path: Path, start_met
 
 
 @pytest.mark.timeout(60)
+def test_tasks_at_once_wake_one_worker_each_not_every_dormant_one(tmp_path: Path) -> None:
+    """Pool(4): two tasks running at once need two workers, a third one three; the fourth
+    slot stays dormant."""
+    fifos = _fifos(tmp_path, "s0", "g0", "s1", "g1", "s2", "g2")
+    started, gates = fifos[0::2], fifos[1::2]
+    with Pool(4, start_method="fork") as pool:
+        running = []
+        pids: set[int] = set()
+        for k in range(3):
+            running.append(pool.submit(tasks.report_pid_then_gate, started[k], gates[k]))
+            pids.add(tasks.read_pid(started[k]))  # each one runs while the earlier ones wait
+            assert len(pids) == k + 1
+            assert pool._coordinator.dormant == list(range(k + 1, 4))
+            wait_until(
+                lambda: {w.pid for w in pool.statistics().per_worker} - {0} == pids,
+                "the running workers are registered",
+            )
+        for gate in gates:
+            tasks.open_gate(gate)
+        assert {f.result(CONDITION_TIMEOUT) for f in running} == pids
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("start_method", METHODS)
 def test_a_child_of_the_first_task_wakes_a_dormant_peer_to_steal_it(
     tmp_path: Path, start_method: str
