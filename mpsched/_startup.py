@@ -130,7 +130,7 @@ def _start(pool: Pool, held: _HeldInterrupt) -> None:
             pool._start_method != "fork" and not pool._worker_options.initializer
         )
         # The first worker only; the others as work waits for them (wake_dormant). With an
-        # initializer all of them, as before: it is the user's per-worker set-up.
+        # initializer all of them, as before (docs/design.md, "Dormant workers").
         initial = list(range(n)) if pool._worker_options.initializer else [0]
         zygote_conn = _start_zygote(pool, layout, locks, await_start, initial)
         # While the zygote starts up: build the coordinator, mark the initial workers as
