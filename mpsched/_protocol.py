@@ -24,6 +24,7 @@ of arguments, against ProcessPoolExecutor's ~0.9 (measured, docs/design.md "Big 
 | START    | coord -> zygote| the pool's first task (forkserver, | import its function's module,   |
 |          |                | spawn; no initializer), or drain   | then fork the initial workers   |
 | SPAWN    | coord -> zygote| a worker slot needs a process      | fork a worker, answer SPAWNED   |
+|          |                | (with: are other slots dormant)    | (the worker gets the flag)      |
 | SPAWNED  | zygote -> coord| after fork; the socket fd follows  | ``recv_handle`` the worker end  |
 | EXITED   | zygote -> coord| a worker was reaped                | record the exit code            |
 | STOP     | coord -> zygote| shutdown: no more spawns           | reap its children, exit         |
@@ -34,6 +35,7 @@ of arguments, against ProcessPoolExecutor's ~0.9 (measured, docs/design.md "Big 
 | DRAIN    | coord -> worker| shutdown: all work done            | answer DRAINED, exit            |
 | DRAINED  | worker -> coord| last message of a worker           | join the worker                 |
 | FATAL    | worker -> coord| an mpsched bug inside the worker   | break the pool                  |
+| WANT_PEERS| worker -> coord| its first child, peers dormant    | SPAWN every dormant slot        |
 
 Unknown tags and short reads raise ``ProtocolError``; the coordinator turns it into a broken pool.
 A remote exception travels as ``(pickled exception, formatted traceback)`` and is re-raised

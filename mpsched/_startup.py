@@ -262,7 +262,6 @@ def _start_zygote(
         worker_options=pool._worker_options,
         close_fds=sorted(coordinator_fds) if fork else [],
         initial_slots=initial,
-        peers_dormant=len(initial) < pool._workers,
         await_start=await_start,
         # Under fork the zygote inherits the workers' views: attaching here costs ~0.1 ms,
         # in the zygote (copy-on-write faults after the fork) ~0.7 ms on the start-up path.

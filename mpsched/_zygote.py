@@ -86,7 +86,6 @@ class ZygoteConfig:
         worker_options: WorkerOptions,
         close_fds: list[int],
         initial_slots: list[int],
-        peers_dormant: bool = False,
         await_start: bool = False,
         views: SegmentViews | None = None,
         inherited: Sequence[AnonSegment | SharedFd] = (),
@@ -100,7 +99,6 @@ class ZygoteConfig:
         self.worker_options = worker_options
         self.close_fds = close_fds  # fork start method: coordinator-side fds inherited by accident
         self.initial_slots = initial_slots  # forked with no SPAWN each, after READY or START
-        self.peers_dormant = peers_dormant  # the other slots wait for a SPAWN (dormant)
         self.await_start = await_start  # fork them only once START came (see _await_start)
         # Fork start method: the workers' views, attached by the pool's process before the fork
         # (inherited, never pickled), so that the zygote's path to its first fork is shorter.
@@ -167,8 +165,9 @@ class _Zygote:
         if self.cfg.await_start:
             self._await_start()
         if not self.stopping:
-            for slot in self.cfg.initial_slots:
-                self._spawn(slot, self.cfg.peers_dormant)
+            initial = self.cfg.initial_slots
+            for slot in initial:  # the other slots wait for a SPAWN (dormant)
+                self._spawn(slot, len(initial) < self.cfg.layout.n_slots)
         while not (self.stopping and not self.children):
             for fd, _ in self.poller.poll():
                 if fd == self.conn.fileno():
