@@ -4,12 +4,15 @@
 test of time logic ever sleeps.
 
 Also ``wait_seconds``: how a caller's ``timeout`` for a wait is read (the pool's waits and a
-child's ``result()``, on both sides of the pool: this is a leaf module).
+child's ``result()``, on both sides of the pool: this is a leaf module); and
+``wait_interruptibly``: how the pool's process waits in its main thread (a future's result,
+``map``, ``await_termination`` and the shutdown), so that a Ctrl-C always ends such a wait.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -36,3 +39,41 @@ def wait_seconds(timeout: object) -> float | None:
     if math.isnan(seconds):
         raise ValueError("timeout must be a number of seconds or None, not nan")
     return None if seconds == math.inf else seconds
+
+
+# Python runs a signal's handler (a Ctrl-C's KeyboardInterrupt) in the main thread only, when its
+# eval loop next checks for signals. A signal that came just before that thread blocked in a
+# lock's wait (after the last check, before the wait's system call), or that the kernel handed
+# to another thread, woke nothing: the wait went on until its lock was released, for as long as
+# the task ran (1 in ~200 Ctrl-Cs at a ``result()`` under load). So the main thread waits in
+# slices of this length, and the loop checks between them.
+INTERRUPT_CHECK_S = 0.1  # s: how late such a Ctrl-C can be raised; ~10 wake-ups a second
+
+
+def wait_interruptibly(wait: Callable[[float | None], bool], timeout: float | None) -> bool:
+    """``wait(timeout)``, which returns True once what it waits for happened and False at its
+    timeout (``timeout`` as ``wait_seconds`` reads it; None: no limit). In the main thread a
+    wait longer than ``INTERRUPT_CHECK_S`` is made in slices of it (see that constant)."""
+    if threading.get_ident() != threading.main_thread().ident or (
+        timeout is not None and timeout <= INTERRUPT_CHECK_S
+    ):
+        return wait(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = INTERRUPT_CHECK_S
+        if deadline is not None:
+            left = min(left, deadline - time.monotonic())
+            if left <= 0:
+                return wait(0)
+        if wait(left):
+            return True
+
+
+def thread_joined(thread: threading.Thread) -> Callable[[float | None], bool]:
+    """``wait_interruptibly``'s ``wait`` for the end of ``thread``."""
+
+    def joined(timeout: float | None) -> bool:
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    return joined

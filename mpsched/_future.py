@@ -49,7 +49,7 @@ from concurrent.futures._base import (
 )
 from typing import Any, Protocol
 
-from mpsched._clock import wait_seconds
+from mpsched._clock import thread_joined, wait_interruptibly, wait_seconds
 
 _CONDITION_LOCK = threading.Lock()  # guards the lazy creation of every future's condition
 # The per-task paths take it by acquire()/release(), not ``with``: on 3.11 ``with`` on a lock
@@ -210,7 +210,8 @@ class Future(concurrent.futures.Future[Any]):
         if owner is not None and state == PENDING:
             owner.help_wait(self)
         try:
-            return super().result(timeout)
+            self.wait_done(timeout)
+            return super().result(0)  # done; or TimeoutError: the wait had the timeout
         finally:
             del self  # (the same cycle, for an exception that came while it waited)
 
@@ -221,7 +222,22 @@ class Future(concurrent.futures.Future[Any]):
             timeout = wait_seconds(timeout)
         if self._state == FINISHED:
             return self._exception
-        return super().exception(timeout)
+        self.wait_done(timeout)
+        return super().exception(0)
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Wait until the future is done (True) or ``timeout`` (read already) passed (False);
+        in the main thread, in slices that let a Ctrl-C through (``wait_interruptibly``)."""
+        if self._state in _DONE_STATES:
+            return True
+        return wait_interruptibly(self._wait_settled, timeout)
+
+    def _wait_settled(self, timeout: float | None) -> bool:
+        cond = self._condition
+        with cond:
+            if self._state not in _DONE_STATES:
+                cond.wait(timeout)
+            return self._state in _DONE_STATES
 
     # The stdlib path sets only the field it is given: the other one is set first, while the
     # future is not done, under the condition (released before the stdlib call, which runs
@@ -471,8 +487,7 @@ class CallbackRunner:
         thread = self.thread
         if thread is None or thread is threading.current_thread():
             return True
-        thread.join(timeout)
-        return not thread.is_alive()
+        return wait_interruptibly(thread_joined(thread), timeout)
 
     def _run(self) -> None:
         get = self._queue.get

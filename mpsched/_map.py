@@ -246,7 +246,7 @@ class MapRun:
                 if self.closed or not self.stoppable or not wait_chunks:
                     return
                 future = next(iter(self.stoppable))
-            concurrent.futures.wait([future])
+            future.wait_done()
             self.settle(future)
 
     def settle(self, future: Future) -> None:

@@ -27,6 +27,7 @@ from mpsched import (
 )
 from mpsched._coordinator import Coordinator
 from mpsched._errors import InternalError, ProtocolError
+from mpsched._future import Future
 from mpsched._protocol import Tag
 from mpsched._slot_region import MAX_NESTING
 
@@ -484,8 +485,9 @@ def test_a_ctrl_c_while_shutdown_waits_for_a_maps_chunks_stops_the_pool_now(
 ) -> None:
     """Shutdown waits for the chunks of a map that may stop at their budget (to send what
     they leave): a Ctrl-C there means "stop now", as in the drain's wait (the pool stayed
-    open, its tasks running). The interrupt is raised by the wait itself: a real SIGINT can
-    land inside the stdlib's ``Condition.wait``, which then hangs re-taking its lock. Both
+    open, its tasks running). The interrupt is raised by the wait itself (``wait_done``): a
+    real SIGINT can land inside the stdlib's ``Condition.wait``, which then hangs re-taking
+    its lock. Both
     chunks run first: an unclaimed one is not waited for (sent again whole instead). Each
     chunk's first item announces itself on its own FIFO (two on one: both wrote, one byte was
     read and the other lost)."""
@@ -494,7 +496,7 @@ def test_a_ctrl_c_while_shutdown_waits_for_a_maps_chunks_stops_the_pool_now(
     for path in (gate, *started):
         os.mkfifo(path)
 
-    def interrupted_wait(futures: Any) -> Any:
+    def interrupted_wait(future: Future, timeout: float | None = None) -> bool:
         raise KeyboardInterrupt
 
     pool = Pool(2)
@@ -502,7 +504,7 @@ def test_a_ctrl_c_while_shutdown_waits_for_a_maps_chunks_stops_the_pool_now(
     results = pool.map(tasks.started_then_gated, announce, [gate] * 4, range(4))
     for path in started:
         tasks.wait_started(path)
-    monkeypatch.setattr(_map.concurrent.futures, "wait", interrupted_wait)
+    monkeypatch.setattr(Future, "wait_done", interrupted_wait)
     with pytest.raises(KeyboardInterrupt):
         pool.shutdown()
     monkeypatch.undo()
