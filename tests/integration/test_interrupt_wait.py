@@ -15,6 +15,8 @@ KeyboardInterrupt, which would stop pytest itself.)
 
 from __future__ import annotations
 
+import os
+import pathlib
 import signal
 import sys
 import threading
@@ -66,13 +68,11 @@ WAITS: dict[str, Callable[[Pool, mpsched.Future, Iterator[Any]], object]] = {
 }
 
 
-def _open_the_gates(fifos: Fifos, first: mpsched.Future, second: mpsched.Future) -> None:
-    """Let the two tasks through the gate, one after the other: a second writer that opened
-    the FIFO before the first task closed it wrote to that task, and the second waited on."""
-    tasks.open_gate(fifos.gate)
-    first.exception()
-    tasks.open_gate(fifos.gate)
-    second.exception()
+def _open_the_gates(gates: tuple[str, str]) -> None:
+    """Let the two tasks through their gates. (One FIFO for both let the second through when
+    it opened the FIFO before the test's writer for the first had closed it: it read EOF.)"""
+    for gate in gates:
+        tasks.open_gate(gate)
 
 
 def _interrupted_in_the_sliced_wait(tb: Any) -> bool:
@@ -84,9 +84,11 @@ def _interrupted_in_the_sliced_wait(tb: Any) -> bool:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("wait", list(WAITS))
 def test_a_signal_that_reaches_another_thread_ends_a_wait_of_the_main_thread(
-    wait: str, fifos: Fifos
+    wait: str, fifos: Fifos, tmp_path: pathlib.Path
 ) -> None:
     assert threading.current_thread() is threading.main_thread()
+    gates = (fifos.gate, str(tmp_path / "second_gate"))
+    os.mkfifo(gates[1])
     go = threading.Event()
 
     def send_to_self() -> None:
@@ -100,13 +102,13 @@ def test_a_signal_that_reaches_another_thread_ends_a_wait_of_the_main_thread(
             tasks.wait_started(fifos.started)
             # Queued behind it: more tasks than workers, so that a result() does not first
             # spin collecting (``help_wait``), whose wake-up of the loop gives the GIL up.
-            second = pool.submit(tasks.gated_ident, fifos.gate, 2)
+            second = pool.submit(tasks.gated_ident, gates[1], 2)
             it = pool.map(tasks.ident, [3])
             opened: list[int] = []
 
             def watchdog() -> None:  # ends the tasks, and the pool, had the wait gone on
                 opened.append(1)
-                _open_the_gates(fifos, first, second)
+                _open_the_gates(gates)
                 pool.shutdown(wait=False)
 
             timer = threading.Timer(WATCHDOG_S, watchdog)
@@ -129,7 +131,7 @@ def test_a_signal_that_reaches_another_thread_ends_a_wait_of_the_main_thread(
                 traceback.format_exception(caught.value)
             )
             assert not first.done()
-            _open_the_gates(fifos, first, second)
+            _open_the_gates(gates)
             assert (first.result(), second.result()) == (1, 2)
             # An interrupted map has ended, as a generator does at an exception.
             assert list(it) == ([] if wait == "map" else [3])
