@@ -184,6 +184,8 @@ class Future(concurrent.futures.Future[Any]):
     def result(self, timeout: float | None = None) -> Any:
         """As ``concurrent.futures.Future.result``; while the pool is lightly loaded, the
         caller first collects results itself for a short while (``Coordinator.help_wait``).
+        The main thread waits in slices of 0.1 s, so that a Ctrl-C always ends the wait
+        (``_clock.wait_interruptibly``).
         A ``timeout`` that is not a number (a bool is not) is a TypeError and NaN a ValueError,
         at the call, as in every other wait of the library (the stdlib's timed out at once on
         NaN and waited a second on True)."""
