@@ -192,40 +192,39 @@ class Future(concurrent.futures.Future[Any]):
         if timeout is not None:
             timeout = wait_seconds(timeout)
         state = self._state
-        if state == FINISHED:
-            # Settled: nothing to wait for, so no condition. The stdlib's result() takes it
-            # on every call and would create it here (a threading.Condition, ~1-5 us), in the
-            # caller's thread, whose GIL time the coordinator thread needs: reading 20,000
-            # results in order spent more of it on conditions than on anything else. Both
-            # outcome fields are set before the state (_settle_fast, set_result), so FINISHED
-            # seen here means they are there.
-            exception = self._exception
-            if exception is not None:
+        if state != FINISHED:
+            owner = self._owner
+            if owner is not None and state == PENDING:
+                owner.help_wait(self)
+            if not self.wait_done(timeout) or self._state != FINISHED:
                 try:
-                    raise exception
+                    return super().result(0)  # cancelled; or TimeoutError: the wait had it
                 finally:
-                    # As the stdlib: the traceback holds this frame, whose locals would hold
-                    # the future (a cycle: future -> exception -> traceback -> frame).
-                    del self, exception
-            return self._result
-        owner = self._owner
-        if owner is not None and state == PENDING:
-            owner.help_wait(self)
-        try:
-            self.wait_done(timeout)
-            return super().result(0)  # done; or TimeoutError: the wait had the timeout
-        finally:
-            del self  # (the same cycle, for an exception that came while it waited)
+                    del self  # (the cycle below, were it settled meanwhile with an exception)
+        # Settled: nothing more to wait for, so no condition. The stdlib's result() takes it
+        # on every call and would create it here (a threading.Condition, ~1-5 us), in the
+        # caller's thread, whose GIL time the coordinator thread needs: reading 20,000
+        # results in order spent more of it on conditions than on anything else. Both
+        # outcome fields are set before the state (_settle_fast, set_result), so FINISHED
+        # seen here means they are there.
+        exception = self._exception
+        if exception is not None:
+            try:
+                raise exception
+            finally:
+                # As the stdlib: the traceback holds this frame, whose locals would hold
+                # the future (a cycle: future -> exception -> traceback -> frame).
+                del self, exception
+        return self._result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """As ``concurrent.futures.Future.exception`` (a settled one without its condition, as
         ``result``; its ``timeout`` checked as there)."""
         if timeout is not None:
             timeout = wait_seconds(timeout)
-        if self._state == FINISHED:
-            return self._exception
-        self.wait_done(timeout)
-        return super().exception(0)
+        if self._state != FINISHED and (not self.wait_done(timeout) or self._state != FINISHED):
+            return super().exception(0)  # cancelled; or TimeoutError: the wait had it
+        return self._exception
 
     def wait_done(self, timeout: float | None = None) -> bool:
         """Wait until the future is done (True) or ``timeout`` (read already) passed (False);
