@@ -82,18 +82,21 @@ class Collecting(CoordinatorState):
             return
         self.help_calls += 1
         try:
-            self.help_spin(future)
+            lazy = self.help_spin(future)
         except ValueError:
             # The caller saw the future pending, then lost the CPU while the pool settled it,
             # drained and released its memory (only after ``finished``): nothing to help with.
             if not self.finished.is_set():
                 raise
             return
-        if not future.done():  # a worker may have skipped its poke: the loop must sweep
+        if lazy or not future.done():
+            # A worker may have skipped its poke meanwhile (``collector``): the loop must
+            # sweep, and a lazy loop would sweep only after LAZY_SWEEP_INTERVAL.
             self.wakeup()
 
-    def help_spin(self, future: Future) -> None:
-        """``help_wait``'s spin: collect done rings until ``future`` is done or time is up."""
+    def help_spin(self, future: Future) -> bool:
+        """``help_wait``'s spin: collect done rings until ``future`` is done or time is up.
+        Returns whether the loop sweeps lazily (read after the spin)."""
         slots = self.slots
         header = self.header
         # Idle workers skip their poke meanwhile: a poke would wake the coordinator thread,
@@ -111,6 +114,7 @@ class Collecting(CoordinatorState):
                 self.help_misses = 0
         finally:
             header.set_collector(False)
+        return header.lazy_sweep()
 
     def collect(self) -> None:
         """Any thread (the coordinator's, or a user thread in ``help_wait``), one at a time.
@@ -133,9 +137,10 @@ class Collecting(CoordinatorState):
             if settled:
                 invoke_all(settled)
 
-    def collect_locked(self, in_loop: bool) -> None:
+    def collect_locked(self, in_loop: bool, every: bool = False) -> None:
         """Under ``collect_lock``: read every done ring (``in_loop``: in the coordinator
-        thread, the only one that reads sockets; see ``read_results``)."""
+        thread, the only one that reads sockets; see ``read_results``). ``every``: take each
+        ring under its lock, even one that a plain read shows empty (``pace_sweep``)."""
         # First the handles a user-thread collector left (their STASH was not read yet), each
         # entry once: a user thread leaves one whose STASH is still unread to a new list, not
         # to this pass (it would spin, holding collect_lock, for a STASH that only the loop
@@ -151,8 +156,10 @@ class Collecting(CoordinatorState):
             finally:
                 self.unread += unread  # the entries an exception kept this pass from reading
         for k, slot in enumerate(self.slots):
-            if slot.done_depth():
-                self.read_results(k, slot.take_done(), in_loop)
+            if every or slot.done_depth():
+                handles = slot.take_done()
+                if handles:
+                    self.read_results(k, handles, in_loop)
 
     def read_results(self, k: int, handles: list[int], in_loop: bool) -> None:
         """Under ``collect_lock``: settle the tasks of ``handles``, taken from slot ``k``'s done

@@ -129,6 +129,12 @@ class CoordinatorState:
         self.thread_id = 0  # the coordinator thread's ident, once it runs
         self.help_calls = 0
         self.help_misses = 0  # help_wait spins in a row that ended without the result
+        # The loop's timer sweep of the done rings (Coordinator.pace_sweep), coordinator thread
+        # only: lazy or not, timer passes in a row that collected nothing, and ``completed``
+        # as the last pass saw it.
+        self.sweep_lazy = False
+        self.quiet_sweeps = 0
+        self.completed_seen = 0
         self.timed_after_shutdown = timed_after_shutdown
         self.recurring_after_shutdown = recurring_after_shutdown
         # Guards ready, timetable, requests, records' location fields and the draining flag

@@ -76,6 +76,13 @@ from mpsched._protocol import (
 
 _UID_COUNTER_MASK = (1 << _UID_PID_SHIFT) - 1  # counters wrap: see _children.UID_COUNTER_MASK
 RESULT_SWEEP_INTERVAL = 0.005  # seconds between done-ring sweeps while tasks are in flight
+# The sweep goes lazy after this many timer passes in a row that collected nothing (the tasks
+# run longer than a sweep's period, so most sweeps would wake the process for nothing) ...
+QUIET_SWEEPS = 2
+# ... and then sweeps this often (seconds), the workers poking each result that finds its done
+# ring empty: a safety net (the orphaned-lock poll, ORPHAN_POLL_INTERVAL, rides on it), ~10
+# wake-ups a second instead of 200 while long tasks run (docs/design.md, "Lazy sweep").
+LAZY_SWEEP_INTERVAL = 0.1
 # While draining with nothing in flight, the loop re-checks the drain condition this often: the
 # last children may finish without waking it (a child's DONE wakes its parent, not the loop).
 DRAIN_POLL_INTERVAL = 0.05  # seconds
@@ -244,7 +251,8 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
 
     def loop(self) -> None:
         while True:
-            for fd in self.wait():
+            fds = self.wait()
+            for fd in fds:
                 if fd == self.wakeup_fd:
                     self.clear_wakeup()
                 elif fd == self.zygote.fileno():
@@ -284,14 +292,62 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
                 return
             if self.draining and self.by_handle and self.quiescent():
                 self.cancel_lost()
+            self.pace_sweep(timer=not fds)
+
+    def pace_sweep(self, timer: bool) -> None:
+        """After each pass: how often ``wait`` sweeps the done rings while tasks are in flight.
+
+        Every RESULT_SWEEP_INTERVAL while results come, or while another check of the loop's
+        needs its timer (a task's timeout, a queued task, a cancel request, the drain);
+        lazily, every LAZY_SWEEP_INTERVAL, after QUIET_SWEEPS timer passes in a row that
+        collected nothing. While the header's ``lazy_sweep`` is set, a worker pokes each
+        result that it pushed into an empty done ring; one pushed behind another is collected
+        with it. Going lazy, the word is set first, then every done ring is taken under its
+        lock: a push after that take reads the word set (a worker reads it after its push's
+        lock round), and one before it is collected here. Any result collected, by this
+        thread or a user thread's ``help_wait``, makes the sweep eager again."""
+        completed = self.completed
+        if completed != self.completed_seen or not self.may_sweep_lazily():
+            self.completed_seen = completed
+            self.quiet_sweeps = 0
+            if self.sweep_lazy:
+                self.sweep_lazy = False
+                self.header.set_lazy_sweep(False)
+            return
+        if not timer or self.sweep_lazy:
+            return
+        self.quiet_sweeps += 1
+        if self.quiet_sweeps < QUIET_SWEEPS:
+            return
+        self.header.set_lazy_sweep(True)
+        with self.collect_lock:
+            self.collect_locked(True, every=True)
+        if self.completed == completed:
+            self.sweep_lazy = True
+        else:  # results came after all: stay eager
+            self.header.set_lazy_sweep(False)
+            self.completed_seen = self.completed
+            self.quiet_sweeps = 0
+
+    def may_sweep_lazily(self) -> bool:
+        return bool(self.by_handle) and not (
+            self.ready
+            or self.watched
+            or self.requests
+            or self.deferred_cancels
+            or self.unread
+            or self.draining
+        )
 
     def wait(self) -> list[int]:
         """The loop's one blocking point: until an fd is readable or the next due time.
 
         While tasks are in flight, also wake on a timer: a worker announces results per batch,
         when idle, or after its next task, so a result followed on the same worker by a long
-        task would otherwise wait for that task to end."""
-        timeout = RESULT_SWEEP_INTERVAL if self.by_handle else math.inf
+        task would otherwise wait for that task to end (its period: ``pace_sweep``)."""
+        timeout = math.inf
+        if self.by_handle:
+            timeout = LAZY_SWEEP_INTERVAL if self.sweep_lazy else RESULT_SWEEP_INTERVAL
         if self.draining and not self.by_handle:  # the drain's condition is polled too
             timeout = DRAIN_POLL_INTERVAL
         if self.ready and not self.by_handle:

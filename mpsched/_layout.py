@@ -50,7 +50,10 @@ Global header (int64 words):
     # 200     8   injected_total   coordinator         handles injected (statistics)
     # 208     8   collector        coordinator process a user thread collects done rings itself
     #                                                  (help_wait): idle workers skip the poke
-    # 216    40   counter1..5      engine-defined      reserved for engine counters
+    # 216     8   lazy_sweep       coordinator thread  the loop sweeps done rings rarely: a
+    #                                                  result pushed into an empty done ring
+    #                                                  is poked at once ("Lazy sweep")
+    # 224    32   counter1..4      engine-defined      reserved for engine counters
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ __all__ = (
 
 LAYOUT_MAGIC = 0x6D70_7363_6864_6731  # "mpschdg1"
 # Bump whenever any layout table in _layout, _slot_region, _slab_region or _function_table changes.
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 HEADER_BYTES = 256
 PAGE = 4096  # bytes; region alignment (see "Regions start on page boundaries")
 
@@ -113,12 +116,14 @@ class GlobalField(Constants):
     RUN_STATE: Final = 24
     INJECTED_TOTAL: Final = 25
     COLLECTOR: Final = 26
+    LAZY_SWEEP: Final = 27
 
 
 _SLEEPERS = GlobalField.SLEEPERS  # module globals: cheaper than a class attribute
 _HOLDER_PID = GlobalField.HOLDER_PID
 _LIVE_CHILDREN = GlobalField.LIVE_CHILDREN
 _COLLECTOR = GlobalField.COLLECTOR
+_LAZY_SWEEP = GlobalField.LAZY_SWEEP
 
 
 # The records below are plain classes, not dataclasses: the zygote imports this module, and
@@ -323,6 +328,16 @@ class GlobalHeader:
     def set_collector(self, on: bool) -> None:
         """Coordinator's process only (its single writer)."""
         self._w[_COLLECTOR] = 1 if on else 0
+
+    def lazy_sweep(self) -> bool:
+        """Whether the loop sweeps the done rings rarely (``Coordinator.pace_sweep``): a worker
+        then pokes each result that it pushed into an empty done ring. Read after the push's
+        lock round, so that the coordinator's locked recheck or this read sees the other."""
+        return self._w[_LAZY_SWEEP] != 0
+
+    def set_lazy_sweep(self, on: bool) -> None:
+        """Coordinator thread only (its single writer)."""
+        self._w[_LAZY_SWEEP] = 1 if on else 0
 
     def add_live_children(self, delta: int) -> int:
         """Add ``delta`` to ``live_children`` under the global lock; return the new value."""

@@ -274,9 +274,10 @@ class SlotQueues(SlotRepair, BlockHandshake):
         w[EXECUTED] += 1
         return handle
 
-    def complete(self, handle: int) -> None:
+    def complete(self, handle: int) -> bool:
         """Owner only: the innermost running task, top-level ``handle``, has its result in its
-        block: move it from the run_stack to the done ring in one lock round."""
+        block: move it from the run_stack to the done ring in one lock round. Returns whether
+        the done ring was empty before (a lazy sweep wants such a push poked: ``Worker.run``)."""
         w = self._w
         # Counted before the commit: once the coordinator has the result (and the caller its
         # future), statistics() counts the run (a death in between counts a failed run).
@@ -289,7 +290,8 @@ class SlotQueues(SlotRepair, BlockHandshake):
             if depth < 0 or w[RUN_STACK + depth] != handle:
                 raise InternalError(f"complete({handle}) but it is not the innermost running task")
             back = w[DONE_BACK]
-            if back - w[DONE_FRONT] >= self._ccap:
+            queued = back - w[DONE_FRONT]
+            if queued >= self._ccap:
                 raise InternalError(f"done ring full ({self._ccap}): too many tasks in flight")
             self._done[back & self._cmask] = handle
             w[DONE_BACK] = back + 1  # commit: the coordinator owns the handle now
@@ -297,6 +299,7 @@ class SlotQueues(SlotRepair, BlockHandshake):
         finally:
             w[HOLDER_PID] = 0
             self._release()
+        return queued == 0
 
     def announce_sleep(self, children_only: bool = False) -> bool:
         """Owner only: set ``sleeping`` if, under the lock, both rings are empty (the deque,

@@ -23,8 +23,9 @@ Task kinds, by the block's ``parent`` word:
     own block and the handle into this worker's done ring, popping the run stack in the same lock
     round (``SlotQueues.complete``): at every instant the handle is in exactly one of a ring, a
     run stack or a done ring, so a crash can lose nothing silently. The coordinator is poked
-    (RESULTS) per batch, when idle and after a task that asked (``announce_result``: a map
-    chunk); the coordinator's timer sweep covers the rest.
+    (RESULTS) per batch, when idle, after a task that asked (``announce_result``: a map
+    chunk) and, while the coordinator sweeps lazily, at a push into an empty done ring; the
+    coordinator's timer sweep covers the rest.
   * child (parent = the spawning worker's slot): the result goes into the child's block, whose
     ``state`` becomes DONE under the *parent's* slot lock; the parent's future reads it from
     there. A child that nobody waits for (its future was dropped) is ABANDONED, and whoever sees
@@ -299,13 +300,16 @@ class Worker(Children):
             self.stash(out, handle, _RESULT_NBYTES)
         del out
         if parent < 0:
-            self.me.complete(handle)
+            first = self.me.complete(handle)
             self.top_level_done += 1
             self.unannounced += 1
-            # A task that asked (announce_result) is announced at once, unless a user thread
-            # is collecting the done rings itself (as in idle(): see Coordinator.help_wait).
+            # At once: a task that asked (announce_result), and, while the loop sweeps lazily,
+            # a result that found the done ring empty (one pushed behind it is collected with
+            # it: Coordinator.pace_sweep); unless a user thread is collecting the done rings
+            # itself (as in idle(): see Coordinator.help_wait).
+            header = self.header
             if self.unannounced >= self.options.result_batch or (
-                self.announce and not self.header.collector()
+                (self.announce or (first and header.lazy_sweep())) and not header.collector()
             ):
                 self.poke()
         else:

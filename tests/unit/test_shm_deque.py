@@ -320,8 +320,9 @@ def test_debug_mode_checks_owner_and_handles(region: Region) -> None:
 
 def test_complete_moves_the_task_to_the_done_ring(sq: SlotQueues) -> None:
     sq.inject([1, 2, 3])
-    for _ in range(3):
-        sq.complete(sq.pop_or_take(mark_running=True))
+    # complete() tells whether the done ring was empty before (the lazy sweep's poke).
+    firsts = [sq.complete(sq.pop_or_take(mark_running=True)) for _ in range(3)]
+    assert firsts == [True, False, False]
     assert sq.running() == []
     assert sq.done_depth() == 3
     assert sq.take_done() == [1, 2, 3]
@@ -334,7 +335,7 @@ def test_complete_moves_the_task_to_the_done_ring(sq: SlotQueues) -> None:
     for h in (9, 10, 11):
         sq.mark_running(h)
     for h in (11, 10, 9, 8):  # the ring wraps: indices grow past CCAP
-        sq.complete(h)
+        assert sq.complete(h) is (h == 11)
     with pytest.raises(InternalError, match="done ring full"):
         sq.complete(7)
     assert sq.running() == [7]  # untouched by the refused complete
