@@ -24,8 +24,8 @@ Task kinds, by the block's ``parent`` word:
     round (``SlotQueues.complete``): at every instant the handle is in exactly one of a ring, a
     run stack or a done ring, so a crash can lose nothing silently. The coordinator is poked
     (RESULTS) per batch, when idle, after a task that asked (``announce_result``: a map
-    chunk) and, while the coordinator sweeps lazily, at a push into an empty done ring; the
-    coordinator's timer sweep covers the rest.
+    chunk) and, while the coordinator sweeps lazily, after a push into an empty done ring
+    (before its next task starts); the coordinator's timer sweep covers the rest.
   * child (parent = the spawning worker's slot): the result goes into the child's block, whose
     ``state`` becomes DONE under the *parent's* slot lock; the parent's future reads it from
     there. A child that nobody waits for (its future was dropped) is ABANDONED, and whoever sees
@@ -174,6 +174,9 @@ class Worker(Children):
         # TaskContext object is built only when a task asks for it, not for every task.
         self.contexts: list[tuple[int, Any]] = []
         self.unannounced = 0  # results in the done ring since the last poke
+        # A result found the done ring empty while the loop sweeps lazily: poke before the
+        # next task starts, or at idle (Coordinator.pace_sweep).
+        self.poke_due = False
         self.announce = False  # the running task asked for a poke once it is done
         # What a task's signal handler raised in a join's sleep, left cleanly (see idle).
         self.interrupted_sleep: BaseException | None = None
@@ -206,6 +209,8 @@ class Worker(Children):
         while not self.draining:
             handle = self.find_work()
             if handle >= 0:
+                if self.poke_due and not self.header.collector():
+                    self.poke()
                 self.run(handle)
                 self.after_idle = False
                 if self.abandoned:
@@ -303,15 +308,20 @@ class Worker(Children):
             first = self.me.complete(handle)
             self.top_level_done += 1
             self.unannounced += 1
-            # At once: a task that asked (announce_result), and, while the loop sweeps lazily,
-            # a result that found the done ring empty (one pushed behind it is collected with
-            # it: Coordinator.pace_sweep); unless a user thread is collecting the done rings
-            # itself (as in idle(): see Coordinator.help_wait).
+            # At once: a task that asked (announce_result), unless a user thread is
+            # collecting the done rings itself (as in idle(): see Coordinator.help_wait).
             header = self.header
             if self.unannounced >= self.options.result_batch or (
-                (self.announce or (first and header.lazy_sweep())) and not header.collector()
+                self.announce and not header.collector()
             ):
                 self.poke()
+            elif first and header.lazy_sweep():
+                # The loop sweeps lazily: this result (and any pushed behind it, collected
+                # with it) is announced before this worker starts another task, or at idle
+                # (Coordinator.pace_sweep). Not here: the coordinator would hand out what
+                # waits for this result (a recurrence's next run) before this worker looked
+                # for work, and its claim of that, not after an idle wait, read as a misfire.
+                self.poke_due = True
         else:
             self.finish_child(handle, parent, recorded)
         self.announce = False
@@ -332,6 +342,7 @@ class Worker(Children):
 
     def poke(self) -> None:
         """Tell the coordinator that results wait in this worker's done ring."""
+        self.poke_due = False
         if self.unannounced:
             self.unannounced = 0
             self.conn.send_bytes(_POKE)
