@@ -52,7 +52,7 @@ Global header (int64 words):
     #                                                  (help_wait): idle workers skip the poke
     # 216     8   lazy_sweep       coordinator thread  the loop sweeps done rings rarely: a
     #                                                  result pushed into an empty done ring
-    #                                                  is poked at once ("Lazy sweep")
+    #                                                  is poked before the worker's next task
     # 224    32   counter1..4      engine-defined      reserved for engine counters
 """
 
@@ -331,8 +331,9 @@ class GlobalHeader:
 
     def lazy_sweep(self) -> bool:
         """Whether the loop sweeps the done rings rarely (``Coordinator.pace_sweep``): a worker
-        then pokes each result that it pushed into an empty done ring. Read after the push's
-        lock round, so that the coordinator's locked recheck or this read sees the other."""
+        then pokes each result that it pushed into an empty done ring, before its next task.
+        Read after the push's lock round, so that the coordinator's locked recheck or this
+        read sees the other."""
         return self._w[_LAZY_SWEEP] != 0
 
     def set_lazy_sweep(self, on: bool) -> None:
