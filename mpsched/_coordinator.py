@@ -302,10 +302,11 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         lazily, every LAZY_SWEEP_INTERVAL, after QUIET_SWEEPS timer passes in a row that
         collected nothing. While the header's ``lazy_sweep`` is set, a worker pokes each
         result that it pushed into an empty done ring (before its next task, or at idle); one
-        pushed behind another is collected with it. Going lazy, the word is set first, then every done ring is taken under its
-        lock: a push after that take reads the word set (a worker reads it after its push's
-        lock round), and one before it is collected here. Any result collected, by this
-        thread or a user thread's ``help_wait``, makes the sweep eager again."""
+        pushed behind another is collected with it. Going lazy, the word is set first, then
+        every done ring is taken under its lock: a push after that take reads the word set (a
+        worker reads it after its push's lock round), and one before it is collected here.
+        Any result collected, by this thread or a user thread's ``help_wait``, makes the
+        sweep eager again."""
         completed = self.completed
         if completed != self.completed_seen or not self.may_sweep_lazily():
             self.completed_seen = completed
