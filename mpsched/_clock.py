@@ -77,3 +77,8 @@ def thread_joined(thread: threading.Thread) -> Callable[[float | None], bool]:
         return not thread.is_alive()
 
     return joined
+
+
+def join_interruptibly(thread: threading.Thread, timeout: float | None = None) -> bool:
+    """``thread.join(timeout)`` through ``wait_interruptibly``; whether the thread ended."""
+    return wait_interruptibly(thread_joined(thread), timeout)

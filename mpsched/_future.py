@@ -49,7 +49,7 @@ from concurrent.futures._base import (
 )
 from typing import Any, Protocol
 
-from mpsched._clock import thread_joined, wait_interruptibly, wait_seconds
+from mpsched._clock import join_interruptibly, wait_interruptibly, wait_seconds
 
 _CONDITION_LOCK = threading.Lock()  # guards the lazy creation of every future's condition
 # The per-task paths take it by acquire()/release(), not ``with``: on 3.11 ``with`` on a lock
@@ -488,7 +488,7 @@ class CallbackRunner:
         thread = self.thread
         if thread is None or thread is threading.current_thread():
             return True
-        return wait_interruptibly(thread_joined(thread), timeout)
+        return join_interruptibly(thread, timeout)
 
     def _run(self) -> None:
         get = self._queue.get

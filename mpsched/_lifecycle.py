@@ -48,7 +48,7 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from mpsched._clock import thread_joined, wait_interruptibly
+from mpsched._clock import join_interruptibly
 from mpsched._coordinator import Coordinator
 from mpsched._errors import PACKAGE_DIR
 from mpsched._function_cache import FunctionCache
@@ -339,7 +339,7 @@ def join_dropped(stop: bool = False) -> None:
             coordinator.begin_shutdown(True)
             coordinator.abort_running()
         try:
-            wait_interruptibly(thread_joined(thread), None)
+            join_interruptibly(thread)
             coordinator.callbacks.join()  # closed at the loop's end: their last ones run
         except BaseException:
             coordinator.begin_shutdown(True)

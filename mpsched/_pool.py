@@ -28,7 +28,7 @@ import types
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sized
 from typing import Any
 
-from mpsched._clock import thread_joined, wait_interruptibly, wait_seconds
+from mpsched._clock import join_interruptibly, wait_interruptibly, wait_seconds
 from mpsched._coordinator import Coordinator
 from mpsched._errors import POOL_CLOSED_MESSAGE, POOL_NOT_PICKLABLE_MESSAGE, PoolClosedError
 from mpsched._function_cache import FunctionCache
@@ -603,7 +603,7 @@ class Pool(concurrent.futures.Executor):
         if not self._started:
             return
         self._resources.request_release()
-        wait_interruptibly(thread_joined(self._thread), None)
+        join_interruptibly(self._thread)
         # Cleared only now: shutdown() and await_termination() read it without the lock,
         # and cleared before the join, a shutdown(wait=True) racing this one returned while
         # the teardown was still going on (tests/stress/test_lifecycle_races.py).
