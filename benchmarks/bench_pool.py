@@ -91,7 +91,9 @@ PAYLOAD_MPSCHED = "mpsched Pool.submit"
 PAYLOAD_PPE = "ProcessPoolExecutor.submit"
 PAYLOAD_LOKY = "loky submit"
 PAYLOAD_KEYS = ("payloads100k", "payloads1m")  # the workloads of Sizes.payloads, in order
-START_METHODS = ("forkserver", "fork")
+# Start-up cases: (start method, second pool). A second pool of the same interpreter finds the
+# forkserver running (a pipeline that makes a pool per stage); under fork nothing carries over.
+STARTUP_CASES = (("forkserver", False), ("fork", False), ("forkserver", True))
 # recycle: mpsched's default; ProcessPoolExecutor refuses max_tasks_per_child under fork.
 RECYCLE_START_METHOD = "forkserver"
 RECYCLE_MPSCHED = "mpsched Pool (max_tasks_per_worker=1)"
@@ -101,9 +103,10 @@ RECYCLE_PPE = "ProcessPoolExecutor (max_tasks_per_child=1)"
 JSON_DISTS = ("psutil", "loky", "distributed", "cloudpickle")
 
 
-def startup_name(impl: str, method: str) -> str:
-    """Row name of one start-up case."""
-    return f"{'mpsched Pool' if impl == 'mpsched' else 'ProcessPoolExecutor'} ({method})"
+def startup_name(impl: str, method: str, second: bool = False) -> str:
+    """Row name of one start-up case (``second``: the second pool of its interpreter)."""
+    case = f"{method}, second pool" if second else method
+    return f"{'mpsched Pool' if impl == 'mpsched' else 'ProcessPoolExecutor'} ({case})"
 
 
 @dataclass(frozen=True)
@@ -519,12 +522,16 @@ def bench_forkjoin(run: Run) -> Workload:
     return Workload("forkjoin", title, "s", series, gates, info, reference=FJ_FLAT)
 
 
-def startup_probe(impl: str, start_method: str) -> dict[str, Any]:
-    """In a fresh interpreter: pool creation to first result, then shutdown, in seconds."""
+def startup_probe(impl: str, start_method: str, second: bool = False) -> dict[str, Any]:
+    """In a fresh interpreter: pool creation to first result, then shutdown, in seconds; with
+    ``second``, of the second pool, once a first one (untimed) ran a task and shut down."""
     make: Callable[[str], AbstractContextManager[Any]] = mpsched_pool if impl == "mpsched" else ppe
     if impl == "mpsched":
         # Import mpsched.Pool before the clock starts, as ProcessPoolExecutor is imported.
         common.mpsched_status("Pool")
+    if second:
+        with make(start_method) as pool:
+            common.verify(pool.submit(wl.noop, 1).result() == 1, "startup: first pool")
     t0 = time.perf_counter()
     with make(start_method) as pool:
         result = pool.submit(wl.noop, 1).result()
@@ -533,35 +540,40 @@ def startup_probe(impl: str, start_method: str) -> dict[str, Any]:
     return {"seconds": t1 - t0, "shutdown_s": t2 - t1, "result": result}
 
 
-def startup_run(impl: str, method: str) -> Measurement:
+def startup_run(impl: str, method: str, second: bool) -> Measurement:
     """Run ``startup_probe`` in a fresh interpreter and check its result."""
     out = common.run_probe(
-        f"{PROBE_MODULE}:startup_probe", {"impl": impl, "start_method": method}, PROBE_TIMEOUT_S
+        f"{PROBE_MODULE}:startup_probe",
+        {"impl": impl, "start_method": method, "second": second},
+        PROBE_TIMEOUT_S,
     )
-    common.verify(out["result"] == 1, f"{startup_name(impl, method)}: result {out['result']}")
+    name = startup_name(impl, method, second)
+    common.verify(out["result"] == 1, f"{name}: result {out['result']}")
     return Measurement(out["seconds"], None, {"shutdown_s": out["shutdown_s"]})
 
 
 def bench_startup(run: Run) -> Workload:
     """Fresh pool in a fresh interpreter: creation to first result, per start method."""
     impls: list[Impl] = []
-    for method in START_METHODS:
-        mine = startup_name("mpsched", method)
+    for method, second in STARTUP_CASES:
+        mine = startup_name("mpsched", method, second)
         impls += [
-            Impl(mine, lambda m=method: startup_run("mpsched", m), needs=NEEDS_POOL),
+            Impl(mine, lambda m=method, s=second: startup_run("mpsched", m, s), needs=NEEDS_POOL),
             Impl(
-                startup_name("ppe", method), lambda m=method: startup_run("ppe", m), baseline=mine
+                startup_name("ppe", method, second),
+                lambda m=method, s=second: startup_run("ppe", m, s),
+                baseline=mine,
             ),
         ]
     sizes = run.sizes
     series, gates = run.interleave("startup", impls, max(sizes.repeats, sizes.startup_repeats))
     return Workload(
         "startup",
-        "pool creation to first result, fresh interpreter per sample",
+        "pool creation to first result, fresh interpreter per sample (second pool: after one)",
         "ms",
         series,
         gates,
-        {"start_methods": list(START_METHODS)},
+        {"cases": [startup_name("mpsched", m, s) for m, s in STARTUP_CASES]},
     )
 
 
@@ -813,12 +825,13 @@ def evaluate_targets(ws: Mapping[str, Workload]) -> list[TargetResult]:
             ),
         ]
     if (w := ws.get("startup")) is not None:
-        for method in START_METHODS:
-            mine = startup_name("mpsched", method)
+        for method, second in STARTUP_CASES:
+            mine = startup_name("mpsched", method, second)
+            case = f"{method}, second pool" if second else method
             out.append(
                 check(
-                    f"startup: mpsched / ProcessPoolExecutor ({method})",
-                    _ratio(w, [mine], startup_name("ppe", method)),
+                    f"startup: mpsched / ProcessPoolExecutor ({case})",
+                    _ratio(w, [mine], startup_name("ppe", method, second)),
                     "<=",
                     STARTUP_VS_PPE_MAX,
                     _why(w, mine),

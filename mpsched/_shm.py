@@ -14,10 +14,12 @@ What this module owns:
     * ``death_signal_setter``: ``prctl(PR_SET_PDEATHSIG)`` for the zygote's workers.
     * ``become_forked_child``: the part of ``multiprocessing``'s child bootstrap that a zygote
       started by a bare ``os.fork()`` (fork start method) keeps.
+    * ``preload_in_forkserver``: has ``multiprocessing``'s forkserver import the zygote's
+      modules once, as it starts, instead of every pool's zygote importing them.
     This is the ONLY module that touches private CPython API (``_multiprocessing``; ``_ctypes``
     for that one ``prctl`` call, see ``death_signal_setter``; ``multiprocessing.process`` and
     ``multiprocessing.util`` internals in ``become_forked_child``, ``process._children`` in
-    ``disown_inherited_process``):
+    ``disown_inherited_process``, the forkserver's preload list in ``preload_in_forkserver``):
     ``SemLock(kind, value, maxvalue, name, unlink)``, ``SemLock._rebuild(handle, kind, maxvalue,
     name)`` and ``sem_unlink(name)``, as in 3.11's Modules/_multiprocessing/semaphore.c (the same
     calls ``multiprocessing.synchronize`` makes). If they change, only this file changes.
@@ -61,7 +63,7 @@ import weakref
 from collections.abc import Callable
 from multiprocessing import context, reduction
 
-from mpsched._errors import InternalError
+from mpsched._errors import PACKAGE_DIR, InternalError
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
@@ -513,6 +515,58 @@ def disown_inherited_process(proc: object) -> None:
     from multiprocessing import process
 
     process._children.discard(proc)  # type: ignore[attr-defined]
+
+
+def preload_in_forkserver(module: str) -> bool:
+    """Before the forkserver start method's first ``Process.start()`` in this process: add
+    ``module`` (a module of this package) to the forkserver's preload list, so that the server
+    imports it once as it starts and every zygote forked from it has it. Returns whether it did.
+
+    Why: a zygote forked from a running forkserver imported ``mpsched._zygote`` itself, ~5 ms
+    of the ~30 ms to a second pool's first result, where ProcessPoolExecutor's worker imports
+    ``concurrent.futures.process`` (~2 ms). Preloaded, the import is paid once, in the server's
+    own start-up, which the first pool waits for either way.
+
+    Done only while the server has not started (its list is read at its start; the user's
+    entries, ``'__main__'`` by default, are kept), and only if the server would import this
+    copy of the package: it is a ``python -c`` started in the current directory, whose
+    ``sys.path`` is this process's but for the first entry (the current directory, unless
+    isolated), and it does not apply the ``sys_path`` it is given (3.10-3.13). A package found
+    elsewhere first (a path added at run time, another copy installed) would be a different
+    version in every zygote; then nothing is preloaded and each zygote imports the package
+    from this process's ``sys.path``, as before. The server ignores a preload that fails to
+    import.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    preload = getattr(server, "_preload_modules", None)
+    if (
+        server is None
+        or getattr(server, "_forkserver_pid", None) is not None
+        or not isinstance(preload, list)
+        or module in preload
+        or not _fresh_interpreter_finds_this_package()
+    ):
+        return False
+    server.set_forkserver_preload([*preload, module])
+    return True
+
+
+def _fresh_interpreter_finds_this_package() -> bool:
+    """Whether a ``python -c`` started here, with this process's flags and environment, would
+    import this copy of the package (see ``preload_in_forkserver``)."""
+    from importlib.machinery import PathFinder
+
+    safe_path = sys.flags.isolated or getattr(sys.flags, "safe_path", False)  # 3.11+: -P
+    try:
+        search = list(sys.path) if safe_path else [os.getcwd(), *sys.path[1:]]
+        spec = PathFinder.find_spec(__name__.partition(".")[0], search)
+    except (ImportError, OSError, ValueError):  # an unreadable or odd sys.path entry
+        return False
+    if spec is None or spec.origin is None:
+        return False
+    return os.path.realpath(os.path.dirname(spec.origin)) == os.path.realpath(PACKAGE_DIR)
 
 
 def create_eventfd() -> int:

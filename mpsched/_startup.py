@@ -11,8 +11,9 @@ Start-up, in order (the reasons are in docs/design.md, section 2):
   1. sweep semaphore names left by a process that died inside the start-up window;
   2. create the memfd segment (no name), the locks (named for now), one wake eventfd per slot,
      and format the segment but for the slab's free stack;
-  3. start the zygote through the start method (under fork: a bare fork, see ForkedZygote);
-     it opens the locks and maps the segment; meanwhile build the coordinator, mark the
+  3. start the zygote through the start method (under fork: a bare fork, see ForkedZygote;
+     under forkserver, a pool that starts the server has it preload the zygote's modules,
+     ``_shm.preload_in_forkserver``); it opens the locks and maps the segment; meanwhile build the coordinator, mark the
      initial workers as starting (the others dormant), fill the free stack and start the
      coordinator thread (it waits);
   4. on READY, unlink every lock name (from here on nothing of the pool has a name), let the
@@ -58,7 +59,13 @@ from mpsched._lifecycle import (
     live_pools,
     run_coordinator,
 )
-from mpsched._shm import AnonSegment, SharedFd, create_eventfd, sweep_stale_names
+from mpsched._shm import (
+    AnonSegment,
+    SharedFd,
+    create_eventfd,
+    preload_in_forkserver,
+    sweep_stale_names,
+)
 from mpsched._wakeup import Wakeup
 from mpsched._zygote import ZYGOTE_NAME, ForkedZygote, ZygoteConfig, zygote_main
 
@@ -272,6 +279,8 @@ def _start_zygote(
         if fork:  # a bare fork, lighter than a Process (see ForkedZygote)
             res.zygote = ForkedZygote(cfg)
         else:
+            if pool._start_method == "forkserver":
+                preload_in_forkserver(zygote_main.__module__)
             res.zygote = ctx.Process(target=zygote_main, args=(cfg,), name=ZYGOTE_NAME, daemon=True)
             res.zygote.start()
     finally:

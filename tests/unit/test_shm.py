@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pathlib
 import pickle
+import sys
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
 
-from mpsched._errors import InternalError
+from mpsched._errors import PACKAGE_DIR, InternalError
 from mpsched._shm import (
     SEM_PREFIX,
     AnonSegment,
@@ -24,6 +27,7 @@ from mpsched._shm import (
     create_lock,
     create_semaphore,
     open_lock,
+    preload_in_forkserver,
     sweep_stale_names,
     unlink_lock_name,
 )
@@ -320,3 +324,51 @@ def test_eventfd_reaches_child_and_its_forks(ctx: Any) -> None:
         parent_end.close()
         proc.close()
         efd.close()
+
+
+# ---- preload_in_forkserver -----------------------------------------------------------------
+# A ForkServer that was never started stands in for multiprocessing's: the decision is made
+# from its preload list and pid, and from where a fresh interpreter would find the package.
+
+PACKAGE_PARENT = str(pathlib.Path(PACKAGE_DIR).parent)
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> forkserver.ForkServer:
+    fresh = forkserver.ForkServer()
+    monkeypatch.setattr(forkserver, "_forkserver", fresh)
+    monkeypatch.chdir(tmp_path)  # nothing named mpsched here
+    # sys.path[0] is the running script's directory, which a ``python -c`` does not search.
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "script-dir"), PACKAGE_PARENT])
+    return fresh
+
+
+def test_the_forkserver_preloads_the_zygote_keeping_the_users_modules(
+    server: forkserver.ForkServer,
+) -> None:
+    server.set_forkserver_preload(["__main__", "json"])
+    assert preload_in_forkserver("mpsched._zygote") is True
+    assert server._preload_modules == ["__main__", "json", "mpsched._zygote"]
+    assert preload_in_forkserver("mpsched._zygote") is False  # once
+    assert server._preload_modules == ["__main__", "json", "mpsched._zygote"]
+
+
+def test_a_running_forkserver_is_left_alone(server: forkserver.ForkServer) -> None:
+    server._forkserver_pid = os.getpid()  # its list was read when it started
+    assert preload_in_forkserver("mpsched._zygote") is False
+    assert server._preload_modules == ["__main__"]
+
+
+@pytest.mark.parametrize("where", ["cwd", "only-first-entry", "nowhere"])
+def test_no_preload_where_a_fresh_interpreter_finds_another_copy_or_none(
+    server: forkserver.ForkServer, tmp_path: pathlib.Path, where: str
+) -> None:
+    if where == "cwd":  # another mpsched in the current directory, which ``python -c`` tries first
+        (tmp_path / "mpsched").mkdir()
+        (tmp_path / "mpsched" / "__init__.py").write_text("")
+    elif where == "only-first-entry":  # this copy only by the script's directory
+        sys.path[:] = [PACKAGE_PARENT, str(tmp_path / "elsewhere")]
+    else:
+        sys.path[:] = [str(tmp_path / "script-dir")]
+    assert preload_in_forkserver("mpsched._zygote") is False
+    assert server._preload_modules == ["__main__"]
