@@ -13,9 +13,9 @@ Start-up, in order (the reasons are in docs/design.md, section 2):
      and format the segment but for the slab's free stack;
   3. start the zygote through the start method (under fork: a bare fork, see ForkedZygote;
      under forkserver, a pool that starts the server has it preload the zygote's modules,
-     ``_shm.preload_in_forkserver``); it opens the locks and maps the segment; meanwhile build the coordinator, mark the
-     initial workers as starting (the others dormant), fill the free stack and start the
-     coordinator thread (it waits);
+     ``_shm.preload_in_forkserver``); it opens the locks and maps the segment; meanwhile
+     build the coordinator, mark the initial workers as starting (the others dormant), fill
+     the free stack and start the coordinator thread (it waits);
   4. on READY, unlink every lock name (from here on nothing of the pool has a name), let the
      coordinator thread go and return: the workers are not waited for;
   5. the zygote forks the initial workers (listed in its config: no SPAWN message each; the
