@@ -103,10 +103,16 @@ RECYCLE_PPE = "ProcessPoolExecutor (max_tasks_per_child=1)"
 JSON_DISTS = ("psutil", "loky", "distributed", "cloudpickle")
 
 
+def startup_case(method: str, second: bool) -> str:
+    """One start-up case, as rows and targets name it (``second``: the interpreter's second
+    pool)."""
+    return f"{method}, second pool" if second else method
+
+
 def startup_name(impl: str, method: str, second: bool = False) -> str:
-    """Row name of one start-up case (``second``: the second pool of its interpreter)."""
-    case = f"{method}, second pool" if second else method
-    return f"{'mpsched Pool' if impl == 'mpsched' else 'ProcessPoolExecutor'} ({case})"
+    """Row name of one start-up case."""
+    pool = "mpsched Pool" if impl == "mpsched" else "ProcessPoolExecutor"
+    return f"{pool} ({startup_case(method, second)})"
 
 
 @dataclass(frozen=True)
@@ -827,10 +833,9 @@ def evaluate_targets(ws: Mapping[str, Workload]) -> list[TargetResult]:
     if (w := ws.get("startup")) is not None:
         for method, second in STARTUP_CASES:
             mine = startup_name("mpsched", method, second)
-            case = f"{method}, second pool" if second else method
             out.append(
                 check(
-                    f"startup: mpsched / ProcessPoolExecutor ({case})",
+                    f"startup: mpsched / ProcessPoolExecutor ({startup_case(method, second)})",
                     _ratio(w, [mine], startup_name("ppe", method, second)),
                     "<=",
                     STARTUP_VS_PPE_MAX,

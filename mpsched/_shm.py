@@ -522,8 +522,8 @@ def preload_in_forkserver(module: str) -> bool:
     ``module`` (a module of this package) to the forkserver's preload list, so that the server
     imports it once as it starts and every zygote forked from it has it. Returns whether it did.
 
-    Why: a zygote forked from a running forkserver imported ``mpsched._zygote`` itself, ~5 ms
-    of the ~30 ms to a second pool's first result, where ProcessPoolExecutor's worker imports
+    Why: a zygote forked from a running forkserver imported ``mpsched._zygote`` itself, ~4 ms
+    of the ~22 ms to a second pool's first result, where ProcessPoolExecutor's worker imports
     ``concurrent.futures.process`` (~2 ms). Preloaded, the import is paid once, in the server's
     own start-up, which the first pool waits for either way.
 
