@@ -230,7 +230,16 @@ if __name__ == "__main__":
     assert pool._coordinator.finished.wait(20)  # broken: the workers' sockets are closed
     worker = psutil.Process(pid)  # before the gate opens: it may exit at once after
     tasks.open_gate(task_gate)
-    worker.wait(20)  # the task returned, its worker reported it and exited
+    try:
+        worker.wait(20)  # the task returned, its worker reported it and exited
+    except psutil.TimeoutExpired:  # say where it is (seen once in a full run, not reproduced)
+        views = pool._views
+        slots = [(s.is_sleeping(), s.inbox_depth(), len(s), s.done_depth()) for s in views.slots]
+        with open(f"/proc/{pid}/wchan") as wchan:
+            where = wchan.read()
+        print(worker.status(), where, worker.cpu_times(), slots, views.header.collector(),
+              views.header.lazy_sweep(), file=sys.stderr)
+        raise
     pool.shutdown(wait=True)
     print("done", flush=True)
 """
