@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import time
 
 from mpsched._coord_cancel import send_signal
@@ -281,7 +282,8 @@ class Draining(CoordinatorState):
             self.send_to_zygote(Tag.STOP)
 
     def break_pool(self, exc: BaseException) -> None:
-        """An internal error: fail every unfinished future with BrokenPoolError."""
+        """The pool cannot go on (an initializer raised, the zygote died, an internal error):
+        fail every unfinished future with BrokenPoolError, and end the pool's processes."""
         if isinstance(exc, BrokenPoolError):  # already says what broke (e.g. the initializer)
             error = exc
         else:
@@ -303,8 +305,15 @@ class Draining(CoordinatorState):
         for worker in list(self.workers):
             if worker is not None:
                 self.forget_worker(worker)
-        with contextlib.suppress(OSError):
-            self.send_to_zygote(Tag.STOP)
+        # The control socket shut down (not closed: its number stays this pool's until the
+        # teardown): at that EOF the zygote kills every worker and exits, as ProcessPoolExecutor
+        # kills its workers when it breaks. It was sent STOP, which let each worker end its task
+        # first; but one forked just before the break, whose SPAWNED (with its socket) was still
+        # unread here, never saw its socket close and lived on, idle, until the shutdown.
+        with self.zygote_send_lock, contextlib.suppress(OSError):
+            control = socket.fromfd(self.zygote.fileno(), socket.AF_UNIX, socket.SOCK_STREAM)
+            with control:  # a duplicate fd: the shutdown is the socket's, for every fd of it
+                control.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self.epoll.close()

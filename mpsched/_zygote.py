@@ -27,10 +27,11 @@ Protocol with the coordinator (one duplex Connection; see ``_protocol``):
     zygote -> EXITED(slot, pid, code)   a worker exited (reaped here; its pidfd fired)
     coord  -> STOP                      spawn no more; exit once every worker has been reaped
 
-Death: if the coordinator dies, the control Connection reaches EOF; the zygote SIGKILLs every
-worker, reaps them and exits. If the zygote dies, each worker gets SIGKILL from the kernel
-(``PR_SET_PDEATHSIG``, set in the worker right after fork; the zygote is single-threaded, so the
-"parent thread" it refers to is the zygote itself). So a SIGKILL of the coordinator leaves no
+Death: if the coordinator dies, or breaks the pool (it shuts the socket down), the control
+Connection reaches EOF; the zygote SIGKILLs every worker, reaps them and exits. If the zygote
+dies, each worker gets SIGKILL from the kernel (``PR_SET_PDEATHSIG``, set in the worker right
+after fork; the zygote is single-threaded, so the "parent thread" it refers to is the zygote
+itself). So a SIGKILL of the coordinator leaves no
 process behind, and the memfd and the unlinked semaphores vanish with their last holder.
 """
 

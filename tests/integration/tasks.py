@@ -238,8 +238,8 @@ def failing_initializer(message: str) -> None:
 
 def failing_initializer_late_in_peers(directory: str) -> None:
     """A pool initializer that raises at once in the first worker to get here, and in every
-    other worker only once ``directory/go`` exists (the test makes it after the pool broke);
-    those first write their pid to ``directory/late-<pid>``."""
+    other worker only once ``directory/go`` exists (the pool's break kills them first: no test
+    makes it); those first write their pid to ``directory/late-<pid>``."""
     try:
         os.close(os.open(os.path.join(directory, "first"), os.O_CREAT | os.O_EXCL))
     except FileExistsError:

@@ -21,7 +21,7 @@ import time
 import psutil
 import pytest
 
-from mpsched import Pool
+from mpsched import BrokenPoolError, Pool
 from mpsched._coordinator import Coordinator
 
 from . import tasks
@@ -263,6 +263,46 @@ def test_an_interrupted_exit_kills_a_task_on_a_worker_not_registered_yet(
         gate.set()
         if not pool.await_termination(timeout=0):  # failed: do not wait for the 30 s task
             os.kill(pool._zygote.pid, signal.SIGKILL)
+        pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_pool_that_breaks_ends_a_worker_it_had_not_registered_yet(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, start_method: str
+) -> None:
+    """A worker runs tasks before the coordinator thread has read its SPAWNED, which carries
+    the coordinator's end of the worker's socket. The pool breaking then (its initializer
+    failing in a registered peer; here an error injected into the loop) closed the sockets
+    of the registered workers only: this one's stayed open in the zygote's unread message, so
+    it never saw an EOF and lived on, idle once its task ended, until the pool's shutdown.
+    Now the break shuts the zygote's control socket, and the zygote kills every worker."""
+    started, gate = str(tmp_path / "started"), str(tmp_path / "gate")
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    breaking = threading.Event()
+    read_zygote_message = Coordinator.on_zygote_message
+
+    def unread(self: Coordinator, block: bool) -> None:
+        if breaking.is_set():
+            raise RuntimeError("an injected internal error")
+        if block:  # never called so here; kept for the method's contract
+            read_zygote_message(self, block)
+
+    monkeypatch.setattr(Coordinator, "on_zygote_message", unread)
+    pool = Pool(1, start_method=start_method)
+    try:
+        future = pool.submit(tasks.report_pid_then_gate, started, gate)
+        worker = psutil.Process(tasks.read_pid(started))  # it runs the task, unregistered
+        assert pool._coordinator.workers == [None]
+        breaking.set()
+        pool._wakeup.wakeup()  # the zygote's unread SPAWNED wakes the loop anyway
+        with pytest.raises(BrokenPoolError, match="injected"):
+            future.result(timeout=20)
+        worker.wait(20)  # killed at its gate, which nobody opens
+    finally:
+        if not breaking.is_set():
+            tasks.open_gate(gate)
         pool.shutdown(wait=True)
 
 
