@@ -31,8 +31,8 @@ Death: if the coordinator dies, or breaks the pool (it shuts the socket down), t
 Connection reaches EOF; the zygote SIGKILLs every worker, reaps them and exits. If the zygote
 dies, each worker gets SIGKILL from the kernel (``PR_SET_PDEATHSIG``, set in the worker right
 after fork; the zygote is single-threaded, so the "parent thread" it refers to is the zygote
-itself). So a SIGKILL of the coordinator leaves no
-process behind, and the memfd and the unlinked semaphores vanish with their last holder.
+itself). So a SIGKILL of the coordinator leaves no process behind, and the memfd and the
+unlinked semaphores vanish with their last holder.
 """
 
 from __future__ import annotations

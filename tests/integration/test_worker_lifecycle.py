@@ -141,8 +141,8 @@ def test_a_zygote_that_cannot_start_fails_the_pool_creation(tmp_path: pathlib.Pa
 
 # A pool whose initializer fails in one worker, and in its peers only once the test says so,
 # which it never does: the peer still in its initializer when the pool broke is killed with it.
-# (Before stop 38 the peers lived on, each failed when told, and its report found its socket
-# closed; a BrokenPipeError traceback per peer was the first bug here.)
+# (Before, the peers lived on, each failed when told, and its report found its socket closed: a
+# BrokenPipeError traceback per peer was the first bug here.)
 LATE_INIT_FAILURES = """
 import os, sys
 import psutil
@@ -198,10 +198,10 @@ def test_a_peer_in_its_initializer_when_the_pool_broke_ends_with_it_quietly(
 
 
 # A worker runs a task while a peer's initializer breaks the pool: it is killed with the pool,
-# at the task's gate, which the test never opens. (Before stop 38 the task ended when the test
-# opened the gate, and its report found the worker's socket closed: a BrokenPipeError
-# traceback was the first bug here. A worker the coordinator had not registered when the pool
-# broke then lived on until the shutdown: see test_exit_paths.)
+# at the task's gate, which the test never opens. (Before, the task ended when the test opened
+# the gate, and its report found the worker's socket closed: a BrokenPipeError traceback was
+# the first bug here. A worker the coordinator had not registered when the pool broke then
+# lived on until the shutdown: see test_exit_paths.)
 TASK_RUNNING_WHEN_THE_POOL_BROKE = """
 import os, sys
 import psutil
