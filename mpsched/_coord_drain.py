@@ -5,7 +5,8 @@ as the pool's options say; ``cancel_futures`` cancels all that has not started),
 decision that all work has ended (``drained``, ``all_done``, ``quiescent``,
 ``children_phantom``), tasks lost by an interrupt (``cancel_lost``), stopping running tasks
 (``abort_running``), the handshake with the workers (``drain_workers``: DRAIN, DRAINED or EOF,
-then STOP to the zygote), and failing everything when the pool breaks (``break_pool``).
+then STOP to the zygote), and failing everything when the pool breaks (``break_pool``, which
+also has the zygote kill every worker).
 docs/design.md, "Shutdown: the drain handshake and why it cannot hang", has the argument.
 
 Called from: any thread (``begin_shutdown``, ``abort_running``, through ``Pool``), and the
