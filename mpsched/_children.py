@@ -113,6 +113,34 @@ def abandon_worker(exc: BaseException, why: str) -> NoReturn:
     os._exit(USER_ERROR_EXIT)
 
 
+def end_forked_child(exc: BaseException | None) -> NoReturn:
+    """In a process that a task forked (``_worker._forked_by_a_task`` marked it): the task's
+    code came back into the worker's, returning or raising (``sys.exit()`` is the usual end of a
+    fork's child). That process is no worker: it ends as a Python program ends at its top level
+    (0 on a return; a SystemExit's code; else 1, the traceback on stderr) and writes nothing to
+    the pool's memory. Going on, it reported the task as done in the worker's place (its value,
+    or its SystemExit, became the task's outcome), then ran the worker's loop beside it, and the
+    worker's own report found its run stack popped: an internal error, a broken pool."""
+    code: int = 0
+    try:
+        if isinstance(exc, SystemExit):
+            if isinstance(exc.code, int):
+                code = exc.code
+            elif exc.code is not None:  # sys.exit("message"), as the interpreter does
+                code = 1
+                print(exc.code, file=sys.stderr)
+        elif exc is not None:
+            import traceback  # here, not at the top: see _protocol.dump_exception
+
+            code = 1
+            traceback.print_exception(exc)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+    except BaseException:  # a task may have taken stdout or stderr away
+        pass
+    os._exit(code)
+
+
 # An exception that mpsched's own code inside a task did not raise: a Python signal handler that
 # the task installed, raising as its alarm fires (a common way to bound a run's time), or a
 # RecursionError or MemoryError at a mpsched frame. Raised on into the task from the middle of
@@ -394,6 +422,7 @@ class Children:
         stash_counter: int
         interrupted_sleep: BaseException | None
         peers_dormant: bool
+        forked_child: bool
 
         def find_child_work(self) -> int: ...
         def want_peers(self) -> None: ...
@@ -462,7 +491,11 @@ class Children:
             sys.setrecursionlimit(sys.getrecursionlimit() + INLINE_FRAMES)
             raised = True
             value = fn(*args, **kwargs)
+            if self.forked_child:
+                end_forked_child(None)
         except BaseException as exc:  # user code: reported as a child's error is
+            if self.forked_child:
+                end_forked_child(exc)
             return ChildFuture.settled(self, None, dump_exception(exc))
         finally:
             if pushed:

@@ -73,6 +73,7 @@ from mpsched._children import (
     WAKE_FD_FAILED,
     Children,
     abandon_worker,
+    end_forked_child,
     write_wake,
 )
 from mpsched._errors import PACKAGE_DIR, InternalError, TaskCancelled
@@ -104,6 +105,9 @@ STEAL_RETRY_ROUNDS = 64  # full rounds over the peers while some answered RETRY,
 # before it submits the next task (a latency-bound loop) hands the next one over within tens of
 # microseconds, and a sleeping worker costs it a cross-process wake-up (~35 us here) each time.
 IDLE_SPIN = 200e-6
+# A task closed (or replaced) an fd of the worker's signal wake-up pipe: as for its eventfds
+# (WAKE_FD_FAILED), the worker is lost, not the pool (the EBADF in mpsched's frame read as a bug).
+SIGNAL_FD_FAILED = "the signal wake-up pipe failed: a task closed or replaced one of its fds"
 # The longest single sleep of a join with a timeout (ms): poll() takes a C int. A join that may
 # wait longer wakes then and sleeps again (``Children.join`` rechecks its deadline).
 SLEEP_MS_MAX = 2**31 - 1
@@ -185,6 +189,7 @@ class Worker(Children):
         # claims starts at its first chance (the misfire check in ``run``).
         self.after_idle = True
         self.draining = False
+        self.forked_child = False  # this is a process that a task forked (_forked_by_a_task)
         self.pid = os.getpid()
         # This worker's part of every uid and stash key it makes (next_uid), and the uid it
         # stamps on an ABANDONED child it takes over to free (finish_child).
@@ -287,14 +292,20 @@ class Worker(Children):
                 contexts.append((handle if parent < 0 else -1, meta))
                 pushed = True
                 value = fn(*args, **kwargs)
+                if self.forked_child:
+                    end_forked_child(None)
                 del fn, args, kwargs
                 status, out = _OK, dumps_result(value)
                 del value
         except TaskCancelled as exc:
+            if self.forked_child:
+                end_forked_child(exc)
             # Cancelled only if asked to: a TaskCancelled raised unprompted is an error.
             requested = parent < 0 and slab.get_word(handle, _STATE) == _CANCEL_REQUESTED
             status, out = (_CANCELLED if requested else _ERROR), dump_exception(exc)
         except BaseException as exc:  # user code: any exception is the task's outcome
+            if self.forked_child:
+                end_forked_child(exc)
             status, out = _ERROR, dump_exception(exc)
         finally:
             self.depth -= 1
@@ -440,14 +451,21 @@ class Worker(Children):
         """Make this worker's pipe the process's signal wakeup fd (again: a task may have set
         one of its own, e.g. an asyncio loop's, and left -1 behind when its loop closed). Main
         thread only, which runs the worker's loop; a C call, on the sleep path only."""
-        signal.set_wakeup_fd(self.signal_write_fd, warn_on_full_buffer=False)
+        try:
+            signal.set_wakeup_fd(self.signal_write_fd, warn_on_full_buffer=False)
+        except (OSError, ValueError) as exc:  # ValueError: not a valid fd any more
+            abandon_worker(exc, SIGNAL_FD_FAILED)
 
     def drain_signal_fd(self, events: list[tuple[int, int]]) -> None:
         for fd, _ in events:
             if fd == self.signal_fd:
-                with contextlib.suppress(BlockingIOError):
+                try:
                     while os.read(fd, 512):
                         pass
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    abandon_worker(exc, SIGNAL_FD_FAILED)
 
     def consume_wake(self) -> None:
         try:
@@ -495,8 +513,8 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the coordinator
     worker = Worker(slot, views, wake_fds, conn, options, peers_dormant)
     _serialize.table_loader = worker.load_function  # for the arguments' stand-ins
-    os.register_at_fork(after_in_child=lambda: _forked_by_a_task(conn, worker.signal_write_fd))
-    if options.initializer and not run_initializer(conn, slot, options.initializer):
+    os.register_at_fork(after_in_child=lambda: _forked_by_a_task(worker))
+    if options.initializer and not run_initializer(worker, options.initializer):
         return 0  # the coordinator breaks the pool with the initializer's error
     _children._current = worker
     worker.me.bind_owner()
@@ -555,33 +573,40 @@ def _raised_by_user_code(exc: BaseException) -> bool:
     return not tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR)
 
 
-def _forked_by_a_task(conn: Connection, signal_write_fd: int) -> None:
+def _forked_by_a_task(worker: Worker) -> None:
     """In a process that a task (or the initializer) forked from this worker: it is no worker.
     It lets go of its copy of the worker's socket, whose EOF is how the coordinator learns of
     the worker's death: a copy kept by a process that outlives its task (a daemon) hid the
     worker's death, so its task never failed, its slot was not replaced and the shutdown
     waited the drain's timeout. ``mpsched.submit`` refuses to run here: it would push into the
-    worker's deque beside the worker, the deque's one owner."""
+    worker's deque beside the worker, the deque's one owner. Once the task's code comes back
+    into the worker's, this process ends (``end_forked_child``)."""
+    worker.forked_child = True
     _children._current = None
-    conn.close()
+    worker.conn.close()
     # Its signals are its own: the worker's wakeup fd would wake the worker for them. (One
     # that a task set, an asyncio loop's, stays: the child's copy of that loop reads it.)
     with contextlib.suppress(ValueError):  # no main thread here to set it from
         previous = signal.set_wakeup_fd(-1)
-        if previous != signal_write_fd:
+        if previous != worker.signal_write_fd:
             signal.set_wakeup_fd(previous)
 
 
-def run_initializer(conn: Connection, slot: int, initializer: bytes) -> bool:
+def run_initializer(worker: Worker, initializer: bytes) -> bool:
     """Run the pool's initializer; on error, report it (INIT_FAILED) and return False."""
+    conn = worker.conn
     try:
         fn, args = pickle.loads(initializer)
         fn(*args)
+        if worker.forked_child:
+            end_forked_child(None)
     except BaseException as exc:  # user code: report any error, never die silently
+        if worker.forked_child:
+            end_forked_child(exc)
         # EPIPE: the coordinator already closed our socket (a peer's initializer failed first
         # and broke the pool, or the pool is gone): nobody is left to tell, and the zygote
         # would print this send's traceback as if mpsched had failed.
         with contextlib.suppress(OSError):
-            conn.send_bytes(encode(Tag.INIT_FAILED, slot, dump_exception(exc)))
+            conn.send_bytes(encode(Tag.INIT_FAILED, worker.slot, dump_exception(exc)))
         return False
     return True

@@ -288,6 +288,17 @@ def close_wake_fd(slot: int | None = None) -> int:
     return fd
 
 
+def close_signal_pipe(end: str) -> None:
+    """Close one end of this worker's signal wake-up pipe (a stray ``os.close``): ``write``,
+    the process's wakeup fd; ``read``, the end its sleep polls."""
+    if end == "write":
+        os.close(signal.set_wakeup_fd(-1))
+    else:
+        worker = mpsched._children._current
+        assert worker is not None
+        os.close(worker.signal_fd)
+
+
 def _raise_timeout(signum: int, frame: Any) -> None:
     raise TimeoutError("the task's own time limit")
 

@@ -1,9 +1,12 @@
-"""Tasks for test_process_edges.py: tasks that fork a process which outlives them."""
+"""Tasks for test_process_edges.py: tasks that fork a process which outlives them, or whose
+forked process ends by coming back out of the task's code."""
 
 from __future__ import annotations
 
 import os
 import select
+import signal
+import sys
 
 import mpsched
 
@@ -34,3 +37,57 @@ def fork_helper(release: str, report: str) -> int:
 
 def exit_worker(code: int) -> None:
     os._exit(code)
+
+
+CHILD_EXIT_WAIT_S = 10.0  # s; a forked child that ends at once has by then, on a loaded host
+# The forked child was still running after CHILD_EXIT_WAIT_S: it went on as a worker.
+CHILD_HUNG = "hung"
+_initializer_fork: int | str | None = None  # what fork_in_initializer's child ended with
+
+
+def _wait_child(pid: int) -> int | str:
+    """The exit code of child ``pid``, or CHILD_HUNG (then killed) if it is still running
+    after CHILD_EXIT_WAIT_S."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        if not select.select([pidfd], [], [], CHILD_EXIT_WAIT_S)[0]:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return CHILD_HUNG
+    finally:
+        os.close(pidfd)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _fork_and_leave(how: str) -> int | str | None:
+    """Fork; the child leaves the caller's code as ``how`` says (``exit``: ``sys.exit(3)``,
+    ``return``, ``raise``: a ValueError), back into whatever called it. Returns, in the parent,
+    the child's exit code (or CHILD_HUNG); in the child, None (``return``)."""
+    pid = os.fork()
+    if pid == 0:
+        if how == "exit":
+            sys.exit(3)
+        if how == "raise":
+            raise ValueError("raised in the forked child")
+        return None
+    return _wait_child(pid)
+
+
+def fork_child_leaves(how: str, nested: bool = False) -> tuple[str, int | str | None]:
+    """A task (``nested``: a child task, joined) whose forked child comes back out of it."""
+    if nested:
+        return mpsched.submit(fork_child_leaves, how).result()  # type: ignore[no-any-return]
+    code = _fork_and_leave(how)
+    return ("forked child", code) if code is None else ("task", code)
+
+
+def fork_in_initializer() -> None:
+    """An initializer whose forked child returns from it."""
+    global _initializer_fork
+    code = _fork_and_leave("return")
+    if code is not None:
+        _initializer_fork = code
+
+
+def initializer_fork() -> int | str | None:
+    return _initializer_fork

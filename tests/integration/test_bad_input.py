@@ -46,7 +46,7 @@ from mpsched._slot_region import MAX_NESTING
 
 from . import bad_tasks as bt
 from . import tasks
-from .conditions import start_every_worker
+from .conditions import start_every_worker, wait_until
 
 WORKERS = 2
 CASE_TIMEOUT = 20.0  # s; each future of a case must end within this (a hang fails the case)
@@ -517,6 +517,22 @@ def test_a_task_that_closes_its_workers_wake_fd_costs_that_worker_only(ctx: Any)
         assert [pool.submit(tasks.ident, i).result(timeout=30) for i in range(20)] == list(
             range(20)
         )
+        assert pool.submit(tasks.fib, 12).result(timeout=30) == 144
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("end", ["read", "write"])
+def test_a_task_that_closes_its_workers_signal_pipe_costs_that_worker_only(end: str) -> None:
+    """The same for the worker's signal wake-up pipe: its next sleep failed with EBADF in
+    mpsched's frame (the read end's read, the write end's ``set_wakeup_fd``), and the pool
+    broke as on an internal error of the worker's."""
+    with Pool(1) as pool:
+        pool.submit(bt.close_signal_pipe, end).result(timeout=30)
+        assert [pool.submit(tasks.ident, i).result(timeout=30) for i in range(20)] == list(
+            range(20)
+        )
+        # At its next sleep (after a spin that a quick next submit may end first).
+        wait_until(lambda: pool.statistics().crashes == 1, "the worker was replaced")
         assert pool.submit(tasks.fib, 12).result(timeout=30) == 144
 
 

@@ -67,6 +67,35 @@ def test_a_worker_death_is_seen_while_a_process_its_task_forked_lives(
         pool.shutdown()
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("nested", [False, True], ids=["task", "child task"])
+@pytest.mark.parametrize(("how", "code"), [("exit", 3), ("return", 0), ("raise", 1)])
+def test_a_process_forked_by_a_task_ends_when_it_leaves_the_task(
+    how: str, code: int, nested: bool
+) -> None:
+    """A process forked by a task that leaves the task's code (``sys.exit()``, the usual end
+    of a fork's child; a return; an exception) came back into the worker's: it reported the
+    task in the worker's place (its SystemExit or value became the task's outcome), then ran
+    the worker's loop beside it, and the worker's own report broke the pool (InternalError
+    "not the innermost running task"). Now it ends there, as a program ends at its top level."""
+    with Pool(1) as pool:
+        assert pool.submit(proc_tasks.fork_child_leaves, how, nested).result(TIMEOUT) == (
+            "task",
+            code,
+        )
+        assert [pool.submit(tasks.ident, i).result(TIMEOUT) for i in range(20)] == list(range(20))
+        assert pool.statistics().crashes == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_process_forked_by_an_initializer_ends_when_it_leaves_it() -> None:
+    """The same for the initializer: its forked child went on as a second worker of the
+    slot, and the initializer waited for it for ever."""
+    with Pool(1, initializer=proc_tasks.fork_in_initializer) as pool:
+        assert pool.submit(proc_tasks.initializer_fork).result(TIMEOUT) == 0
+        assert [pool.submit(tasks.ident, i).result(TIMEOUT) for i in range(20)] == list(range(20))
+
+
 # Ctrl-C while the main thread waits on a result, in a program that never put the pool in a
 # ``with`` block (or shut it down): the KeyboardInterrupt ends the program.
 CTRL_C_OUTSIDE_WITH = """
