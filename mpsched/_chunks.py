@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from itertools import islice, starmap
+from itertools import islice
 from typing import Any
 
 from mpsched._children import announce_result
@@ -63,7 +63,6 @@ def _run(
 ) -> tuple[list[bytes], float, bytes | None, int]:
     start = time.perf_counter()
     it = iter(items)
-    call = starmap(fn, it) if star else map(fn, it)
     pieces: list[bytes] = []
     nbytes = 0  # in pieces
     in_pieces = 0  # items whose results are in pieces
@@ -71,10 +70,19 @@ def _run(
     by_run = max_bytes != math.inf
     done = 0  # items run
     error = None
+    append = results.append
     while True:
         try:
-            # Runs of 1, 1, 2, 4, ...; islice stops at the raise, extend keeps what came before
-            results.extend(islice(call, done or 1))
+            # Runs of 1, 1, 2, 4, ..., each call in this frame: through the builtin map (~10
+            # ns an item faster), a StopIteration that fn raised ended the items there, as
+            # their end would: no error, that item's result missing, the later ones moved up
+            # a place (a run without a budget never ended).
+            if star:
+                for args in islice(it, done or 1):
+                    append(fn(*args))
+            else:
+                for item in islice(it, done or 1):
+                    append(fn(item))
         except BaseException as exc:  # user code: as the worker reports a task's error
             if not results and not pieces:
                 raise
@@ -86,6 +94,7 @@ def _run(
             pieces.append(piece)
             nbytes += len(piece)
             in_pieces, results = done, []
+            append = results.append
             error = unpicklable or error
         if error is not None or done == len(items) or seconds >= budget or nbytes >= max_bytes:
             if results:

@@ -439,9 +439,10 @@ class Pool(concurrent.futures.Executor):
         the end of a ``with`` block) the rest of an input with a length (a list, a range, ...)
         is sent, and its results come after the pool ended too. An iterator's rest cannot be
         read then (it may be endless): its results come as far as it was read, then
-        PoolClosedError. To abandon a map, close its iterator (or drop it once read: one of
-        an input with a length dropped unread runs to its end, its rest sent at shutdown;
-        not if the pool is dropped too: then only what went at the call runs).
+        PoolClosedError. To abandon a map, close its iterator once a result was read (or
+        drop it then; closed or dropped unread, a map of an input with a length runs to its
+        end, its rest sent at shutdown; not if the pool is dropped too: then only what went
+        at the call runs).
         ``chunksize=None`` adapts: chunks of 64 items first (a chunk a worker; an input that
         ends sooner is split evenly over the workers), then chunks of about 2 ms of
         work each (at most 4096 items); every chunk holds about 512 KiB of pickled arguments

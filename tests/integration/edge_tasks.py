@@ -23,6 +23,14 @@ def fail_at(x: int, bad: int) -> int:
     return x
 
 
+def stop_at(x: int, *more: int, bad: int) -> int:
+    """``x`` (plus ``more``), or StopIteration at item ``bad``: a function that calls ``next()``
+    on an exhausted iterator, say."""
+    if x == bad:
+        raise StopIteration(f"no value for {x}")
+    return x + sum(more)
+
+
 def started_gate_record(started: str, gate_path: str, path: str, x: int) -> int:
     """Announce (FIFO ``started``), wait at ``gate_path``, then record ``x``."""
     with open(started, "wb") as fifo:

@@ -646,6 +646,33 @@ def test_map_error_in_the_first_default_chunk_keeps_earlier_results(pool2: Pool)
     assert got == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunksize", [None, 1, 5, 100])
+@pytest.mark.parametrize("star", [False, True], ids=["one iterable", "two iterables"])
+def test_map_of_a_function_that_raises_stop_iteration_fails_at_that_item(
+    pool2: Pool, chunksize: int | None, star: bool
+) -> None:
+    """A chunk ran its items through the builtin ``map``, which takes a StopIteration from the
+    function for the end of the items: that item's result was missing and the later ones moved
+    up a place (``[0, 1, 3, 4, 5, 6, 7, 7]``, no error), a chunk with no time budget (a given
+    chunksize) never ended, and a default chunk's first item failing so divided by zero. Now
+    it is that item's error, as any other: the earlier results, then (as the map's iterator is
+    a generator, PEP 479) RuntimeError from it, as ProcessPoolExecutor.map raises."""
+    fn = functools.partial(et.stop_at, bad=2)
+    iterables = (range(8), range(0, 80, 10)) if star else (range(8),)
+    results = pool2.map(fn, *iterables, chunksize=chunksize)
+    got: list[int] = []
+    with pytest.raises(RuntimeError, match="StopIteration") as raised:
+        got.extend(results)
+    assert got == ([0, 11] if star else [0, 1])
+    assert isinstance(raised.value.__cause__, StopIteration)
+    assert str(raised.value.__cause__) == "no value for 2"
+    # Starting at the item that raises: the chunk's own task fails with it.
+    results = pool2.map(fn, range(2, 8), chunksize=chunksize)
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        next(results)
+
+
 # ---------------------------------------------------------------- big payloads
 @pytest.mark.timeout(60)
 def test_cancelled_tasks_with_stashed_arguments_leave_no_stash(
