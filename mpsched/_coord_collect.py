@@ -25,7 +25,7 @@ import pickle
 import threading
 import time
 from concurrent.futures import InvalidStateError
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpsched._coord_state import (
     _CANCELLED,
@@ -51,6 +51,9 @@ from mpsched._protocol import (
     unpickling_failed,
 )
 from mpsched._timed import TaskRun
+
+if TYPE_CHECKING:
+    from mpsched._shm_deque import SlotQueues
 
 _RESULT_STATUS = BlockField.RESULT_STATUS
 _FAILED = RuntimeError("the task failed")  # stands for any error in Timetable.end
@@ -151,22 +154,27 @@ class Collecting(CoordinatorState):
             self.unread = []
             try:
                 while unread:
-                    k, handles = unread.pop()
-                    self.read_results(k, handles, in_loop)
+                    self.read_results(-1, unread, in_loop)
             finally:
                 self.unread += unread  # the entries an exception kept this pass from reading
         for k, slot in enumerate(self.slots):
             if every or slot.done_depth():
-                handles = slot.take_done()
-                if handles:
-                    self.read_results(k, handles, in_loop)
+                self.read_results(k, slot, in_loop)
 
-    def read_results(self, k: int, handles: list[int], in_loop: bool) -> None:
-        """Under ``collect_lock``: settle the tasks of ``handles``, taken from slot ``k``'s done
-        ring, and free their blocks. Only the coordinator thread reads sockets: a user thread
-        (``help_wait``) leaves a handle whose stashed result has not arrived to the loop
+    def read_results(
+        self, k: int, source: SlotQueues | list[tuple[int, list[int]]], in_loop: bool
+    ) -> None:
+        """Under ``collect_lock``: settle the tasks whose handles it takes from ``source`` (slot
+        ``k``'s done ring; or the last entry ``(k, handles)`` of a list that a collector left
+        unread), and free their blocks. Only the coordinator thread reads sockets: a user
+        thread (``help_wait``) leaves a handle whose stashed result has not arrived to the loop
         (``unread``), and so the rest of its batch when an exception (a Ctrl-C's
-        KeyboardInterrupt) hits it: those results are fine, and the pool is not broken."""
+        KeyboardInterrupt) hits it: those results are fine, and the pool is not broken. The
+        handles are taken inside the ``try``, straight into ``handles``, with no call between
+        the take and that list (``take_done``'s commit; the entry's removal here), so that an
+        exception raised as the take returns finds them there: taken before, one raised as
+        ``take_done`` returned (or at this call's start) dropped them, and their futures ended
+        cancelled at the drain, though their tasks ran."""
         slab = self.slab
         outcomes: list[tuple[Future, int, Buffer]] = []
         unknown: list[int] = []
@@ -174,7 +182,14 @@ class Collecting(CoordinatorState):
         by_handle = self.by_handle
         get_word = slab.get_word
         future = None
+        handles: list[int] = []
         try:
+            if isinstance(source, list):
+                k, taken = source[-1]
+                handles += taken
+                del source[-1]
+            else:
+                source.take_done(handles)
             for handle in handles:
                 future = by_handle.get(handle)
                 if future is None:
@@ -232,7 +247,7 @@ class Collecting(CoordinatorState):
                 if unknown or later:
                     kept = {*unknown, *later}
                     slab.free_tasks([h for h in handles if h not in kept])
-                else:
+                elif handles:  # (none: a ring that a plain read showed empty, or an interrupt)
                     slab.free_tasks(handles)
             finally:  # a free that raised (a corrupt free stack) breaks the pool: these
                 # futures left by_handle above, so its sweep would not end them

@@ -415,18 +415,25 @@ class SlotQueues(SlotRepair, BlockHandshake):
             w[HOLDER_PID] = 0
             self._release()
 
-    def take_done(self) -> list[int]:
-        """Coordinator only: collect every completed handle (FIFO), one lock round."""
+    def take_done(self, into: list[int] | None = None) -> list[int]:
+        """Coordinator only: collect every completed handle (FIFO), one lock round, into
+        ``into`` (a new list if None); returns it. ``into`` gets them at the commit, with no
+        call in between (Python raises a signal handler's exception only at a call, a return
+        or a backward jump): a Ctrl-C raised once the ring's front moved (as the lock's
+        release or this call returns) finds them in the caller's list, not lost with this
+        frame (their futures then ended cancelled at the drain, though their tasks ran)."""
         w = self._w
+        out = [] if into is None else into
         if not self._acquire(False):
             self._acquire_contended()
         try:
             w[HOLDER_PID] = _pid
             back = w[DONE_BACK]
-            out = []
+            taken = []
             for lo, hi in _segments(w[DONE_FRONT], back, self._cmask):
-                out += self._done[lo:hi].tolist()
+                taken += self._done[lo:hi].tolist()
             w[DONE_FRONT] = back  # commit
+            out += taken
         finally:
             w[HOLDER_PID] = 0
             self._release()

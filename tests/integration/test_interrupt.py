@@ -923,6 +923,61 @@ def test_a_ctrl_c_as_a_user_thread_settles_what_it_collected_ends_every_future(
         pool.shutdown(wait=True)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["release", "return"])
+def test_a_ctrl_c_as_a_user_threads_take_of_a_done_ring_returns_ends_every_future(
+    where: str, fifos: Any
+) -> None:
+    """``take_done`` moves the done ring's front (its commit), then releases the slot's lock
+    and returns the handles it took. In a user thread's collection (``help_wait``), a Ctrl-C
+    raised as the release returned, or as ``take_done`` returned, dropped them with its frame
+    (found in review): their futures stayed pending until the drain's ``cancel_lost`` ended
+    them cancelled, though their tasks ran. Now the handles are in the collector's list from
+    the commit on, and it leaves them to the loop. Set up as the test above."""
+    pool = Pool(1)
+    try:
+        coordinator = pool._coordinator
+        calls = [(tasks.gated_ident, fifos.gate, 0), (tasks.ident, 1), (tasks.ident, 2)]
+        futures = [pool.submit(*call) for call in calls]
+        wait_until(lambda: len(coordinator.by_handle) == 3, "the tasks were handed out")
+        slot = pool._views.slots[0]
+        real_release = slot._release
+        fired: list[str] = []
+
+        def release_then_interrupt() -> None:
+            real_release()
+            if not fired and sys._getframe(1).f_code.co_name == "take_done":
+                fired.append(where)
+                raise KeyboardInterrupt  # as at the check after the release returned
+
+        def tracer(frame: Any, event: str, arg: Any) -> Any:
+            if frame.f_code.co_name != "take_done" or fired:
+                return None
+            if event == "return":
+                fired.append(where)
+                raise KeyboardInterrupt  # as at the check after take_done returned
+            return tracer  # this frame's return event
+
+        with coordinator.collect_lock:
+            tasks.open_gate(fifos.gate)
+            wait_until(lambda: slot.done_depth() == 3, "the results are in the done ring")
+            if where == "release":
+                slot._release = release_then_interrupt  # type: ignore[method-assign]
+            else:
+                sys.settrace(tracer)
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    coordinator.collect_locked(False)
+            finally:
+                sys.settrace(None)
+                slot._release = real_release  # type: ignore[method-assign]
+            assert fired == [where], "the interrupt was not injected"
+            assert slot.done_depth() == 0, "the handles were taken from the ring"
+        assert [f.result(timeout=20) for f in futures] == [0, 1, 2]
+    finally:
+        pool.shutdown(wait=True)
+
+
 def test_a_map_and_a_lambda_task_leave_no_weakref_callback_to_run_when_they_die() -> None:
     """A Python weakref callback (``WeakSet``'s removal) runs wherever its object dies, and the
     interpreter prints and drops any exception raised there: a Ctrl-C landing in it was lost
