@@ -325,15 +325,18 @@ def disown_all() -> None:
 
 
 def join_dropped(stop: bool = False) -> None:
-    """Interpreter exit: wait for the pools that were dropped while their work went on (their
-    coordinator threads tear them down), as for the pools still referenced. Ctrl-C while
+    """Interpreter exit, once the pools still referenced were shut down: wait for the pools
+    that were dropped while their work went on (their coordinator threads tear them down),
+    as for the pools still referenced; so too for one shut down without waiting and then
+    dropped, whose drop was not delivered (its release was asked for already): skipped, its
+    work was cut off by multiprocessing's exit hook (the zygote terminated). Ctrl-C while
     waiting, or ``stop`` (the program ended on one), stops them now, as it stops a ``with``
     block's pool."""
     for resources in list(_unreleased):
         resources.deliver_lost_drop()
         thread = resources.thread
         coordinator = resources.coordinator
-        if not resources.dropped or thread is None or coordinator is None:
+        if resources.disowned or thread is None or coordinator is None:
             continue
         if stop:
             coordinator.begin_shutdown(True)

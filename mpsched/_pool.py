@@ -592,24 +592,30 @@ class Pool(concurrent.futures.Executor):
             if not wait_interruptibly(self._coordinator.finished.wait, timeout):
                 return False
             with self._shutdown_lock:
-                self._release()
+                if not self._release(deadline):
+                    return False
         # After the release too (a second caller finds the pool released): the runner is
         # closed once ``finished`` is set, so this join ends with its last callback.
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         return self._coordinator.callbacks.join(left)
 
-    def _release(self) -> None:
+    def _release(self, deadline: float | None) -> bool:
         """After the coordinator's loop ended: let its thread reap the zygote and free every
-        resource (PoolResources.teardown), and wait for that."""
+        resource (PoolResources.teardown), and wait for that until ``deadline`` (monotonic;
+        None: no limit); whether it ended. (The teardown waits up to ZYGOTE_JOIN_TIMEOUT for
+        a zygote that does not exit: ``await_termination(1)`` took 5 s then.)"""
         if not self._started:
-            return
+            return True
         self._resources.request_release()
-        join_interruptibly(self._thread)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not join_interruptibly(self._thread, left):
+            return False
         # Cleared only now: shutdown() and await_termination() read it without the lock,
         # and cleared before the join, a shutdown(wait=True) racing this one returned while
         # the teardown was still going on (tests/stress/test_lifecycle_races.py).
         self._started = False
         live_pools.discard(self)
+        return True
 
     def statistics(self) -> PoolStatistics:
         """A snapshot of the counters (racy reads while the pool runs: hints).

@@ -7,6 +7,7 @@ id (equal ids, NaN); what current_task() says in plain tasks, timed tasks and ch
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import itertools
 import math
 import multiprocessing
@@ -21,6 +22,7 @@ import pytest
 
 import mpsched
 from mpsched import Pool, PoolStatistics, TaskPicklingError, TaskState, WorkerCrashedError, _startup
+from mpsched._lifecycle import ZYGOTE_JOIN_TIMEOUT
 
 from . import api_edge_tasks as at
 from . import edge_tasks, tasks
@@ -416,6 +418,29 @@ def test_equal_ids_are_one_id_and_a_nan_id_is_only_itself() -> None:
         assert pending.cancelled()
         wait_until(lambda: pool.state(nan) is TaskState.COMPLETED, "the NaN id completed")
         assert pool.cancel(nan) is False
+
+
+@pytest.mark.timeout(60)
+def test_await_termination_keeps_its_timeout_while_the_teardown_waits_for_the_zygote() -> None:
+    """Once the loop ended, ``await_termination`` joined the coordinator thread with no limit,
+    whose teardown gives a zygote that does not exit ``ZYGOTE_JOIN_TIMEOUT`` (5 s) before it
+    kills it: with the zygote stopped, ``await_termination(0.5)`` returned True after 5 s
+    (found in review). Now it returns False at its timeout, and True once the teardown ended."""
+    pool = Pool(1)
+    zygote = pool._resources.zygote.pid
+    try:
+        assert pool.submit(tasks.ident, 1).result(RESULT_TIMEOUT) == 1
+        os.kill(zygote, signal.SIGSTOP)
+        pool.shutdown(wait=False)
+        wait_until(pool._coordinator.finished.is_set, "the loop ended")
+        started = time.monotonic()
+        assert pool.await_termination(0.5) is False
+        assert time.monotonic() - started < ZYGOTE_JOIN_TIMEOUT - 1.0
+        assert pool.await_termination(RESULT_TIMEOUT) is True
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(zygote, signal.SIGCONT)
+        pool.shutdown()
 
 
 def test_await_termination_timeout_is_checked() -> None:
