@@ -438,7 +438,10 @@ class Children:
     def spawn(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> ChildFuture:
-        fid = self.fid_of.get(fn, INLINE) if type(fn).__hash__ is not None else INLINE
+        try:
+            fid = self.fid_of.get(fn, INLINE)
+        except Exception:  # unhashable (its hash raises, e.g. a frozen dataclass with a list)
+            fid = INLINE  # (checking __hash__ for None let those through: TypeError here)
         payload = encode_call(fid, None if fid != INLINE else fn, args, kwargs)
         if self.peers_dormant:  # no peer to steal the child yet: ask for them, once
             self.want_peers()

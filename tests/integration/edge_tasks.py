@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -344,3 +345,17 @@ def parent_of_gated_children(path: str, gate_path: str, n: int) -> int:
     runs one of them inline while a peer steals another)."""
     futures = [mpsched.submit(gated_child, path, gate_path, k) for k in range(n)]
     return sum(f.result() for f in futures)
+
+
+@dataclasses.dataclass(frozen=True)
+class ListAdder:
+    """A callable whose type has a ``__hash__`` that raises (a frozen dataclass with a list)."""
+
+    terms: list[int]
+
+    def __call__(self, x: int) -> int:
+        return x + sum(self.terms)
+
+
+def run_as_child(fn: Any, x: int) -> Any:
+    return mpsched.submit(fn, x).result()

@@ -673,6 +673,17 @@ def test_map_of_a_function_that_raises_stop_iteration_fails_at_that_item(
         next(results)
 
 
+@pytest.mark.timeout(60)
+def test_a_child_may_be_a_callable_whose_hash_raises(pool2: Pool) -> None:
+    """``mpsched.submit`` looks the function up in the worker's function table by hashing it:
+    a callable whose type has a ``__hash__`` that raises (a frozen dataclass with a list)
+    raised TypeError there, where ``Pool.submit`` of the same callable works (found in
+    review). Now it goes by value, as any callable that is not in the table."""
+    adder = et.ListAdder([1, 2])
+    assert pool2.submit(adder, 10).result(timeout=30) == 13
+    assert pool2.submit(et.run_as_child, adder, 10).result(timeout=30) == 13
+
+
 # ---------------------------------------------------------------- big payloads
 @pytest.mark.timeout(60)
 def test_cancelled_tasks_with_stashed_arguments_leave_no_stash(
