@@ -272,7 +272,7 @@ class FunctionCache:
         except MemoryError:  # as in _serialize.dumps
             raise
         except Exception:
-            return _encode_with_cloudpickle(call)
+            return _encode_with_cloudpickle(call, self._stand_in)
         # An object of __main__ (an argument's class) may be missing in the workers. A "_"
         # first: a memchr (~15 ns), where looking for "__main__" costs ~0.1 us (bytes.find's
         # argument parsing), and a call of numbers and None has no "_" at all. A long call is

@@ -79,7 +79,7 @@ def dumps(obj: Any) -> bytes:
     except MemoryError:  # no pickling problem: a second try would only run out again
         raise
     except Exception as plain_error:
-        return _dumps_by_value(obj, plain_error, "", _ARGUMENT_ADVICE)
+        return _dumps_by_value(obj, plain_error, "", _ARGUMENT_ADVICE, inline_stand_in)
 
 
 def dumps_result(obj: Any) -> bytes:
@@ -96,7 +96,7 @@ def dumps_result(obj: Any) -> bytes:
         except MemoryError:  # as in dumps
             raise
         except Exception as plain_error:
-            return _dumps_by_value(obj, plain_error, "the result ", _RESULT_ADVICE)
+            return _dumps_by_value(obj, plain_error, "the result ", _RESULT_ADVICE, None)
     except (SystemExit, KeyboardInterrupt) as exc:
         raise TaskPicklingError(
             f"cannot pickle the result {_describe(obj)}: its pickling raised {safe_repr(exc)}. "
@@ -104,12 +104,15 @@ def dumps_result(obj: Any) -> bytes:
         ) from exc
 
 
-def _dumps_by_value(obj: Any, plain_error: Exception, what: str, advice: str) -> bytes:
-    """``dumps``'s second try, once plain pickle failed with ``plain_error``: cloudpickle, or a
-    TaskPicklingError that names ``obj`` (after ``what``) and gives both errors. The name is
-    made only then: a repr runs user code, and a lambda result pickles here at every task."""
+def _dumps_by_value(
+    obj: Any, plain_error: Exception, what: str, advice: str, main_stand_in: StandIn | None
+) -> bytes:
+    """``dumps``'s second try, once plain pickle failed with ``plain_error``: cloudpickle (see
+    ``cloud_dumps`` for ``main_stand_in``), or a TaskPicklingError that names ``obj`` (after
+    ``what``) and gives both errors. The name is made only then: a repr runs user code, and a
+    lambda result pickles here at every task."""
     try:
-        return _cloudpickle().dumps(obj, PICKLE_PROTOCOL)  # type: ignore[no-any-return]
+        return cloud_dumps(obj, main_stand_in)
     except Exception as cloud_error:
         raise TaskPicklingError(
             f"cannot pickle {what}{_describe(obj)}: {safe_repr(cloud_error)} (plain pickle: "
@@ -136,6 +139,45 @@ def _cloudpickle() -> Any:
     import cloudpickle
 
     return cloudpickle
+
+
+def cloud_dumps(obj: Any, main_stand_in: StandIn | None) -> bytes:
+    """cloudpickle's pickle of ``obj``, but a class or function that plain pickle would write
+    by name, as ``__main__.<qualname>`` (this process's object of that name), goes as
+    ``main_stand_in`` says (its reduction; None, or it answering None: by that name).
+
+    Why: cloudpickle copies every class and function of ``__main__`` by value. So one part of
+    a call that only cloudpickle could write (a lambda argument, a lambda in a result) turned
+    every other object of ``__main__`` in it into a copy: an enum member or an instance then
+    belonged to a class other than the receiver's own, and ``is``, ``==`` and ``isinstance``
+    answered False, with no error (found in review)."""
+    pickler = _main_aware_pickler()
+    buffer = io.BytesIO()
+    pickler(buffer, main_stand_in).dump(obj)
+    return buffer.getvalue()
+
+
+_MainAwarePickler: Any = None  # made on first need, as cloudpickle is imported
+
+
+def _main_aware_pickler() -> Any:
+    global _MainAwarePickler
+    if _MainAwarePickler is None:
+
+        class MainAwarePickler(_cloudpickle().Pickler):  # type: ignore[misc]
+            def __init__(self, file: io.BytesIO, main_stand_in: StandIn | None) -> None:
+                super().__init__(file, protocol=PICKLE_PROTOCOL)
+                self.main_stand_in = main_stand_in
+
+            def reducer_override(self, obj: Any) -> Any:
+                if of_main(obj) and _in_main(obj.__qualname__) is obj:
+                    stand_in = self.main_stand_in
+                    reduced = None if stand_in is None else stand_in(obj)
+                    return NotImplemented if reduced is None else reduced  # by name
+                return super().reducer_override(obj)
+
+        _MainAwarePickler = MainAwarePickler
+    return _MainAwarePickler
 
 
 def _describe(obj: Any) -> str:
@@ -170,14 +212,15 @@ def encode_call(
         return _encode_with_cloudpickle(call)
 
 
-def _encode_with_cloudpickle(call: Call) -> bytes:
-    """``encode_call`` once plain pickle has failed: cloudpickle, or a TaskPicklingError that
-    says what could not be pickled."""
+def _encode_with_cloudpickle(call: Call, main_stand_in: StandIn | None = None) -> bytes:
+    """``encode_call`` once plain pickle has failed: cloudpickle (``cloud_dumps``, with
+    ``main_stand_in``: None in a worker, whose peers share its ``__main__``), or a
+    TaskPicklingError that says what could not be pickled."""
     fn, meta = call[1], call[4]
     if meta:
         check_task_id_picklable(meta[0])
     try:
-        return _cloudpickle().dumps(call, PICKLE_PROTOCOL)  # type: ignore[no-any-return]
+        return cloud_dumps(call, main_stand_in)
     except Exception as exc:
         what = "arguments" if fn is None else f"function {_describe(fn)} or its arguments"
         raise TaskPicklingError(

@@ -221,6 +221,48 @@ def test_an_exception_class_of_the_main_block_reaches_the_caller(
     ], proc.stderr
 
 
+# One part of a call or of a result that only cloudpickle can write (a lambda) sent the whole of
+# it through cloudpickle, which copies every class and function of __main__ by value: an enum
+# member or an instance of the script's own class then belonged to a copy of that class, in the
+# worker (arguments) or in the caller (a result, under fork), and ``is``, ``==`` and
+# ``isinstance`` said False, with no error (found in review). They now go as plain pickle's do.
+MAIN_IDENTITY_BESIDE_A_LAMBDA = """
+import enum
+import sys
+import mpsched
+
+class Color(enum.Enum):
+    RED = 1
+
+class Shape:
+    pass
+
+def check(c, s, key=None):
+    return c is Color.RED and isinstance(s, Shape)
+
+def give(with_lambda):
+    return Color.RED, Shape(), (lambda: 0) if with_lambda else None
+
+if __name__ == "__main__":
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        print(pool.submit(check, Color.RED, Shape()).result(timeout=20),
+              pool.submit(check, Color.RED, Shape(), key=lambda v: v).result(timeout=20),
+              pool.submit(lambda: check(Color.RED, Shape())).result(timeout=20))
+        for with_lambda in (False, True):
+            c, s, _ = pool.submit(give, with_lambda).result(timeout=20)
+            print(c is Color.RED and isinstance(s, Shape))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_objects_of_main_keep_their_identity_beside_a_lambda(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    proc = _run_main(tmp_path, MAIN_IDENTITY_BESIDE_A_LAMBDA, start_method)
+    assert proc.stdout.splitlines() == ["True True True", "True", "True"], proc.stderr
+
+
 # A __main__ function the worker cannot name goes by value (_serialize.portable). Its copy by
 # value, tabled and cached by every worker, held the function's globals as they were at its first
 # submit: a later submit ran with those stale values, while map() (which carries a fresh copy per
