@@ -218,7 +218,7 @@ class MapRun:
             if not self.sending:
                 self.fill()
 
-    def send_rest(self, wait_chunks: bool = True) -> None:
+    def send_rest(self, wait_chunks: bool = True, wait: bool = True) -> bool:
         """``Pool.shutdown``, before it closes the pool: for a map whose input has a length,
         send the rest of its input, so that its results all come, also once the pool ended
         (as ``ProcessPoolExecutor.map``, which sends it all at the call); for any map, let
@@ -232,7 +232,9 @@ class MapRun:
         bound their results' bytes); a wait for the unclaimed ones was a wait for all the work
         queued ahead of them, in ``shutdown(wait=False)`` too, and for ever if that work
         waited for the caller. Not with ``wait_chunks`` False (the coordinator's thread, which
-        must collect them, and may hold the locks that a withdrawal takes)."""
+        must collect them, and may hold the locks that a withdrawal takes). With ``wait``
+        False (``shutdown(wait=False)``), the wait is left to ``settle_rests``, in a thread of
+        its own; returns whether claimed chunks are left to it."""
         with self.lock:
             self.final = True
             while self.sized and not self.exhausted and not self.closed:
@@ -241,9 +243,17 @@ class MapRun:
                 for future in list(self.stoppable):
                     if future.cancel():  # no worker claimed it: it never runs
                         self._send_whole(future)
+            left = wait_chunks and not self.closed and bool(self.stoppable)
+        if left and wait:
+            self.settle_rests()
+        return left and not wait
+
+    def settle_rests(self) -> None:
+        """``send_rest``'s wait: for each claimed chunk that may stop, once it returned, send
+        what it left, right behind it (``settle``)."""
         while True:
             with self.lock:
-                if self.closed or not self.stoppable or not wait_chunks:
+                if self.closed or not self.stoppable:
                     return
                 future = next(iter(self.stoppable))
             future.wait_done()
@@ -360,7 +370,11 @@ class MapRun:
             pool = self.pool()
             if pool is None:  # unreachable while the iterator or a shutdown holds the pool
                 raise PoolClosedError(POOL_CLOSED_MESSAGE)
-            future = pool.submit(run_chunk, fn, piece, self.star, budget, max_bytes)
+            # Once final, a shutdown sends it: past the pool's closing (``Pool._submit``'s
+            # ``rest``), which refuses the user's work from the shutdown's start on.
+            future = pool._submit(
+                None, run_chunk, (fn, piece, self.star, budget, max_bytes), {}, self.final
+            )
             if budget != math.inf or max_bytes != math.inf:
                 self.stoppable.add(future)
             if self.eager:

@@ -230,6 +230,8 @@ class Pool(concurrent.futures.Executor):
         self._unread_maps: set[MapRun] = set()
         self._maps_lock = threading.Lock()
         self._maps_closed = False  # shutdown took the list of maps: no map joins it now
+        # shutdown(wait=False)'s thread that sends the maps' rests, then begins the drain.
+        self._rests: threading.Thread | None = None
         self._closed = False
         self._closed_message = POOL_CLOSED_MESSAGE  # another one in a forked child
         self._started = False
@@ -271,10 +273,13 @@ class Pool(concurrent.futures.Executor):
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        rest: bool = False,
     ) -> Future:
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
-        if self._closed:  # early, before pickling; the coordinator decides under its lock
+        # Early, before pickling; the coordinator decides under its lock. Not for ``rest``: a
+        # map's chunk that the shutdown sends (MapRun.send_rest), before the drain begins.
+        if self._closed and not rest:
             raise PoolClosedError(self._closed_message)
         if self._workers_deferred:
             self._release_workers(fn)
@@ -543,11 +548,37 @@ class Pool(concurrent.futures.Executor):
                 self._unread_maps.clear()
             wait_chunks = threading.get_ident() != self._coordinator.thread_id
             try:
-                for run in maps:
-                    run.send_rest(wait_chunks)
+                left = [run for run in maps if run.send_rest(wait_chunks, wait)]
             except BaseException as exc:
                 # A Ctrl-C while waiting for a map's chunks: stop now, as below (the pool
                 # stayed open, and the exit waited for everything).
+                if not isinstance(exc, Exception):
+                    self._stop_now()
+                raise
+            if left:
+                # Without waiting: a thread waits for the claimed chunks that may stop, sends
+                # what they leave and then begins the drain. This call waited for them (one
+                # whose item waited for the caller: for ever), where ProcessPoolExecutor's
+                # returns at once. The user's work is refused from now on.
+                self._closed = True
+                self._rests = threading.Thread(
+                    target=self._shut_down_after_rests,
+                    args=(left,),
+                    name="mpsched-map-rests",
+                    daemon=True,
+                )
+                self._rests.start()
+                return
+        rests = self._rests
+        if rests is not None and not cancel_futures:
+            # That thread begins the drain once the maps' rests went (begun now, it would
+            # refuse them). Joined only with ``wait``, and not from the coordinator's thread,
+            # which collects the chunks that thread waits for.
+            if not wait or threading.get_ident() == self._coordinator.thread_id:
+                return
+            try:
+                join_interruptibly(rests)
+            except BaseException as exc:
                 if not isinstance(exc, Exception):
                     self._stop_now()
                 raise
@@ -573,6 +604,16 @@ class Pool(concurrent.futures.Executor):
                     self._coordinator.begin_shutdown(True)
                     self._coordinator.abort_running()
                 raise
+
+    def _shut_down_after_rests(self, runs: list[MapRun]) -> None:
+        """``shutdown(wait=False)``'s thread: the maps' rests (``MapRun.settle_rests``), then
+        the drain, as ``shutdown`` begins it."""
+        try:
+            for run in runs:
+                run.settle_rests()
+        finally:
+            self._coordinator.begin_shutdown(False)
+            self._resources.request_release()
 
     def await_termination(self, timeout: float | None = None) -> bool:
         """Wait until all work is done, the workers are gone and the done-callbacks of the

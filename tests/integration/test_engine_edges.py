@@ -561,6 +561,36 @@ def test_shutdown_without_waiting_returns_with_a_maps_chunk_queued_behind_a_task
 
 
 @pytest.mark.timeout(60)
+def test_shutdown_without_waiting_returns_while_a_maps_claimed_chunk_runs(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A claimed chunk that may stop at its budget: the shutdown waited for it to return, to
+    send what it left, with ``wait=False`` too, and for ever when its item waited for the
+    caller (here: for the gate opened after the shutdown; found in review; ProcessPoolExecutor's
+    returns at once). Now a thread of the pool's waits for it, sends its rest and then begins
+    the drain: the user's work is refused at once, and every result of the map comes."""
+    fifos = Fifos(tmp_path)
+    pool = Pool(1)
+    try:
+        fn = functools.partial(et.second_item_gated, fifos.started, fifos.gate)
+        results = pool.map(fn, range(100))  # default chunks, which may stop at their budget
+        tasks.wait_started(fifos.started)  # the first chunk's item 1 waits at the gate
+        returned = threading.Event()
+        thread = threading.Thread(target=lambda: (pool.shutdown(wait=False), returned.set()))
+        thread.start()
+        returned_at_once = returned.wait(10)
+        with pytest.raises(PoolClosedError):
+            pool.submit(tasks.ident, 1)
+        tasks.open_gate(fifos.gate)  # unblocks a shutdown that waits, too: the thread then ends
+        thread.join()
+        assert returned_at_once, "shutdown(wait=False) waited for the claimed chunk"
+        assert list(results) == list(range(100))
+        assert pool.await_termination(30)
+    finally:
+        pool.shutdown()
+
+
+@pytest.mark.timeout(60)
 def test_a_map_of_an_iterator_read_after_the_pool_ended_takes_no_more_of_it() -> None:
     """Its results come as far as it was read, then PoolClosedError; the caller's iterator
     goes on from the first item not sent (a window of items was read, then refused)."""

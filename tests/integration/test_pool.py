@@ -261,15 +261,15 @@ def test_map_stops_a_first_chunk_by_the_bytes_of_its_results(
     and its other items go again."""
     monkeypatch.setattr(_map, "MAP_CHUNK_BUDGET", math.inf)  # only the bytes may stop a chunk
     chunks: list[mpsched.Future] = []
-    submit = Pool.submit
+    submit = Pool._submit  # what a map's sends call
 
-    def recording_submit(self: Pool, fn: Any, /, *args: Any, **kwargs: Any) -> mpsched.Future:
-        future = submit(self, fn, *args, **kwargs)
+    def recording_submit(self: Pool, options: Any, fn: Any, *rest: Any) -> mpsched.Future:
+        future = submit(self, options, fn, *rest)
         if fn is run_chunk:
             chunks.append(future)
         return future
 
-    monkeypatch.setattr(Pool, "submit", recording_submit)
+    monkeypatch.setattr(Pool, "_submit", recording_submit)
     item = 64 * 1024  # bytes per result
     assert [len(r) for r in pool2.map(tasks.make_bytes, [item] * 200)] == [item] * 200
     returned = [sum(map(len, future.result()[0])) for future in chunks]

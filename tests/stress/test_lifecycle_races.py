@@ -53,17 +53,18 @@ def _jitter() -> None:
 @pytest.fixture
 def chunks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[mpsched.Future, list[Any]]]:
     """Every chunk future that ``Pool.map`` submits, with its items (recorded by a class-level
-    wrapper of ``Pool.submit``: it keeps no reference to any pool)."""
+    wrapper of ``Pool._submit``, which a map's sends call, the shutdown's included: it keeps no
+    reference to any pool)."""
     recorded: list[tuple[mpsched.Future, list[Any]]] = []
-    original = Pool.submit
+    original = Pool._submit
 
-    def recording_submit(self: Pool, fn: Any, /, *args: Any, **kwargs: Any) -> mpsched.Future:
-        future = original(self, fn, *args, **kwargs)
-        if fn is run_chunk:
-            recorded.append((future, args[1]))  # run_chunk(fn, chunk, star, budget, max_bytes)
+    def recording_submit(self: Pool, options: Any, fn: Any, *rest: Any) -> mpsched.Future:
+        future = original(self, options, fn, *rest)
+        if fn is run_chunk:  # rest: ((fn, chunk, star, budget, max_bytes), kwargs[, rest])
+            recorded.append((future, rest[0][1]))
         return future
 
-    monkeypatch.setattr(Pool, "submit", recording_submit)
+    monkeypatch.setattr(Pool, "_submit", recording_submit)
     return recorded
 
 
