@@ -64,7 +64,10 @@ def check_seconds(name: str, value: object, *, allow_none: bool, positive: bool)
     too_big = isinstance(value, int) and abs(value) > _FLOAT_INT_MAX
     if too_big or not math.isfinite(value) or value < 0 or (positive and value == 0):
         qualifier = "positive" if positive else "non-negative"
-        raise ValueError(f"{name} must be a finite {qualifier} number of seconds, not {value!r}")
+        # Not an int's repr past the floats: one of more than 4,300 digits is refused, and its
+        # error ("Exceeds the limit ... for integer string conversion") named no option.
+        shown = "an int beyond floats" if too_big else repr(value)
+        raise ValueError(f"{name} must be a finite {qualifier} number of seconds, not {shown}")
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,18 @@ QUEUED_WITHDRAWN = -3  # ... and withdrawn while queued (see the module doc)
 _ELSEWHERE = -1
 
 
+# The most levels a wait promotes a task by: a tiny ``aging`` (a subnormal float) made the
+# ratio infinite, and int() of it raised OverflowError in the loop, which broke the pool (found
+# in review). 2**53: past it, floats no longer tell the steps apart anyway.
+MAX_AGED_LEVELS = 2**53
+
+
+def aged_levels(waited: float, aging: float) -> int:
+    """The levels a task that waited ``waited`` seconds has risen by, ``aging`` seconds each."""
+    steps = waited / aging
+    return int(steps) if steps < MAX_AGED_LEVELS else MAX_AGED_LEVELS
+
+
 class ReadyQueue:
     __slots__ = ("_levels", "_order", "_withdrawn_queued", "size")
 
@@ -115,7 +127,7 @@ class ReadyQueue:
         for item in reversed(list(items)):
             level = item._priority
             if aging is not None:
-                level += int((now - item._due_at) / aging)
+                level += aged_levels(now - item._due_at, aging)
             queue = self._level(level)
             if item._withdrawn:
                 item._slot = QUEUED_WITHDRAWN
@@ -199,7 +211,7 @@ class ReadyQueue:
             level = self._levels.get(priority)
             while level:
                 item = level[0]
-                target = item._priority + int((now - item._due_at) / aging)
+                target = item._priority + aged_levels(now - item._due_at, aging)
                 if target <= priority:
                     break
                 level.popleft()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from mpsched import TaskOptions
 from mpsched._future import Future
 from mpsched._options import is_misfire, next_run_at
-from mpsched._ready import NO_LEVEL, ReadyQueue
+from mpsched._ready import MAX_AGED_LEVELS, NO_LEVEL, ReadyQueue
 
 
 # ---------------------------------------------------------------- TaskOptions
@@ -234,6 +234,24 @@ def test_aging_promotes_one_level_per_period_waited() -> None:
     assert q.age(now=2.0, aging=1.0) == 4
     batch, _ = q.take(10)
     assert _names(batch) == ["hi0", "hi1", "hi2", "old"]
+
+
+def test_a_tiny_aging_promotes_by_at_most_max_aged_levels() -> None:
+    """``aging`` a subnormal float: the wait over it was infinite, and ``int()`` of it raised
+    OverflowError in the coordinator's loop, which broke the pool (found in review)."""
+    q = ReadyQueue()
+    q.append(_future(0, due_at=0.0, name="old"), 0)
+    assert q.age(now=1.0, aging=5e-324) == 1
+    assert q.top_priority() == MAX_AGED_LEVELS
+    q.putback(q.take(10)[0], now=2.0, aging=5e-324)
+    assert q.top_priority() == MAX_AGED_LEVELS
+
+
+@pytest.mark.parametrize("option", ["timeout", "every", "timeout_grace", "misfire_grace"])
+def test_an_option_of_an_int_beyond_floats_is_named_in_its_error(option: str) -> None:
+    """Its repr was refused (past 4,300 digits), and the error said so, naming no option."""
+    with pytest.raises(ValueError, match=f"{option} must be a finite .* not an int beyond floats"):
+        TaskOptions(**{option: 10**5000})
 
 
 def test_a_task_taken_back_from_an_inbox_keeps_its_aging() -> None:
