@@ -559,15 +559,17 @@ class Pool(concurrent.futures.Executor):
                 # Without waiting: a thread waits for the claimed chunks that may stop, sends
                 # what they leave and then begins the drain. This call waited for them (one
                 # whose item waited for the caller: for ever), where ProcessPoolExecutor's
-                # returns at once. The user's work is refused from now on.
-                self._closed = True
-                self._rests = threading.Thread(
+                # returns at once. The user's work is refused from now on. Started before it
+                # is published: another thread's shutdown(wait=True) joins it.
+                thread = threading.Thread(
                     target=self._shut_down_after_rests,
                     args=(left,),
                     name="mpsched-map-rests",
                     daemon=True,
                 )
-                self._rests.start()
+                thread.start()
+                self._rests = thread
+                self._closed = True
                 return
         rests = self._rests
         if rests is not None and not cancel_futures:
