@@ -32,6 +32,8 @@ from mpsched._timed import FINISHED_IDS_KEPT
 from tests.integration.conditions import CONDITION_TIMEOUT, start_every_worker, wait_until
 from tests.stress import exhaustion_tasks as tasks
 
+pytestmark = pytest.mark.slow  # a stress test: `-m 'not slow'` skips it, as the README says
+
 
 def _hold_collect(pool: Pool) -> tuple[threading.Event, threading.Event]:
     """Hold the coordinator thread at the start of its next loop pass (in ``collect``, the
