@@ -572,10 +572,11 @@ class Pool(concurrent.futures.Executor):
                 self._closed = True
                 return
         rests = self._rests
-        if rests is not None and not cancel_futures:
+        if rests is not None and not cancel_futures and rests is not threading.current_thread():
             # That thread begins the drain once the maps' rests went (begun now, it would
             # refuse them). Joined only with ``wait``, and not from the coordinator's thread,
-            # which collects the chunks that thread waits for.
+            # which collects the chunks that thread waits for. (From that thread itself: a
+            # done-callback of a future its begin_shutdown cancelled; the drain is begun.)
             if not wait or threading.get_ident() == self._coordinator.thread_id:
                 return
             try:

@@ -591,6 +591,41 @@ def test_shutdown_without_waiting_returns_while_a_maps_claimed_chunk_runs(
 
 
 @pytest.mark.timeout(60)
+def test_a_callback_that_shuts_down_in_the_thread_that_sends_a_maps_rests_waits(
+    tmp_path: pathlib.Path,
+) -> None:
+    """That thread begins the drain once the rests went, and the drain cancels a timed task
+    (``timed_after_shutdown=False``): its done-callback runs there, and its
+    ``shutdown(wait=True)`` joined that thread, its own ("cannot join current thread", found
+    in review). It waits for the end, as a callback's shutdown does."""
+    fifos = Fifos(tmp_path)
+    pool = Pool(1, timed_after_shutdown=False)
+    try:
+        later = pool.schedule("later", time.monotonic() + 3600, 0, tasks.ident, 0)
+        seen: list[Any] = []
+
+        def shut_down(future: Any) -> None:
+            seen.append(future.cancelled())
+            pool.shutdown(wait=True)
+            seen.append(pool._coordinator.finished.is_set())
+
+        later.add_done_callback(shut_down)
+        fn = functools.partial(et.second_item_gated, fifos.started, fifos.gate)
+        results = pool.map(fn, range(100))
+        tasks.wait_started(fifos.started)  # the first chunk's item 1 waits at the gate
+        pool.shutdown(wait=False)  # the rests' thread waits for that chunk
+        tasks.open_gate(fifos.gate)
+        assert list(results) == list(range(100))
+        assert pool.await_termination(30)
+        rests = pool._rests
+        assert rests is not None
+        rests.join(30)  # the callback runs in it, and may still be returning
+        assert seen == [True, True]
+    finally:
+        pool.shutdown()
+
+
+@pytest.mark.timeout(60)
 def test_a_map_of_an_iterator_read_after_the_pool_ended_takes_no_more_of_it() -> None:
     """Its results come as far as it was read, then PoolClosedError; the caller's iterator
     goes on from the first item not sent (a window of items was read, then refused)."""
