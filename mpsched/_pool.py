@@ -467,6 +467,9 @@ class Pool(concurrent.futures.Executor):
                 where a chunk could not be sent, after the results of those sent before).
             TimeoutError: from the iterator, if a result is not ready ``timeout`` seconds
                 after this call (infinite: no limit; zero or negative: at once).
+            CancelledError: from the iterator, for a chunk that ``shutdown(cancel_futures=
+                True)`` (or a Ctrl-C that stopped the pool) cancelled, as in
+                ``ProcessPoolExecutor.map``.
             Exception: from the iterator, in input order (after the results before it, as the
                 builtin ``map``): an item's error, an input iterable's (an Exception), or
                 the error of submitting a chunk (TaskPicklingError: an item, or ``fn``,
