@@ -66,14 +66,17 @@ HELP_RETRY_EVERY = 32
 
 
 class Collecting(CoordinatorState):
-    def help_wait(self, future: Future) -> None:
-        """A user thread about to block in ``future.result()``: while the pool is lightly
+    def help_wait(self, future: Future, timeout: float | None = None) -> None:
+        """A user thread about to block in ``future.result(timeout)``: while the pool is lightly
         loaded, spin for a short while collecting done rings itself. The result then reaches the
         caller with one cross-process hop (worker -> this thread) instead of two (worker ->
         coordinator thread -> this thread, ~40 us each here). Adaptive: after repeated misses
-        (long tasks) it spins only now and then."""
+        (long tasks) it spins only now and then. Not for a ``timeout`` under the spin: a poll
+        (``result(timeout=0)``) spun 0.3 ms and ran the callbacks of the other futures it
+        settled, for as long as they took (found in review)."""
         if (
-            future._slot < 0
+            (timeout is not None and timeout < HELP_SPIN)
+            or future._slot < 0
             or future._slot in self.starting  # a fork away at least: spinning takes its CPU
             or self.ready  # queued work: the coordinator must go on dispatching anyway
             or len(self.by_handle) > self.n_workers

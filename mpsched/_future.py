@@ -71,7 +71,7 @@ _CANCELLED_STATES = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED))
 class _Owner(Protocol):
     def cancel(self, future: Future) -> bool: ...
 
-    def help_wait(self, future: Future) -> None: ...
+    def help_wait(self, future: Future, timeout: float | None) -> None: ...
 
 
 class _Finishing:
@@ -81,7 +81,7 @@ class _Finishing:
     def cancel(self, future: Future) -> bool:
         return False
 
-    def help_wait(self, future: Future) -> None:
+    def help_wait(self, future: Future, timeout: float | None) -> None:
         return None
 
 
@@ -195,7 +195,7 @@ class Future(concurrent.futures.Future[Any]):
         if state != FINISHED:
             owner = self._owner
             if owner is not None and state == PENDING:
-                owner.help_wait(self)
+                owner.help_wait(self, timeout)
             if not self.wait_done(timeout) or self._state != FINISHED:
                 try:
                     return super().result(0)  # cancelled; or TimeoutError: the wait had it

@@ -78,7 +78,7 @@ class Recurrence:
     def cancel(self, future: Future) -> bool:
         return self.stop(recurrence=self)
 
-    def help_wait(self, future: Future) -> None:
+    def help_wait(self, future: Future, timeout: float | None) -> None:
         return None  # no task behind this future to collect
 
 

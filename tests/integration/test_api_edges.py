@@ -22,6 +22,7 @@ import pytest
 
 import mpsched
 from mpsched import Pool, PoolStatistics, TaskPicklingError, TaskState, WorkerCrashedError, _startup
+from mpsched._coord_collect import HELP_SPIN
 from mpsched._lifecycle import ZYGOTE_JOIN_TIMEOUT
 
 from . import api_edge_tasks as at
@@ -418,6 +419,37 @@ def test_equal_ids_are_one_id_and_a_nan_id_is_only_itself() -> None:
         assert pending.cancelled()
         wait_until(lambda: pool.state(nan) is TaskState.COMPLETED, "the NaN id completed")
         assert pool.cancel(nan) is False
+
+
+@pytest.mark.timeout(60)
+def test_a_poll_of_a_result_collects_nothing_itself(fifos: Fifos) -> None:
+    """``result(timeout)`` with a timeout under the collecting spin (``HELP_SPIN``) does not
+    spin: a poll (``timeout=0``) spun 0.3 ms and ran the done-callbacks of the other futures
+    it settled in the caller's thread, as long as they took (a callback that took a lock the
+    poller held deadlocked; found in review). A longer wait still collects."""
+    with Pool(1) as pool:
+        assert pool.submit(tasks.ident, 0).result(RESULT_TIMEOUT) == 0  # the worker is up
+        f = pool.submit(tasks.gated_ident, fifos.gate, 1)
+        coordinator = pool._coordinator
+        spins: list[mpsched.Future] = []
+        spin = coordinator.help_spin
+
+        def counted_spin(future: mpsched.Future) -> bool:
+            spins.append(future)
+            return spin(future)
+
+        coordinator.help_spin = counted_spin  # type: ignore[method-assign]
+        for timeout in (0, -1, HELP_SPIN / 2):
+            coordinator.help_misses = 0
+            with pytest.raises(TimeoutError):
+                f.result(timeout=timeout)
+        assert spins == []
+        coordinator.help_misses = 0
+        with pytest.raises(TimeoutError):
+            f.result(timeout=0.01)
+        assert spins == [f]
+        tasks.open_gate(fifos.gate)
+        assert f.result(RESULT_TIMEOUT) == 1
 
 
 @pytest.mark.timeout(60)

@@ -151,9 +151,9 @@ def test_a_user_thread_collector_leaves_an_unarrived_stash_to_the_loop(
             assert release.wait(20)
         real_message(self, worker, tag, fields)
 
-    def help_then_note(self: Coordinator, future: Any) -> None:
+    def help_then_note(self: Coordinator, future: Any, timeout: float | None = None) -> None:
         try:
-            real_help(self, future)
+            real_help(self, future, timeout)
         finally:
             helped.set()
 
