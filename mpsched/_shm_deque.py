@@ -263,6 +263,12 @@ class SlotQueues(SlotRepair, BlockHandshake):
         """Owner only: count a child that ran inline, on no run stack (``Worker.run_inline``)."""
         self._w[EXECUTED] += 1
 
+    def uncount_run(self) -> None:
+        """Owner only: the next ``complete`` counts no run: a recurring run dropped unstarted
+        as a misfire (``Worker.run``), whose function is never called. Counted, the slot's
+        ``executed`` summed past the pool's ``completed`` (found in review)."""
+        self._w[EXECUTED] -= 1
+
     def finish_running(self) -> int:
         """Owner only: the innermost running task ended; pop its record, count it, return it."""
         w = self._w

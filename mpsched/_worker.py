@@ -286,6 +286,7 @@ class Worker(Children):
                 # chance, late only by the wake-up (as for the coordinator's: ``misfired``).
                 status, out = _MISFIRED, b""
                 self.top_level_done -= 1  # max_tasks counts the tasks that ran (added below)
+                self.me.uncount_run()  # and so does executed (counted by complete, below)
             else:
                 if fid != INLINE:
                     fn = self.load_function(fid)
