@@ -6,6 +6,7 @@ import dataclasses
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import mpsched
@@ -359,3 +360,36 @@ class ListAdder:
 
 def run_as_child(fn: Any, x: int) -> Any:
     return mpsched.submit(fn, x).result()
+
+
+def context_in_a_thread_during_a_join(gate_dir: str) -> tuple[Any, int]:
+    """Scheduled with an id: a thread that the task starts asks ``current_task()`` while the
+    task joins a child, which waits for that thread's answer (a file) before it ends."""
+    import threading
+
+    started, answered = os.path.join(gate_dir, "started"), os.path.join(gate_dir, "answered")
+    seen: list[tuple[Any, int]] = []
+
+    def ask() -> None:
+        _wait_for_file(started)
+        context = mpsched.current_task()
+        seen.append((context.task_id, context.version))
+        open(answered, "w").close()
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    mpsched.submit(_announce_then_wait, started, answered).result()
+    thread.join()
+    return seen[0]
+
+
+def _announce_then_wait(started: str, answered: str) -> None:
+    open(started, "w").close()
+    _wait_for_file(answered)
+
+
+def _wait_for_file(path: str) -> None:
+    """A state to wait for, polled, with a bound (the test's own timeout is longer)."""
+    deadline = time.monotonic() + 20
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.001)

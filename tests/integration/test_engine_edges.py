@@ -749,6 +749,18 @@ def test_a_child_may_be_a_callable_whose_hash_raises(pool2: Pool) -> None:
     assert pool2.submit(et.run_as_child, adder, 10).result(timeout=30) == 13
 
 
+@pytest.mark.timeout(60)
+def test_current_task_in_a_tasks_thread_during_a_join_is_the_tasks(tmp_path: pathlib.Path) -> None:
+    """It answered the innermost context of the worker's thread: while the task joined a child
+    (run in the join), its thread got the child's context, with no id and a cancel flag never
+    set (found in review)."""
+    with Pool(1) as pool:
+        f = pool.schedule(
+            "p", time.monotonic(), 0, et.context_in_a_thread_during_a_join, str(tmp_path)
+        )
+        assert f.result(timeout=30) == ("p", 1)
+
+
 # ---------------------------------------------------------------- big payloads
 @pytest.mark.timeout(60)
 def test_cancelled_tasks_with_stashed_arguments_leave_no_stash(
