@@ -869,6 +869,18 @@ _SETTLE_STEPS = {
 }
 
 
+@contextlib.contextmanager
+def _results_held_in_the_done_ring(pool: Pool, fifos: Any) -> Iterator[Any]:
+    """Under the coordinator's ``collect_lock`` (its loop collects nothing meanwhile): open the
+    gate of the first of three tasks handed to the one worker, and wait until the three results
+    are in its done ring; yields that slot's queues, for a collection by this thread."""
+    with pool._coordinator.collect_lock:
+        tasks.open_gate(fifos.gate)
+        slot = pool._views.slots[0]
+        wait_until(lambda: slot.done_depth() == 3, "the results are in the done ring")
+        yield slot
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", sorted(_SETTLE_STEPS))
 def test_a_ctrl_c_as_a_user_thread_settles_what_it_collected_ends_every_future(
@@ -905,10 +917,7 @@ def test_a_ctrl_c_as_a_user_thread_settles_what_it_collected_ends_every_future(
                     armed[0] = False
                     raise KeyboardInterrupt
 
-        with coordinator.collect_lock:
-            tasks.open_gate(fifos.gate)
-            slot = pool._views.slots[0]
-            wait_until(lambda: slot.done_depth() == 3, "the results are in the done ring")
+        with _results_held_in_the_done_ring(pool, fifos):
             sys.settrace(tracer)
             try:
                 with pytest.raises(KeyboardInterrupt):
@@ -958,9 +967,7 @@ def test_a_ctrl_c_as_a_user_threads_take_of_a_done_ring_returns_ends_every_futur
                 raise KeyboardInterrupt  # as at the check after take_done returned
             return tracer  # this frame's return event
 
-        with coordinator.collect_lock:
-            tasks.open_gate(fifos.gate)
-            wait_until(lambda: slot.done_depth() == 3, "the results are in the done ring")
+        with _results_held_in_the_done_ring(pool, fifos):
             if where == "release":
                 slot._release = release_then_interrupt  # type: ignore[method-assign]
             else:
