@@ -40,7 +40,7 @@ from mpsched._errors import (
     ProtocolError,
     timeout_error,
 )
-from mpsched._future import FINISHING, Future, defer_callbacks, invoke_all
+from mpsched._future import FINISHING, Future, defer_callbacks
 from mpsched._payloads import BlockField
 from mpsched._pool_errors import BrokenPoolError
 from mpsched._protocol import (
@@ -125,10 +125,12 @@ class Collecting(CoordinatorState):
     def collect(self) -> None:
         """Any thread (the coordinator's, or a user thread in ``help_wait``), one at a time.
 
-        A user thread calls the done-callbacks of what it settled once it released
-        ``collect_lock``: a callback that waits for another future's result (whose collection
-        needs that lock) or shuts the pool down (whose drain decides under it) would otherwise
-        wait for this thread. (The coordinator thread's sink is its ``CallbackRunner``.)"""
+        The done-callbacks of what a user thread settled go to the pool's callback thread
+        (``CallbackRunner.hand_over``) once it released ``collect_lock``: under it, a callback
+        that waits for another future's result (whose collection needs that lock) or shuts the
+        pool down (whose drain decides under it) would wait for this thread; in it, a callback
+        would run inside the caller's ``result()``, under whatever lock the caller holds. (The
+        coordinator thread's sink is the same ``CallbackRunner``.)"""
         if threading.get_ident() == self.thread_id:
             with self.collect_lock:
                 self.collect_locked(True)
@@ -141,7 +143,7 @@ class Collecting(CoordinatorState):
         finally:
             defer_callbacks(previous)
             if settled:
-                invoke_all(settled)
+                self.callbacks.hand_over(settled)
 
     def collect_locked(self, in_loop: bool, every: bool = False) -> None:
         """Under ``collect_lock``: read every done ring (``in_loop``: in the coordinator

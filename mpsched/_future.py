@@ -24,12 +24,12 @@ Where done-callbacks run (docs/design.md, "Where done-callbacks run"): a future 
 the pool's locks (a collector holds ``Coordinator.collect_lock``), and a callback may re-enter
 the pool, block on another future of it, or shut it down. So a thread that settles futures
 while it holds a lock first sets a *sink* (``defer_callbacks``): ``_invoke_callbacks`` hands the
-future to it instead of calling its callbacks, and the thread calls them once it released the
-lock (``invoke_all``). The coordinator thread's sink, for its whole life, is a
-``CallbackRunner``: a thread of the pool's that runs the callbacks of the futures the
+future to it instead of calling its callbacks. The coordinator thread's sink, for its whole
+life, is a ``CallbackRunner``: a thread of the pool's that runs the callbacks of the futures the
 coordinator settles, since a callback that blocks there would stop the loop that must collect
-what it waits for. Each future's callbacks are called once (by the one thread that moved it to
-a done state), after it is done.
+what it waits for; a user thread that collected in ``result()`` hands it what it settled once
+it released the lock, so that no callback runs inside a caller's ``result()``. Each future's
+callbacks are called once, after it is done.
 """
 
 from __future__ import annotations
@@ -445,8 +445,17 @@ def defer_callbacks(sink: Sink | None) -> Sink | None:
     return previous
 
 
+def _take(box: list[list[Future]]) -> list[Future]:
+    """Empty ``box`` (``CallbackRunner.hand_over``'s): its list, or [] if another thread took
+    it. ``list.pop`` is one step under the GIL, so two threads cannot both take it."""
+    try:
+        return box.pop()
+    except IndexError:
+        return []
+
+
 def invoke_all(futures: list[Future]) -> None:
-    """Call the callbacks of ``futures`` (handed over by a sink) in this thread, as the stdlib
+    """Call the callbacks of ``futures`` (a sink's) in this thread, as the stdlib
     would have: an Exception is logged; a BaseException (a Ctrl-C's KeyboardInterrupt) goes
     on to the caller, once the other futures' callbacks were called."""
     error: BaseException | None = None
@@ -461,26 +470,70 @@ def invoke_all(futures: list[Future]) -> None:
 
 
 class CallbackRunner:
-    """The coordinator thread's sink: a thread of its own (started at the first future with
-    callbacks) calls them, in the order the futures were settled. Every exception a callback
-    raises is logged, as the stdlib logs an Exception, and the next callback is called: a
-    SystemExit here would otherwise end the thread and lose every later callback."""
+    """The pool's callback thread (started at the first future with callbacks): it calls the
+    callbacks of the futures that the coordinator thread settles (its sink, ``append``) and of
+    those that a user thread's ``result()`` collected (``hand_over``), in the order they were
+    handed over. Every exception a callback raises is logged, as the stdlib logs an Exception,
+    and the next callback is called: a SystemExit here would otherwise end the thread and lose
+    every later callback."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Future | None] = queue.SimpleQueue()
+        # Items: a future (the coordinator's), a one-element list holding a user thread's list
+        # of futures (``hand_over``), or None (``close``: the end).
+        self._queue: queue.SimpleQueue[Future | list[list[Future]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # the thread's lazy start, and ``_closed``
+        self._closed = False
         self.thread: threading.Thread | None = None
 
     def append(self, future: Future) -> None:
-        """Coordinator thread only (as ``close``)."""
+        """The coordinator thread's sink. That thread alone closes the runner, so it is open."""
         if self.thread is None:
-            self.thread = threading.Thread(target=self._run, name="mpsched-callbacks", daemon=True)
-            self.thread.start()
+            with self._lock:
+                self._start()
         self._queue.put(future)
 
+    def hand_over(self, futures: list[Future]) -> None:
+        """A user thread that collected in ``result()`` (``Collecting.collect``): the callbacks
+        of what it settled run in this thread, not in its own, where they would run inside its
+        wait (a lock the caller holds around ``result()``, which a callback takes, deadlocked;
+        the stdlib's pools call them from their manager thread). Once the runner is closed (the
+        loop ended: no pool call waits for this thread any more), the caller calls them.
+
+        A Ctrl-C may land anywhere in here: the list goes in a box that the runner thread and
+        this thread's handler each empty at most once, so the callbacks are called once, by
+        whichever takes them (never lost between the queue and the handler, never twice)."""
+        box = [futures]
+        queued = False
+        try:
+            with self._lock:
+                if not self._closed:
+                    self._queue.put(box)
+                    queued = True
+                    self._start()
+        except BaseException:
+            queued = False
+            raise
+        finally:
+            if not queued:
+                taken = _take(box)
+                if taken:
+                    invoke_all(taken)
+
+    def _start(self) -> None:
+        """Under ``_lock``: start the thread if it is not running yet."""
+        if self.thread is None:
+            # Known before it starts: a Ctrl-C in ``start()`` lands, in all likelihood, in its
+            # wait for the new thread, which then runs: a second one would share the queue.
+            self.thread = threading.Thread(target=self._run, name="mpsched-callbacks", daemon=True)
+            self.thread.start()
+
     def close(self) -> None:
-        """No future comes any more: the thread ends once it called what it was given."""
-        if self.thread is not None:
-            self._queue.put(None)
+        """Coordinator thread: no future comes any more from it, and a user thread's
+        ``hand_over`` calls its own; the thread ends once it called what it was given."""
+        with self._lock:
+            self._closed = True
+            if self.thread is not None:
+                self._queue.put(None)
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait until every callback handed over was called (after ``close``); True if so.
@@ -493,14 +546,20 @@ class CallbackRunner:
     def _run(self) -> None:
         get = self._queue.get
         while True:
-            future = get()
-            if future is None:
+            item = get()
+            if item is None:
                 return
-            for callback in future._done_callbacks:
-                try:
-                    callback(future)
-                except BaseException:
-                    LOGGER.exception("exception calling callback for %r", future)
-            # Not kept while waiting: the future holds its callbacks, which may hold the pool
-            # (a dropped pool must be collectable).
-            future = callback = None
+            call_logged((item,) if isinstance(item, Future) else _take(item))
+            # Not kept while waiting: a future holds its callbacks, which may hold the pool (a
+            # dropped pool must be collectable).
+            item = None
+
+
+def call_logged(futures: Sequence[Future]) -> None:
+    """The callback thread's calls: each exception is logged and the next callback called."""
+    for future in futures:
+        for callback in future._done_callbacks:
+            try:
+                callback(future)
+            except BaseException:
+                LOGGER.exception("exception calling callback for %r", future)

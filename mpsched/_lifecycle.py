@@ -52,7 +52,7 @@ from mpsched._clock import join_interruptibly
 from mpsched._coordinator import Coordinator
 from mpsched._errors import PACKAGE_DIR
 from mpsched._function_cache import FunctionCache
-from mpsched._future import CallbackRunner
+from mpsched._future import call_logged
 from mpsched._shm import AnonSegment, SharedFd, disown_inherited_process
 from mpsched._wakeup import Wakeup
 from mpsched._zygote import EXIT_STATUS_LOST, ForkedZygote
@@ -91,7 +91,7 @@ _CALLBACK_CALLERS = frozenset(
     (
         concurrent.futures.Future._invoke_callbacks.__code__,  # type: ignore[attr-defined]
         concurrent.futures.Future.add_done_callback.__code__,
-        CallbackRunner._run.__code__,
+        call_logged.__code__,  # the callback thread's
     )
 )
 

@@ -259,6 +259,7 @@ def make_callback(scene: Scene, action: str) -> Callable[[mpsched.Future], None]
 
     def callback(f: mpsched.Future) -> None:
         outcome["thread"] = threading.current_thread()
+        outcome["coordinator_held"] = scene.parked.is_set() and not scene.unpark.is_set()
         outcome["done_when_called"] = f.done()
         try:
             if action == "submit":
@@ -326,7 +327,13 @@ def test_a_done_callback_re_enters_the_pool(
     assert not scene.actor_errors, scene.actor_errors
     assert scene.outcome["done_when_called"], "a callback ran before its future was done"
     if context == "collector":
-        assert scene.outcome["thread"] is scene.actor, "the interleaving was not forced"
+        assert scene.outcome["coordinator_held"], "the interleaving was not forced"
+    # A future the pool collected calls back in the pool's callback thread, whoever collected
+    # it; one cancelled, in the thread that cancelled it (as the stdlib's).
+    if context in ("coordinator", "collector"):
+        assert scene.outcome["thread"].name == "mpsched-callbacks"
+    else:
+        assert scene.outcome["thread"] is scene.actor
     value = scene.outcome.get("value")
     if action in ("submit", "schedule", "map") and closed(scene):
         assert isinstance(value, PoolClosedError), value
@@ -361,6 +368,43 @@ def test_a_done_callback_re_enters_the_pool(
 
 
 # ---------------------------------------------------------------- beyond the matrix
+@pytest.mark.timeout(30)
+def test_a_callback_of_what_a_result_call_collected_runs_outside_that_call(
+    scenes: Callable[[str], Scene],
+) -> None:
+    """A thread in ``result()`` that collects the done rings itself settles ``f``: ``f``'s
+    callback used to run in that thread, inside its ``result()``, so a callback that takes a
+    lock the caller holds around ``result()`` deadlocked (found in review; the stdlib's pools
+    call back from their manager thread). It runs in the pool's callback thread now, and gets
+    the lock once ``result()`` returned and the caller let it go."""
+    scene = scenes("collector")
+    f, _ = scene.arm()
+    held = threading.Lock()
+
+    def callback(_: mpsched.Future) -> None:
+        scene.outcome["coordinator_held"] = not scene.unpark.is_set()
+        scene.outcome["thread"] = threading.current_thread()
+        got = held.acquire(timeout=CALLBACK_WAIT)
+        if got:
+            held.release()
+        scene.outcome["got"] = got
+        scene.done.set()
+
+    def wait_holding_the_lock() -> Any:
+        with held:
+            return scene.collect_in_this_thread(f)
+
+    f.add_done_callback(callback)
+    scene.settle(wait_holding_the_lock)
+    scene.actor.join(WAIT + CALLBACK_WAIT)  # type: ignore[union-attr]
+    scene.wait_callback()
+    assert not scene.actor_errors, scene.actor_errors
+    assert scene.outcome["coordinator_held"], "the interleaving was not forced"
+    assert scene.outcome["thread"] is not scene.actor
+    assert scene.outcome["got"], "the callback ran inside result(), under the caller's lock"
+    assert f.result(WAIT) == 1
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("context", ["coordinator", "collector"])
 def test_a_done_callback_that_shuts_the_pool_down_and_waits(
