@@ -54,7 +54,7 @@ from mpsched._slot_region import MAX_NESTING
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any, Literal, NoReturn
+    from typing import Any, NoReturn
 
     from mpsched._layout import GlobalHeader
     from mpsched._payloads import Slab
@@ -75,6 +75,10 @@ _NBYTES = BlockField.NBYTES
 _RESULT_STATUS = BlockField.RESULT_STATUS
 _RESULT_NBYTES = BlockField.RESULT_NBYTES
 _CANCEL_REQUESTED = TopState.CANCEL_REQUESTED
+# A context entry's handle once its run ended (``Worker.run``): a ``TaskContext`` kept past its
+# run reads this, not the block's word, which a later task may own by then.
+ENDED = -1  # as a child's: never flagged
+ENDED_CANCEL_REQUESTED = -2  # the run ended with a cancel requested
 
 # The Worker of this process, set by worker_main; None outside workers.
 _current: Worker | None = None
@@ -222,11 +226,13 @@ def current_task() -> TaskContext:
         # thread that asked while its task joined a child got the child's context: no id,
         # never flagged; found in review). IndexError: the task ended meanwhile.
         try:
-            handle, meta = contexts[-1] if get_ident() == worker.thread else contexts[0]
+            entry = contexts[-1] if get_ident() == worker.thread else contexts[0]
         except IndexError:
             pass
         else:
-            return TaskContext(worker.slot, worker.slab, handle, meta)
+            if len(entry) == 2:  # handed out: its run's end keeps the flag (see TaskContext)
+                entry.append(True)
+            return TaskContext(worker.slot, worker.slab, entry)
     raise RuntimeError("mpsched.current_task() only works inside a task running in a pool")
 
 
@@ -240,24 +246,39 @@ class TaskContext:
         worker_id: the slot of the worker running the task (0 .. workers - 1).
     """
 
-    __slots__ = ("_handle", "_slab", "task_id", "version", "worker_id")
+    __slots__ = ("_entry", "_slab", "task_id", "version", "worker_id")
 
-    def __init__(
-        self, worker_id: int, slab: Any, handle: int, meta: tuple[Any, int] | Literal[False]
-    ) -> None:
+    def __init__(self, worker_id: int, slab: Any, entry: list[Any]) -> None:
+        meta = entry[1]
         self.worker_id = worker_id
         self.task_id: Any = meta[0] if meta else None
         self.version: int = meta[1] if meta else 0
         self._slab = slab
-        self._handle = handle  # -1 for a child: nobody can cancel a child by id
+        # The worker's entry for the run: [the block's handle (-1 for a child: nobody can
+        # cancel a child by id; ENDED or ENDED_CANCEL_REQUESTED once the run ended), meta,
+        # True once a context was handed out]. A context holds the entry, not the handle: kept
+        # past its run (in a global, or by a thread the task started), it read the block's
+        # word, which a later task owned by then, and reported that task's flag (found in
+        # review).
+        self._entry = entry
 
     @property
     def cancel_requested(self) -> bool:
         """True once ``pool.cancel(task_id)`` (or the task's timeout) asked this run to stop.
-        Reads one word of shared memory: cheap enough to poll in a loop. Always False in a
-        child (``mpsched.submit``): a cancel of its parent does not reach it (a child may
-        outlive its parent, whose block is then reused); pass it what it needs to stop."""
-        return self._handle >= 0 and self._slab.get_word(self._handle, _STATE) == _CANCEL_REQUESTED
+        Reads one word of shared memory: cheap enough to poll in a loop. Once the run ended,
+        its flag as it was then. Always False in a child (``mpsched.submit``): a cancel of its
+        parent does not reach it (a child may outlive its parent, whose block is then reused);
+        pass it what it needs to stop."""
+        entry = self._entry
+        handle: int = entry[0]
+        if handle >= 0:
+            requested: bool = self._slab.get_word(handle, _STATE) == _CANCEL_REQUESTED
+            # Still the run's handle: the run had not ended when the word was read, so the
+            # block was still its (it is freed only after the result it writes next).
+            if entry[0] == handle:
+                return requested
+            handle = entry[0]
+        return handle == ENDED_CANCEL_REQUESTED
 
     def raise_if_cancelled(self) -> None:
         """Raise ``mpsched.TaskCancelled`` if a cancel was requested: the future then ends
@@ -425,7 +446,7 @@ class Children:
         abandoned: list[int]
         unsettled: int
         depth: int
-        contexts: list[tuple[int, Any]]
+        contexts: list[list[Any]]
         uid_base: int
         stash_counter: int
         interrupted_sleep: BaseException | None
@@ -497,7 +518,7 @@ class Children:
                 fn = self.load_function(fid)
             # A child's context, as in run(): current_task() in the child reported the
             # parent's id and version, and its cancel flag (a child has none).
-            contexts.append((-1, False))
+            contexts.append([-1, False])
             pushed = True
             sys.setrecursionlimit(sys.getrecursionlimit() + INLINE_FRAMES)
             raised = True

@@ -70,6 +70,8 @@ from mpsched._children import (
     _RESULT_STATUS,
     _STATE,
     CHILD_DONE,
+    ENDED,
+    ENDED_CANCEL_REQUESTED,
     WAKE_FD_FAILED,
     Children,
     abandon_worker,
@@ -174,9 +176,9 @@ class Worker(Children):
         # abandoned: nonzero when the worker retires means futures outlived their task.
         self.unsettled = 0
         self.depth = 0  # tasks running in this process (join-helping nests them)
-        # current_task()'s raw material, innermost last: (top-level handle or -1, meta). The
-        # TaskContext object is built only when a task asks for it, not for every task.
-        self.contexts: list[tuple[int, Any]] = []
+        # current_task()'s raw material, innermost last: [top-level handle or -1, meta] (see
+        # TaskContext). The TaskContext object is built only when a task asks for it.
+        self.contexts: list[list[Any]] = []
         self.unannounced = 0  # results in the done ring since the last poke
         # A result found the done ring empty while the loop sweeps lazily: poke before the
         # next task starts, or at idle (Coordinator.pace_sweep).
@@ -274,7 +276,7 @@ class Worker(Children):
             slab.set_word(handle, _NBYTES, 0)
         self.depth += 1
         contexts = self.contexts
-        pushed = False
+        entry: list[Any] = []
         try:
             fid, fn, args, kwargs, meta = decode_call(data)
             del data
@@ -290,8 +292,8 @@ class Worker(Children):
             else:
                 if fid != INLINE:
                     fn = self.load_function(fid)
-                contexts.append((handle if parent < 0 else -1, meta))
-                pushed = True
+                entry = [handle if parent < 0 else -1, meta]
+                contexts.append(entry)
                 value = fn(*args, **kwargs)
                 if self.forked_child:
                     end_forked_child(None)
@@ -310,8 +312,14 @@ class Worker(Children):
             status, out = _ERROR, dump_exception(exc)
         finally:
             self.depth -= 1
-            if pushed:
+            if entry:
                 contexts.pop()
+                if parent < 0:  # before the result: its block is freed only after it
+                    entry[0] = (
+                        ENDED_CANCEL_REQUESTED
+                        if len(entry) > 2 and slab.get_word(handle, _STATE) == _CANCEL_REQUESTED
+                        else ENDED
+                    )
         if not slab.write_result(handle, status, out):
             slab.set_word(handle, _RESULT_STATUS, status)
             self.stash(out, handle, _RESULT_NBYTES)

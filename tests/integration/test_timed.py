@@ -317,6 +317,28 @@ def test_cooperative_cancel_of_a_running_task(fifos: Fifos, acknowledge: bool) -
 
 
 @pytest.mark.timeout(60)
+def test_a_context_kept_past_its_run_keeps_its_runs_flag(fifos: Fifos) -> None:
+    """A ``TaskContext`` kept past its run (in a global, or by a thread the task started)
+    read its block's cancel word, which a later task owned by then: it reported that task's
+    flag (found in review). It reports its own run's flag as the run ended. One worker, so
+    that each run reuses the block the one before it freed (checked)."""
+    with Pool(1) as pool:
+        # A run that ended unflagged; the next run in its block is asked to cancel.
+        pool.submit(tt.keep_context, fifos.started, False).result(timeout=20)
+        f = pool.schedule("next", 0.0, 0, tt.kept_flag, fifos.started)
+        tasks.wait_started(fifos.started)
+        assert pool.cancel("next") is True
+        assert f.result(timeout=20) == (True, False, True)
+        # A run that ended flagged; the next run in its block is not.
+        f = pool.schedule("flagged", 0.0, 0, tt.keep_context, fifos.started, True)
+        tasks.wait_started(fifos.started)
+        assert pool.cancel("flagged") is True
+        wait([f], timeout=20)
+        assert f.cancelled()
+        assert pool.submit(tt.kept_flag, None).result(timeout=20) == (True, True, False)
+
+
+@pytest.mark.timeout(60)
 def test_task_cancelled_raised_unprompted_is_an_error() -> None:
     with Pool(1) as pool:
         f = pool.schedule("rogue", 0.0, 0, tasks.boom_cancelled)

@@ -217,3 +217,33 @@ def gated_cancel_flag(gate_path: str) -> bool:
     """Wait at the gate, then return whether this task was asked to cancel."""
     gate(gate_path)
     return mpsched.current_task().cancel_requested
+
+
+# Contexts kept past their runs, with their runs' blocks, in the worker process
+# (test_a_context_kept_past_its_run_keeps_its_runs_flag).
+_KEPT: list[tuple[mpsched.TaskContext, int]] = []
+
+
+def keep_context(started: str, wait: bool) -> None:
+    """Keep this run's context past the run; with ``wait``, announce, wait for a cancel
+    request and acknowledge it (the future ends cancelled)."""
+    ctx = mpsched.current_task()
+    _KEPT.append((ctx, int(ctx._entry[0])))
+    if wait:
+        announce(started)
+        while not ctx.cancel_requested:
+            pass
+        ctx.raise_if_cancelled()
+
+
+def kept_flag(started: str | None) -> tuple[bool, bool, bool]:
+    """Whether this run has the last kept context's block, and that context's flag; with
+    ``started``, announce first and wait for this run's own cancel request (then return rather
+    than acknowledge it). The third field is this run's own flag."""
+    ctx = mpsched.current_task()
+    if started is not None:
+        announce(started)
+        while not ctx.cancel_requested:
+            pass
+    kept, block = _KEPT[-1]
+    return int(ctx._entry[0]) == block, kept.cancel_requested, ctx.cancel_requested
