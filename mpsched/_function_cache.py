@@ -81,15 +81,24 @@ class _MainEntry:
     table is full; ``stand_in`` (the copy) then goes inline with each task.
     """
 
-    __slots__ = ("bindings", "cells", "hit", "tablings")
+    __slots__ = ("bindings", "cells", "first", "hit", "tablings")
 
     def __init__(
-        self, fid: int, stand_in: Any, bindings: Bindings, cells: Cells, tablings: int
+        self,
+        fid: int,
+        stand_in: Any,
+        bindings: Bindings,
+        cells: Cells,
+        tablings: int,
+        first: Bindings,
     ) -> None:
         self.hit = (fid, stand_in)
         self.bindings = bindings
         self.cells = cells
         self.tablings = tablings  # fresh copies made before this one
+        # The bindings of the first copy: what the workers' own objects of those names are
+        # taken to read (``_rebound_classes``).
+        self.first = first
 
     def current(self) -> bool:
         """Whether every binding still holds the value the copy took (``is``: a value changed
@@ -107,13 +116,14 @@ class _MainEntry:
         return True
 
 
-def _captured(fn: Callable[..., Any]) -> tuple[Bindings, Cells]:
+def _captured(fn: Callable[..., Any]) -> tuple[Bindings, Cells, list[type]]:
     """The bindings cloudpickle's copy of ``fn`` takes, and their values now: the globals named
     by its code's global-name instructions, nested code's included (cloudpickle's own
     ``_extract_code_globals``: the very names its copy takes), and its closure's cells; then the
     same for every function and class among those values that cloudpickle copies by value too
     (``_should_pickle_by_reference``: those of ``__main__``), whose globals the copy carries.
     A global absent from its namespace is watched as ``_MISSING`` (it may be defined later).
+    Also those classes (``copy_by_value`` sends them as stand-ins: ``_rebound_classes``).
 
     Call it before making the copy: a binding rebound in between then reads as changed (a
     needless copy), never as current with a stale copy.
@@ -124,6 +134,7 @@ def _captured(fn: Callable[..., Any]) -> tuple[Bindings, Cells]:
     by_reference = getattr(pickler, "_should_pickle_by_reference", _outside_main)
     bindings: dict[tuple[int, str], tuple[dict[str, Any], str, Any]] = {}
     cells: list[tuple[types.CellType, Any]] = []
+    classes: list[type] = []
     seen: set[int] = set()  # ids of objects alive throughout (reachable from fn)
     todo: list[Any] = [fn]
     while todo:
@@ -133,6 +144,7 @@ def _captured(fn: Callable[..., Any]) -> tuple[Bindings, Cells]:
         seen.add(id(obj))
         found: list[Any] = []
         if isinstance(obj, type):  # copied with its methods and bases
+            classes.append(obj)
             found += obj.__bases__
             for member in vars(obj).values():
                 if isinstance(member, (staticmethod, classmethod)):
@@ -160,7 +172,24 @@ def _captured(fn: Callable[..., Any]) -> tuple[Bindings, Cells]:
             if (type(value) is types.FunctionType or isinstance(value, type))
             and not by_reference(value)
         )
-    return tuple(bindings.values()), tuple(cells)
+    return tuple(bindings.values()), tuple(cells), classes
+
+
+def _rebound_classes(classes: list[type], first: Bindings) -> list[type]:
+    """Those of ``classes`` (of ``__main__``) that read, through their methods, a global whose
+    value is not the one it held at the first copy (``first``). A copy sends the others as
+    stand-ins, which load as the worker's class of that name where it has one (so that ``is``
+    and ``isinstance`` agree with the arguments, pickled by name); these go by value, so that
+    their methods see the rebound value, as the function's copy does."""
+    held = {(id(namespace), name): value for namespace, name, value in first}
+    return [
+        cls
+        for cls in classes
+        if any(
+            value is not held.get((id(namespace), name), _MISSING)
+            for namespace, name, value in _captured(cls)[0]
+        )
+    ]
 
 
 def _code_names(code: types.CodeType) -> list[str]:
@@ -387,8 +416,10 @@ class FunctionCache:
         of the pool's process was rebound, which the worker's own globals do not show (they
         stay in use while nothing is rebound: those an initializer set, for example).
         """
-        bindings, cells = _captured(fn)  # before the copy: see _captured
-        stand_in = portable(fn, name_first=old is None)
+        bindings, cells, classes = _captured(fn)  # before the copy: see _captured
+        first = bindings if old is None else old.first
+        copied = [] if old is None else _rebound_classes(classes, first)
+        stand_in = portable(fn, name_first=old is None, copied=copied)
         if stand_in is fn:  # no copy (too big, or the name no longer pickles): by name alone
             self._main.pop(fn, None)
             try:
@@ -402,7 +433,7 @@ class FunctionCache:
             fid = self._table_add(_dumps(stand_in, PICKLE_PROTOCOL))
             if fid == INLINE:
                 self._full = True
-        self._main[fn] = _MainEntry(fid, stand_in, bindings, cells, tablings)
+        self._main[fn] = _MainEntry(fid, stand_in, bindings, cells, tablings, first)
         return fid, stand_in
 
     def close(self) -> None:

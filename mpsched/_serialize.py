@@ -41,9 +41,10 @@ import marshal
 import pickle
 import struct
 import sys
+import threading
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from mpsched._protocol import PICKLE_PROTOCOL, safe_repr
 
@@ -157,6 +158,37 @@ def cloud_dumps(obj: Any, main_stand_in: StandIn | None) -> bytes:
     return buffer.getvalue()
 
 
+def copy_by_value(obj: Any, copied: Iterable[type] = ()) -> bytes:
+    """cloudpickle's copy of ``obj``, a class or function of ``__main__``, but each *other*
+    class of ``__main__`` in it (a base class, the class of a global it reads, an enum whose
+    member it holds) goes as its stand-in (``inline_stand_in``): the receiver's own class of
+    that name where it has one, else a copy. cloudpickle copied them all: the copy of a
+    function of the script's main block that tests ``c is Color.RED`` or ``isinstance(b,
+    Base)`` got a copy of ``Color`` or ``Base`` while its argument, pickled by name, was an
+    instance of the worker's own, and answered False, with no error (found in review).
+    Functions of ``__main__`` in it are still copied, with their globals as they are now (a
+    fresh copy of ``obj``, made after a global was rebound, must see the new value).
+
+    A class in ``copied``, or whose stand-in is being made in this thread (a cycle: ``A``'s
+    method reads ``B``, ``B``'s reads ``A``), is copied within this copy, as cloudpickle does."""
+    making: set[int] = _local.__dict__.setdefault("making", set())
+    added = [key for key in {id(obj), *map(id, copied)} if key not in making]
+    making.update(added)
+    try:
+        buffer = io.BytesIO()
+        _main_aware_pickler()(buffer, _class_stand_in, making).dump(obj)
+        return buffer.getvalue()
+    finally:
+        making.difference_update(added)
+
+
+def _class_stand_in(obj: Any) -> tuple[Any, ...] | None:
+    """``copy_by_value``'s stand-in: a class's (None: copied with the rest), never a
+    function's."""
+    return inline_stand_in(obj) if isinstance(obj, type) else None
+
+
+_local = threading.local()  # copy_by_value's classes in the making, per thread
 _MainAwarePickler: Any = None  # made on first need, as cloudpickle is imported
 
 
@@ -165,15 +197,29 @@ def _main_aware_pickler() -> Any:
     if _MainAwarePickler is None:
 
         class MainAwarePickler(_cloudpickle().Pickler):  # type: ignore[misc]
-            def __init__(self, file: io.BytesIO, main_stand_in: StandIn | None) -> None:
+            """``main_stand_in``'s answer None means by name (``cloud_dumps``), or, with
+            ``copied`` (``copy_by_value``: the ids of the objects it is copying), a copy."""
+
+            def __init__(
+                self,
+                file: io.BytesIO,
+                main_stand_in: StandIn | None,
+                copied: set[int] | None = None,
+            ) -> None:
                 super().__init__(file, protocol=PICKLE_PROTOCOL)
                 self.main_stand_in = main_stand_in
+                self.copied = copied
 
             def reducer_override(self, obj: Any) -> Any:
                 if of_main(obj) and _in_main(obj.__qualname__) is obj:
-                    stand_in = self.main_stand_in
-                    reduced = None if stand_in is None else stand_in(obj)
-                    return NotImplemented if reduced is None else reduced  # by name
+                    copied = self.copied
+                    if copied is None or id(obj) not in copied:
+                        stand_in = self.main_stand_in
+                        reduced = None if stand_in is None else stand_in(obj)
+                        if reduced is not None:
+                            return reduced
+                        if copied is None:
+                            return NotImplemented  # by name
                 return super().reducer_override(obj)
 
         _MainAwarePickler = MainAwarePickler
@@ -290,7 +336,7 @@ class MainObject:
         copy exceeds ``MAIN_BY_VALUE_MAX`` (big class attributes): it then goes by reference,
         as a function's does."""
         self.qualname = cls.__qualname__
-        self.by_value: bytes = _cloudpickle().dumps(cls, PICKLE_PROTOCOL)
+        self.by_value = copy_by_value(cls)
         if len(self.by_value) > MAIN_BY_VALUE_MAX:
             raise ValueError(f"the copy of {self.qualname} takes {len(self.by_value)} bytes")
 
@@ -400,10 +446,11 @@ def decode_call(data: bytes | bytearray | memoryview) -> Call:
 MAIN_BY_VALUE_MAX = 64 * 1024  # bytes; a bigger copy (large captured globals) is not carried
 
 
-def portable(fn: Any, *, name_first: bool = True) -> Any:
+def portable(fn: Any, *, name_first: bool = True, copied: Iterable[type] = ()) -> Any:
     """``fn``, or for a function of ``__main__`` that plain pickle serializes by reference, a
     stand-in that unpickles to ``__main__.<qualname>`` where that name exists (only if
-    ``name_first``), else to a copy of ``fn`` made by cloudpickle.
+    ``name_first``), else to a copy of ``fn`` (``copy_by_value``, which copies the classes in
+    ``copied`` with it).
 
     Why: the name resolves in the pool's process, but a worker's ``__main__`` differs: under
     spawn and forkserver it is the main script run again as ``__mp_main__`` without its
@@ -419,7 +466,7 @@ def portable(fn: Any, *, name_first: bool = True) -> Any:
         return fn
     try:
         _dumps(fn, PICKLE_PROTOCOL)  # by reference, or not at all: then cloudpickle inline
-        by_value = _cloudpickle().dumps(fn, PICKLE_PROTOCOL)
+        by_value = copy_by_value(fn, copied)
     except Exception:
         return fn
     if len(by_value) > MAIN_BY_VALUE_MAX:

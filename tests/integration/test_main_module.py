@@ -254,6 +254,60 @@ if __name__ == "__main__":
 """
 
 
+# The copy by value of a function or class of the script's main block (``copy_by_value``, which
+# a worker without that name loads) held a copy of every other class of __main__ it refers to:
+# a base class, an enum it tests against, the class of an enum member it holds. Its arguments,
+# pickled by name, were of the worker's own class, so ``is`` and ``isinstance`` said False, with
+# no error (found in review). Under fork, a function defined after the pool started is such a
+# copy too.
+MAIN_BLOCK_COPIES_KEEP_IDENTITY = """
+import enum
+import sys
+import mpsched
+
+class Color(enum.Enum):
+    RED = 1
+
+class Base:
+    pass
+
+def is_base(b):
+    return isinstance(b, Base)
+
+def holds_red(obj):
+    return obj.color is Color.RED
+
+if __name__ == "__main__":
+    class Child(Base):
+        pass
+
+    class Holder:
+        color = Color.RED
+
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        def is_red(c):
+            return c is Color.RED
+
+        def is_red_base(b):
+            return isinstance(b, Base) and type(b).__mro__[1] is Base
+
+        print(pool.submit(is_red, Color.RED).result(timeout=20),
+              list(pool.map(is_red, [Color.RED])) == [True],
+              pool.submit(is_red_base, Child()).result(timeout=20),
+              pool.submit(is_base, Child()).result(timeout=20),
+              pool.submit(holds_red, Holder()).result(timeout=20))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_copies_of_main_block_objects_keep_the_identity_of_the_classes_they_refer_to(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    proc = _run_main(tmp_path, MAIN_BLOCK_COPIES_KEEP_IDENTITY, start_method)
+    assert proc.stdout.splitlines() == ["True True True True True"], proc.stderr
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
 def test_objects_of_main_keep_their_identity_beside_a_lambda(
