@@ -220,10 +220,36 @@ def _main_aware_pickler() -> Any:
                             return reduced
                         if copied is None:
                             return NotImplemented  # by name
-                return super().reducer_override(obj)
+                reduced = super().reducer_override(obj)
+                if isinstance(obj, type) and "__slots__" in vars(obj):
+                    return _with_slots(reduced, vars(obj)["__slots__"])
+                return reduced
 
         _MainAwarePickler = MainAwarePickler
     return _MainAwarePickler
+
+
+def _with_slots(reduced: Any, slots: Any) -> Any:
+    """cloudpickle's reduction of a class copied by value, made to create the class with its
+    ``__slots__``: cloudpickle creates the copy without them and sets them as a plain
+    attribute afterwards, so the copy's instances have a ``__dict__`` and pickle their state as
+    one. A worker's copy of a slotted class of ``__main__`` then sent its instances back in a
+    form that the caller's class (the copy maps back to it) cannot take: every such result
+    failed, "'S' object has no attribute '__dict__'" (found in review). Another shape of
+    reduction (a later cloudpickle's) is left as it is."""
+    pickler = _cloudpickle().cloudpickle
+    if (
+        isinstance(reduced, tuple)
+        and len(reduced) >= 2
+        and reduced[0] is getattr(pickler, "_make_skeleton_class", None)
+        and isinstance(reduced[1], tuple)
+        and len(reduced[1]) > 3
+        and isinstance(reduced[1][3], dict)
+    ):
+        args = list(reduced[1])
+        args[3] = {**args[3], "__slots__": slots}
+        return (reduced[0], tuple(args), *reduced[2:])
+    return reduced
 
 
 def _describe(obj: Any) -> str:

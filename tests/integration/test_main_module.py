@@ -308,6 +308,60 @@ def test_copies_of_main_block_objects_keep_the_identity_of_the_classes_they_refe
     assert proc.stdout.splitlines() == ["True True True True True"], proc.stderr
 
 
+# cloudpickle's copy of a class with __slots__ has no slots (it sets __slots__ as a plain
+# attribute after creating the class), so its instances have a __dict__ and pickle their state
+# as one; a worker's copy maps back to the caller's own slotted class, which cannot take that
+# state: every result holding such an instance failed ("'S' object has no attribute
+# '__dict__'"; found in review). The same for a class made in a function.
+SLOTTED_COPIES = """
+import dataclasses
+import sys
+import mpsched
+
+def ident(o):
+    return o
+
+def local_class():
+    class Local:
+        __slots__ = ("x",)
+        def __init__(self, x):
+            self.x = x
+    return Local
+
+if __name__ == "__main__":
+    @dataclasses.dataclass(slots=True)
+    class S:
+        x: int
+
+    class T:
+        __slots__ = ("x", "__weakref__")
+        def __init__(self, x):
+            self.x = x
+
+    def make_s(x):
+        return S(x)
+
+    Local = local_class()
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        s = pool.submit(ident, S(1)).result(timeout=20)
+        made = pool.submit(make_s, 2).result(timeout=20)
+        t = pool.submit(ident, T(3)).result(timeout=20)
+        local = pool.submit(ident, Local(4)).result(timeout=20)
+        print(s == S(1), made == S(2), type(t) is T and t.x == 3,
+              type(local) is Local and local.x == 4,
+              pool.submit(lambda: hasattr(S(5), "__dict__")).result(timeout=20))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_instances_of_slotted_classes_copied_by_value_come_back(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    proc = _run_main(tmp_path, SLOTTED_COPIES, start_method)
+    assert proc.stdout.splitlines() == ["True True True True False"], proc.stderr
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
 def test_objects_of_main_keep_their_identity_beside_a_lambda(
