@@ -205,9 +205,13 @@ class ReadyQueue:
 
         Only level fronts are examined: within a level, items are in the order they became due,
         so a front that has not earned a promotion means that no item behind it has either
-        (up to the at most ``aging`` seconds of disorder that promotions to the back add)."""
+        (up to the at most ``aging`` seconds of disorder that promotions to the back add).
+        Top level first: items promoted into one level in one pass go there in the order of the
+        levels they come from, so a pass that comes late (a busy loop) does not put a lower
+        priority ahead of a higher one that became due less than ``aging`` after it (it did,
+        walking up from the bottom: found in review)."""
         moved = 0
-        for priority in list(self._order):
+        for priority in reversed(self._order.copy()):
             level = self._levels.get(priority)
             while level:
                 item = level[0]

@@ -236,6 +236,19 @@ def test_aging_promotes_one_level_per_period_waited() -> None:
     assert _names(batch) == ["hi0", "hi1", "hi2", "old"]
 
 
+@pytest.mark.parametrize("passes", [[0.95, 1.2, 1.45, 1.7, 1.95, 2.2, 2.45, 2.5], [0.95, 2.5]])
+def test_aging_keeps_priority_order_among_tasks_due_within_a_period(passes: list[float]) -> None:
+    """``b`` (priority 1) became due 0.9 s after ``a`` (priority 0), less than the aging
+    period: ``b`` goes first, whether the loop ages every quarter period or comes late (a pass
+    at 2.5 s moved ``a`` from level 0 to 2 first, then ``b`` from 1 to 2 behind it)."""
+    q = ReadyQueue()
+    q.append(_future(0, due_at=0.0, name="a"), 0)
+    q.append(_future(1, due_at=0.9, name="b"), 1)
+    for now in passes:
+        q.age(now, aging=1.0)
+    assert _names(q.take(10)[0]) == ["b", "a"]
+
+
 def test_a_tiny_aging_promotes_by_at_most_max_aged_levels() -> None:
     """``aging`` a subnormal float: the wait over it was infinite, and ``int()`` of it raised
     OverflowError in the coordinator's loop, which broke the pool (found in review)."""
