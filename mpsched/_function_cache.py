@@ -35,6 +35,7 @@ from mpsched._serialize import (
     _cloudpickle,
     _dumps,
     _encode_with_cloudpickle,
+    _in_main,
     bound_to_state,
     inline_stand_in,
     load_tabled,
@@ -239,11 +240,33 @@ class FunctionCache:
         # The fid of each class of __main__ tabled with its copy (MainObject), for the
         # arguments' stand-ins; weak, as a notebook redefines classes. Written under _lock.
         self._class_fids: weakref.WeakKeyDictionary[type, int] = weakref.WeakKeyDictionary()
+        # The classes of this process's __main__ under names that the workers' has, as they
+        # were at READY (note_worker_main, _redefined).
+        self._classes_at_start: dict[str, weakref.ref[type]] = {}
 
     def note_worker_main(self, names: Iterable[str]) -> None:
-        """The names in the workers' ``__main__`` (their zygote's, at READY)."""
-        self._worker_main = frozenset(names)
+        """The names in the workers' ``__main__`` (their zygote's, at READY), and the classes
+        that this process's ``__main__`` has under those names now (``_redefined``)."""
+        self._worker_main = worker_main = frozenset(names)
+        namespace = getattr(sys.modules.get("__main__"), "__dict__", None) or {}
+        self._classes_at_start = {
+            name: weakref.ref(value)
+            for name, value in list(namespace.items())
+            if name in worker_main and isinstance(value, type) and of_main(value)
+        }
         self._missing = ((-1, ""), [])  # looked for again
+
+    def _redefined(self, namespace: dict[str, Any]) -> list[str]:
+        """The names of the workers' classes of ``__main__`` that this process's ``__main__``
+        has bound to another object since the pool started (a class defined again: a notebook's
+        cell run again, a script's main block). The workers' class of that name has the old
+        body, so an argument of the new class goes as its copy, not by name: by name it ran
+        the old methods (found in review). A redefinition before the pool started, in a
+        script's main block, is not seen (spawn and forkserver run the script's top level
+        again, which has the old one)."""
+        return [
+            name for name, ref in self._classes_at_start.items() if namespace.get(name) is not ref()
+        ]
 
     def _may_name_a_missing_object(self, data: bytes) -> bool:
         """Whether ``data``, a call's plain pickle (one that names ``__main__`` if it is short),
@@ -256,18 +279,22 @@ class FunctionCache:
         alarm costs a second pickling. A miss (the task then fails in the worker with "Can't
         get attribute", as before stand-ins) needs a short call and a name of 256 bytes or more,
         or a name that was bound to something else when this last looked and was rebound to a
-        class or function since, with no name defined in between. ~0.2 us per name looked for."""
+        class or function since, with no name defined in between. ~0.2 us per name looked for.
+        A class of the workers' ``__main__`` that this process's defined again since the pool
+        started (``_redefined``) counts as missing (~50 ns per class of theirs)."""
         worker_main = self._worker_main
         namespace = getattr(sys.modules.get("__main__"), "__dict__", None)
         patterns: list[bytes] | None = None  # None: the workers' names are not known
         if worker_main is not None and namespace:
-            state = (len(namespace), next(reversed(namespace)))
+            redefined = self._redefined(namespace) if self._classes_at_start else []
+            state = (len(namespace), next(reversed(namespace)), *redefined)
             seen, patterns = self._missing
             if state != seen:
                 patterns = []
                 for name, value in list(namespace.items()):
                     raw = name.encode()
-                    if name not in worker_main and of_main(value) and len(raw) < 256:
+                    missing = name not in worker_main or name in redefined
+                    if missing and of_main(value) and len(raw) < 256:
                         patterns += (b"\x8c" + bytes((len(raw),)) + raw, raw + b".")
                 self._missing = (state, patterns)
             if not patterns:
@@ -323,24 +350,28 @@ class FunctionCache:
         by name only if the worker's has the same code)."""
         if isinstance(obj, type):
             worker_main = self._worker_main
-            if worker_main is not None and obj.__qualname__.partition(".")[0] in worker_main:
+            head = obj.__qualname__.partition(".")[0]
+            ref = self._classes_at_start.get(head)
+            redefined = ref is not None and ref() is not _in_main(head)
+            if worker_main is not None and head in worker_main and not redefined:
                 return None
             fid = self._class_fids.get(obj)
             if fid is None:
-                fid = self._table_class(obj)
+                fid = self._table_class(obj, name_first=not redefined)
         else:
             fid = self.fid(obj)
         return inline_stand_in(obj) if fid == INLINE else (load_tabled, (fid,))
 
-    def _table_class(self, cls: type) -> int:
+    def _table_class(self, cls: type, name_first: bool) -> int:
         """``cls`` (of ``__main__``) tabled with its copy (its fid), or INLINE if the table is
-        full or the copy cannot be made (for good: a copy past ``MAIN_BY_VALUE_MAX``)."""
+        full or the copy cannot be made (for good: a copy past ``MAIN_BY_VALUE_MAX``).
+        ``name_first``: see ``MainObject``."""
         with self._lock:
             fid = self._class_fids.get(cls)
             if fid is not None or self._full:
                 return INLINE if fid is None else fid
             try:
-                data = _dumps(MainObject(cls), PICKLE_PROTOCOL)
+                data = _dumps(MainObject(cls, name_first), PICKLE_PROTOCOL)
             except Exception:  # no copy: by reference (inline_stand_in's answer, kept too)
                 self._class_fids[cls] = INLINE  # not tried again on every task
                 return INLINE

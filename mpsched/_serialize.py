@@ -352,22 +352,24 @@ class _MainPickler(pickle.Pickler):
 
 
 class MainObject:
-    """Pickles as ``load_main_object(qualname, by_value)``: the stand-in of a class of
-    ``__main__``, in a task or in a pool's function table."""
+    """Pickles as ``load_main_object(qualname, by_value, name_first)``: the stand-in of a class
+    of ``__main__``, in a task or in a pool's function table."""
 
-    __slots__ = ("by_value", "qualname")
+    __slots__ = ("by_value", "name_first", "qualname")
 
-    def __init__(self, cls: type) -> None:
+    def __init__(self, cls: type, name_first: bool = True) -> None:
         """Raises what cloudpickle raises if ``cls`` cannot be copied, and ValueError if its
         copy exceeds ``MAIN_BY_VALUE_MAX`` (big class attributes): it then goes by reference,
-        as a function's does."""
+        as a function's does. ``name_first`` False: always the copy (``cls`` replaced the
+        class of that name that the workers have: ``FunctionCache._redefined``)."""
         self.qualname = cls.__qualname__
+        self.name_first = name_first
         self.by_value = copy_by_value(cls)
         if len(self.by_value) > MAIN_BY_VALUE_MAX:
             raise ValueError(f"the copy of {self.qualname} takes {len(self.by_value)} bytes")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (load_main_object, (self.qualname, self.by_value))
+        return (load_main_object, (self.qualname, self.by_value, self.name_first))
 
 
 def inline_stand_in(obj: Any) -> tuple[Any, ...] | None:
@@ -406,10 +408,11 @@ def load_tabled(fid: int) -> Any:
     return table_loader(fid)
 
 
-def load_main_object(qualname: str, by_value: bytes) -> Any:
-    """In a worker: ``__main__.<qualname>`` if it exists there, else the copy ``by_value``.
-    (Once per worker for a tabled stand-in: its ``load_function`` caches the object.)"""
-    obj = _in_main(qualname)
+def load_main_object(qualname: str, by_value: bytes, name_first: bool = True) -> Any:
+    """In a worker: ``__main__.<qualname>`` if it exists there (and ``name_first``), else the
+    copy ``by_value``. (Once per worker for a tabled stand-in: its ``load_function`` caches
+    the object.)"""
+    obj = _in_main(qualname) if name_first else _ABSENT
     return _cloudpickle().loads(by_value) if obj is _ABSENT else obj
 
 

@@ -308,6 +308,45 @@ def test_copies_of_main_block_objects_keep_the_identity_of_the_classes_they_refe
     assert proc.stdout.splitlines() == ["True True True True True"], proc.stderr
 
 
+# A class of __main__ defined again after the pool started (a notebook's cell run again; here
+# in the script's main block, and under ``python -c``, where only fork's workers have the name):
+# its instances went by name, and the workers' class of that name, the old one, ran its old
+# methods (found in review). They now go as the new class's copy.
+REDEFINED_CLASS = """
+import sys
+import mpsched
+
+class K:
+    def v(self):
+        return "old"
+
+def call_v(k):
+    return k.v()
+
+def ident(o):
+    return o
+
+if __name__ == "__main__":
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        before = pool.submit(call_v, K()).result(timeout=20)
+        class K:
+            def v(self):
+                return "new"
+        print(before, pool.submit(call_v, K()).result(timeout=20),
+              type(pool.submit(ident, K()).result(timeout=20)) is K)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("main", ["script", "dash-c"])
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_an_instance_of_a_class_defined_again_runs_the_new_methods(
+    tmp_path: pathlib.Path, main: str, start_method: str
+) -> None:
+    proc = _run_main(tmp_path, REDEFINED_CLASS, start_method, main)
+    assert proc.stdout.splitlines() == ["old new True"], proc.stderr
+
+
 # cloudpickle's copy of a class with __slots__ has no slots (it sets __slots__ as a plain
 # attribute after creating the class), so its instances have a __dict__ and pickle their state
 # as one; a worker's copy maps back to the caller's own slotted class, which cannot take that
