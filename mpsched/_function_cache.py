@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from mpsched._protocol import PICKLE_PROTOCOL
 from mpsched._serialize import (
+    _CACHED,
     _TABLED_TYPES,
     INLINE,
     MainObject,
@@ -281,7 +282,8 @@ class FunctionCache:
         or a name that was bound to something else when this last looked and was rebound to a
         class or function since, with no name defined in between. ~0.2 us per name looked for.
         A class of the workers' ``__main__`` that this process's defined again since the pool
-        started (``_redefined``) counts as missing (~50 ns per class of theirs)."""
+        started (``_redefined``) counts as missing (~50 ns per class of theirs), and so does a
+        function that ``functools.lru_cache`` wraps (``_serialize._portable_cached``)."""
         worker_main = self._worker_main
         namespace = getattr(sys.modules.get("__main__"), "__dict__", None)
         patterns: list[bytes] | None = None  # None: the workers' names are not known
@@ -293,7 +295,9 @@ class FunctionCache:
                 patterns = []
                 for name, value in list(namespace.items()):
                     raw = name.encode()
-                    missing = name not in worker_main or name in redefined
+                    # A cached function's stand-in checks its code in the worker (as a task's
+                    # own function does), which the name alone would not.
+                    missing = name not in worker_main or name in redefined or type(value) is _CACHED
                     if missing and of_main(value) and len(raw) < 256:
                         patterns += (b"\x8c" + bytes((len(raw),)) + raw, raw + b".")
                 self._missing = (state, patterns)

@@ -36,6 +36,7 @@ name, else a copy by value, tabled once per pool (``_function_cache``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import marshal
 import pickle
@@ -158,7 +159,7 @@ def cloud_dumps(obj: Any, main_stand_in: StandIn | None) -> bytes:
     return buffer.getvalue()
 
 
-def copy_by_value(obj: Any, copied: Iterable[type] = ()) -> bytes:
+def copy_by_value(obj: Any, copied: Iterable[type] = (), cached: Any = None) -> bytes:
     """cloudpickle's copy of ``obj``, a class or function of ``__main__``, but each *other*
     class of ``__main__`` in it (a base class, the class of a global it reads, an enum whose
     member it holds) goes as its stand-in (``inline_stand_in``): the receiver's own class of
@@ -170,9 +171,13 @@ def copy_by_value(obj: Any, copied: Iterable[type] = ()) -> bytes:
     fresh copy of ``obj``, made after a global was rebound, must see the new value).
 
     A class in ``copied``, or whose stand-in is being made in this thread (a cycle: ``A``'s
-    method reads ``B``, ``B``'s reads ``A``), is copied within this copy, as cloudpickle does."""
+    method reads ``B``, ``B``'s reads ``A``), is copied within this copy, as cloudpickle does.
+    A function of ``__main__`` that ``functools.lru_cache`` wraps goes as its stand-in too
+    (``_portable_cached``); ``cached``, the wrapper of ``obj`` being copied, goes as None (its
+    loader puts itself there: ``load_main_cached``)."""
     making: set[int] = _local.__dict__.setdefault("making", set())
-    added = [key for key in {id(obj), *map(id, copied)} if key not in making]
+    keys = {id(obj), *map(id, copied)} if cached is None else {id(obj), id(cached)}
+    added = [key for key in keys if key not in making]
     making.update(added)
     try:
         buffer = io.BytesIO()
@@ -183,9 +188,9 @@ def copy_by_value(obj: Any, copied: Iterable[type] = ()) -> bytes:
 
 
 def _class_stand_in(obj: Any) -> tuple[Any, ...] | None:
-    """``copy_by_value``'s stand-in: a class's (None: copied with the rest), never a
-    function's."""
-    return inline_stand_in(obj) if isinstance(obj, type) else None
+    """``copy_by_value``'s stand-in: a class's or a cached function's (None: copied with the
+    rest), never a plain function's."""
+    return inline_stand_in(obj) if isinstance(obj, (type, _CACHED)) else None
 
 
 _local = threading.local()  # copy_by_value's classes in the making, per thread
@@ -220,6 +225,8 @@ def _main_aware_pickler() -> Any:
                             return reduced
                         if copied is None:
                             return NotImplemented  # by name
+                    elif type(obj) is _CACHED:
+                        return (type(None), ())  # the wrapper being copied (copy_by_value)
                 reduced = super().reducer_override(obj)
                 if isinstance(obj, type) and "__slots__" in vars(obj):
                     return _with_slots(reduced, vars(obj)["__slots__"])
@@ -491,7 +498,11 @@ def portable(fn: Any, *, name_first: bool = True, copied: Iterable[type] = ()) -
     the name may hold an older body (redefined since: a notebook cell run again), which ran
     instead of the new one.
     """
-    if getattr(fn, "__module__", None) != "__main__" or type(fn) not in _TABLED_TYPES:
+    if getattr(fn, "__module__", None) != "__main__":
+        return fn
+    if type(fn) is _CACHED:
+        return _portable_cached(fn, name_first)
+    if type(fn) not in _TABLED_TYPES:
         return fn
     try:
         _dumps(fn, PICKLE_PROTOCOL)  # by reference, or not at all: then cloudpickle inline
@@ -501,6 +512,67 @@ def portable(fn: Any, *, name_first: bool = True, copied: Iterable[type] = ()) -
     if len(by_value) > MAIN_BY_VALUE_MAX:
         return fn
     return _MainFunction(fn.__qualname__, by_value, code_bytes(fn) if name_first else None)
+
+
+def _portable_cached(fn: Any, name_first: bool) -> Any:
+    """``portable`` for a function of ``__main__`` wrapped by ``functools.lru_cache`` (or
+    ``cache``): plain pickle writes the wrapper by name, which a worker without that name
+    failed on ("Can't get attribute"), and one with an older body of that name ran the old
+    body (found in review). Its stand-in loads as the worker's wrapper of that name if that
+    one wraps the same code, else as a new wrapper, with the same parameters, of a copy of the
+    function it wraps (once per worker: ``load_main_cached``)."""
+    inner = getattr(fn, "__wrapped__", None)
+    if type(inner) is not types.FunctionType:
+        return fn
+    try:
+        by_value = copy_by_value(inner, (), fn)
+    except Exception:
+        return fn
+    if len(by_value) > MAIN_BY_VALUE_MAX:
+        return fn
+    params = fn.cache_parameters()
+    code = code_bytes(inner) if name_first else None
+    return _MainCached(fn.__qualname__, by_value, code, params["maxsize"], params["typed"])
+
+
+class _MainCached:
+    """Pickles as ``load_main_cached(qualname, by_value, code, maxsize, typed)``."""
+
+    __slots__ = ("args",)
+
+    def __init__(
+        self, qualname: str, by_value: bytes, code: bytes | None, maxsize: int | None, typed: bool
+    ) -> None:
+        self.args = (qualname, by_value, code, maxsize, typed)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (load_main_cached, self.args)
+
+
+# In a worker: the wrappers load_main_cached made, by their arguments: a stand-in that comes
+# with every task would otherwise wrap a new copy each time, with an empty cache.
+_cached_copies: dict[tuple[Any, ...], Any] = {}
+
+
+def load_main_cached(
+    qualname: str, by_value: bytes, code: bytes | None, maxsize: int | None, typed: bool
+) -> Any:
+    """In a worker: see ``_portable_cached``."""
+    obj = _in_main(qualname)
+    inner = getattr(obj, "__wrapped__", None) if type(obj) is _CACHED else None
+    if code is not None and inner is not None and code_bytes(inner) == code:
+        return obj
+    key = (qualname, by_value, maxsize, typed)
+    wrapper = _cached_copies.get(key)
+    if wrapper is None:
+        inner = _cloudpickle().loads(by_value)
+        wrapper = _cached_copies[key] = functools.lru_cache(maxsize, typed)(inner)
+        # The copy's own calls of the name (a recursion) reach this wrapper: the copy was
+        # made with None there (``copy_by_value``'s ``cached``), as it cannot hold itself.
+        namespace = inner.__globals__
+        if "." not in qualname and qualname in namespace and namespace[qualname] is None:
+            namespace[qualname] = wrapper
+    return wrapper
 
 
 class _MainFunction:
@@ -588,8 +660,10 @@ def bound_to_state(fn: Any) -> bool:
     return owner is not None and not isinstance(owner, (types.ModuleType, type))
 
 
-# What plain pickle writes by name, as a global (classes and functions).
-_BY_NAME = (type, *_TABLED_TYPES)
+# What plain pickle writes by name, as a global (classes and functions, and the functions that
+# functools.lru_cache and functools.cache wrap, whose __reduce__ gives their qualname).
+_CACHED = functools._lru_cache_wrapper
+_BY_NAME = (type, *_TABLED_TYPES, _CACHED)
 
 
 def of_main(obj: Any) -> bool:

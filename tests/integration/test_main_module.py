@@ -347,6 +347,57 @@ def test_an_instance_of_a_class_defined_again_runs_the_new_methods(
     assert proc.stdout.splitlines() == ["old new True"], proc.stderr
 
 
+# Functions of __main__ that functools.lru_cache or functools.cache wrap: plain pickle writes the
+# wrapper by name, so one of the main block failed in the workers of spawn and forkserver ("Can't
+# get attribute"), and one defined again ran its old body (found in review). Their stand-in is
+# the worker's wrapper if it wraps the same code, else a wrapper of a copy, made once per worker
+# (its cache lasts across tasks) and reached by the copy's own recursive calls.
+CACHED_FUNCTIONS = """
+import functools
+import sys
+import mpsched
+
+@functools.lru_cache(maxsize=None)
+def version(x):
+    return ("old", x)
+
+if __name__ == "__main__":
+    @functools.lru_cache(maxsize=None)
+    def fib(n):
+        return n if n < 2 else fib(n - 1) + fib(n - 2)
+
+    @functools.cache
+    def square(x):
+        return x * x
+
+    @functools.lru_cache(maxsize=None)
+    def version(x):
+        return ("new", x)
+
+    def cached_in_worker():
+        return fib.cache_info().currsize
+
+    def apply(fn, x):
+        return fn(x)
+
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        print(pool.submit(fib, 80).result(timeout=20),
+              list(pool.map(square, [2, 3])),
+              pool.submit(apply, square, 4).result(timeout=20),
+              pool.submit(version, 1).result(timeout=20),
+              pool.submit(cached_in_worker).result(timeout=20))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_main_functions_wrapped_by_lru_cache_run_with_their_cache(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    proc = _run_main(tmp_path, CACHED_FUNCTIONS, start_method)
+    assert proc.stdout.splitlines() == ["23416728348467685 [4, 9] 16 ('new', 1) 81"], proc.stderr
+
+
 # cloudpickle's copy of a class with __slots__ has no slots (it sets __slots__ as a plain
 # attribute after creating the class), so its instances have a __dict__ and pickle their state
 # as one; a worker's copy maps back to the caller's own slotted class, which cannot take that
