@@ -141,6 +141,30 @@ def zygote_main(cfg: ZygoteConfig) -> None:
         os._exit(code)
 
 
+THREADED_ZYGOTE_WARNING = (
+    "mpsched: the pool's zygote runs threads ({names}), started by an import (of the main "
+    "module, which spawn and forkserver run again in it, or of the first task's module). The "
+    "workers are forked from the zygote: a lock that such a thread holds at a fork stays held "
+    "in that worker for ever, and a task that takes it hangs. Start such threads under "
+    "`if __name__ == '__main__':`, or in each worker with the pool's initializer."
+)
+
+
+def _warn_if_threaded() -> None:
+    """Before the first fork: say so if an import left this process with other threads (found
+    in review: a main module that starts a thread holding a lock at times hung the workers of
+    spawn and forkserver, where the stdlib's pools run the module afresh in each worker). Not
+    an error: most such threads hold no lock that a task needs."""
+    import threading
+
+    me = threading.current_thread()
+    others = [thread.name for thread in threading.enumerate() if thread is not me]
+    if others:
+        import warnings
+
+        warnings.warn(THREADED_ZYGOTE_WARNING.format(names=", ".join(others)), RuntimeWarning, 2)
+
+
 class _Zygote:
     def __init__(self, cfg: ZygoteConfig, views: SegmentViews, workers_sigchld: Any) -> None:
         self.cfg = cfg
@@ -166,6 +190,7 @@ class _Zygote:
         if self.cfg.await_start:
             self._await_start()
         if not self.stopping:
+            _warn_if_threaded()
             initial = self.cfg.initial_slots
             for slot in initial:  # the other slots wait for a SPAWN (dormant)
                 self._spawn(slot, len(initial) < self.cfg.layout.n_slots)

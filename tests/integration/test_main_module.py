@@ -398,6 +398,37 @@ def test_main_functions_wrapped_by_lru_cache_run_with_their_cache(
     assert proc.stdout.splitlines() == ["23416728348467685 [4, 9] 16 ('new', 1) 81"], proc.stderr
 
 
+# A main module that starts a thread as it is imported: spawn and forkserver run it again in the
+# zygote, whose forks (the workers) keep any lock that thread holds at that moment held for ever
+# (found in review: a task that took it hung; the stdlib's pools run the module afresh in each
+# worker). The zygote says so before its first fork.
+THREAD_AT_IMPORT = """
+import sys
+import threading
+import mpsched
+
+stop = threading.Event()
+threading.Thread(target=stop.wait, name="refresher", daemon=True).start()
+
+def ident(x):
+    return x
+
+if __name__ == "__main__":
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        print(pool.submit(ident, 1).result(timeout=20))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_zygote_that_an_import_left_with_threads_warns(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    proc = _run_main(tmp_path, THREAD_AT_IMPORT, start_method)
+    assert proc.stdout.splitlines() == ["1"], proc.stderr
+    assert "the pool's zygote runs threads (refresher)" in proc.stderr, proc.stderr
+
+
 # cloudpickle's copy of a class with __slots__ has no slots (it sets __slots__ as a plain
 # attribute after creating the class), so its instances have a __dict__ and pickle their state
 # as one; a worker's copy maps back to the caller's own slotted class, which cannot take that
