@@ -47,6 +47,7 @@ import types
 import weakref
 from collections.abc import Callable, Iterable
 
+from mpsched._errors import MpschedError
 from mpsched._protocol import PICKLE_PROTOCOL, safe_repr
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
@@ -62,9 +63,11 @@ _dumps = pickle.dumps
 _loads = pickle.loads
 
 
-class TaskPicklingError(pickle.PicklingError, TypeError):
+class TaskPicklingError(MpschedError, pickle.PicklingError, TypeError):
     """A task's function or arguments cannot be pickled (raised at submit, in the caller), or
-    its result (in the worker: then it is the task's error, on its future)."""
+    its result (in the worker: then it is the task's error, on its future). An
+    ``MpschedError`` as every error mpsched raises on its own behalf (it was not: an
+    ``except MpschedError`` let it through; found in review)."""
 
 
 _ARGUMENT_ADVICE = "Pass picklable arguments, or share the data another way."

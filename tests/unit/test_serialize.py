@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mpsched import _serialize
+from mpsched._errors import MpschedError
 from mpsched._function_cache import NAMES_SCANNED_BYTES_MAX, FunctionCache
 from mpsched._protocol import PICKLE_PROTOCOL
 from mpsched._serialize import (
@@ -81,6 +82,15 @@ def test_unpicklable_task_id_is_a_type_error() -> None:
 def test_unpicklable_argument_names_the_arguments() -> None:
     with pytest.raises(TaskPicklingError, match="cannot pickle the task's arguments"):
         encode_call(0, None, (threading.Lock(),), {}, ("ok",))
+
+
+def test_a_pickling_error_is_an_mpsched_error() -> None:
+    """Raised on mpsched's own behalf, as its docstring says of every MpschedError: an
+    ``except MpschedError`` let it through (found in review). Still a PicklingError and a
+    TypeError, which code written for the stdlib's pools catches."""
+    with pytest.raises(MpschedError) as caught:
+        encode_call(-1, None, (threading.Lock(),), {})
+    assert isinstance(caught.value, (pickle.PicklingError, TypeError))
 
 
 @pytest.mark.parametrize("dump", [_serialize.dumps, _serialize.dumps_result])
