@@ -486,10 +486,14 @@ class CallbackRunner:
         self.thread: threading.Thread | None = None
 
     def append(self, future: Future) -> None:
-        """The coordinator thread's sink. That thread alone closes the runner, so it is open."""
+        """The coordinator thread's sink. That thread alone closes the runner, so it is open.
+        If the thread cannot start, this thread calls the callbacks (``_start``)."""
         if self.thread is None:
             with self._lock:
-                self._start()
+                started = self._start()
+            if not started:
+                call_logged((future,))
+                return
         self._queue.put(future)
 
     def hand_over(self, futures: list[Future]) -> None:
@@ -506,10 +510,9 @@ class CallbackRunner:
         queued = False
         try:
             with self._lock:
-                if not self._closed:
+                if not self._closed and self._start():
                     self._queue.put(box)
                     queued = True
-                    self._start()
         except BaseException:
             queued = False
             raise
@@ -519,13 +522,25 @@ class CallbackRunner:
                 if taken:
                     invoke_all(taken)
 
-    def _start(self) -> None:
-        """Under ``_lock``: start the thread if it is not running yet."""
+    def _start(self) -> bool:
+        """Under ``_lock``: start the thread if it is not running yet; False if it cannot
+        start. Python 3.12 and later start no thread once the interpreter's exit began (nor
+        may one start at a thread limit): the first future with callbacks that a pool left
+        running at exit settled (a dropped pool's, or one shut down without waiting; an
+        ``asyncio.wrap_future`` adds a callback) raised RuntimeError in the coordinator thread,
+        which broke the pool: the tasks still running were killed, the rest failed (found in
+        review). The caller then calls the callbacks itself, as the stdlib's pools call them
+        from their manager thread, and the next future tries the start again."""
         if self.thread is None:
+            thread = threading.Thread(target=self._run, name="mpsched-callbacks", daemon=True)
             # Known before it starts: a Ctrl-C in ``start()`` lands, in all likelihood, in its
             # wait for the new thread, which then runs: a second one would share the queue.
-            self.thread = threading.Thread(target=self._run, name="mpsched-callbacks", daemon=True)
-            self.thread.start()
+            self.thread = thread
+            try:
+                thread.start()
+            except RuntimeError:
+                self.thread = None
+        return self.thread is not None
 
     def close(self) -> None:
         """Coordinator thread: no future comes any more from it, and a user thread's

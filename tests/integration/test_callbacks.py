@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 
 import mpsched
+import mpsched._future
 from mpsched import Pool, PoolClosedError, TaskState
 
 from . import tasks
@@ -368,6 +369,33 @@ def test_a_done_callback_re_enters_the_pool(
 
 
 # ---------------------------------------------------------------- beyond the matrix
+@pytest.mark.timeout(30)
+def test_callbacks_run_when_the_callback_thread_cannot_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Python 3.12 and later start no thread once the interpreter's exit began: a pool left
+    running at exit (dropped, or shut down without waiting) whose first future with callbacks
+    settled then broke, its tasks killed or failed (found in review). Here every start of the
+    callback thread fails as it does then: the coordinator thread calls the callbacks itself
+    (the stdlib's pools call them in their manager thread), and the pool goes on."""
+
+    class NoNewThread(threading.Thread):
+        def start(self) -> None:
+            if self.name == "mpsched-callbacks":
+                raise RuntimeError("can't create new thread at interpreter shutdown")
+            super().start()
+
+    monkeypatch.setattr(mpsched._future.threading, "Thread", NoNewThread)
+    called: list[int] = []
+    with Pool(2) as pool:
+        futures = [pool.submit(tasks.ident, i) for i in range(20)]
+        for f in futures:
+            f.add_done_callback(lambda f: called.append(f.result()))
+        assert [f.result(WAIT) for f in futures] == list(range(20))
+        assert pool._coordinator.callbacks.thread is None
+    assert sorted(called) == list(range(20))
+
+
 @pytest.mark.timeout(30)
 def test_a_callback_of_what_a_result_call_collected_runs_outside_that_call(
     scenes: Callable[[str], Scene],
