@@ -30,8 +30,6 @@ from mpsched._errors import TaskCancelled as TaskCancelled
 # in a condition as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
-
     from mpsched._children import ChildFuture as ChildFuture
     from mpsched._children import TaskContext as TaskContext
     from mpsched._children import current_task as current_task
@@ -75,15 +73,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mpsched' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
 def _at_exit() -> None:
     """The interpreter's exit: shut down the pools (``_lifecycle.shutdown_all_pools``). Hooked
     here, as the package is imported, not where the pools are: ``Pool`` is imported on first
@@ -99,10 +88,6 @@ def _at_exit() -> None:
 # this one: it terminates the daemonic children (the zygote, under forkserver and spawn), which
 # broke a pool before this hook could drain it.
 atexit.register(_at_exit)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
 
 
 __version__ = "0.1.0"
@@ -131,3 +116,21 @@ __all__ = (
     "current_task",
     "submit",
 )
+
+# Hidden from type checkers (which take TYPE_CHECKING as true): a module-level __getattr__ they
+# can see makes every unknown attribute of the package Any to them, so ``from mpsched import
+# Pol`` and ``mpsched.curent_task()`` passed mypy --strict. They see the lazy names imported
+# above instead.
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> object:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module 'mpsched' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        # The public names and the module's dunders, not the imports and helpers of this file.
+        return sorted({name for name in globals() if name.startswith("__")} | set(__all__))

@@ -41,6 +41,13 @@ def test_all_is_a_tuple_of_public_reexports() -> None:
         assert hasattr(mpsched, name), name
 
 
+def test_dir_lists_the_public_names() -> None:
+    # Not this file's imports and helpers (it listed TYPE_CHECKING, atexit, sys, ...).
+    names = dir(mpsched)
+    assert set(mpsched.__all__) <= set(names)
+    assert [name for name in names if not name.startswith("__")] == sorted(mpsched.__all__)
+
+
 def test_leaf_modules_import_no_other_mpsched_module() -> None:
     for path in PACKAGE.glob("_*.py"):
         if path.stem not in LEAVES | SLOT_PARTS | SLAB_PARTS:
@@ -117,4 +124,13 @@ def test_mypy_strict_is_clean() -> None:
 @pytest.mark.timeout(120)
 def test_ruff_is_clean() -> None:
     result = _run([sys.executable, "-m", "ruff", "check", "mpsched", "tests", "benchmarks"])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_user_code_of_the_public_api_type_checks() -> None:
+    # tests/typing_cases.py: correct uses pass, each wrong one must raise the error its
+    # ``type: ignore[code]`` names (an unused ignore fails). A few seconds (mypy, one file).
+    args = [sys.executable, "-m", "mypy", "--strict", "--warn-unused-ignores"]
+    result = _run([*args, "tests/typing_cases.py"])
     assert result.returncode == 0, result.stdout + result.stderr
