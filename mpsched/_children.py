@@ -33,6 +33,7 @@ import pickle
 import sys
 import time
 from _thread import get_ident
+from types import GenericAlias
 
 from mpsched._clock import wait_seconds
 from mpsched._errors import InternalError, TaskCancelled, timeout_error
@@ -54,12 +55,27 @@ from mpsched._slot_region import MAX_NESTING
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any, NoReturn
+    from typing import Any, Generic, NoReturn, ParamSpec, TypeVar
 
     from mpsched._layout import GlobalHeader
     from mpsched._payloads import Slab
     from mpsched._shm_deque import SlotQueues
     from mpsched._worker import Worker
+
+    _T = TypeVar("_T")  # a child's result
+    _P = ParamSpec("_P")  # a child function's parameters
+
+    class _Generic(Generic[_T]):
+        __slots__ = ()
+
+else:
+    # What makes ChildFuture generic to type checkers, and ``ChildFuture[int]`` valid at run
+    # time (as ``concurrent.futures.Future[int]``), without importing typing (why: above).
+    class _Generic:
+        __slots__ = ()
+        __class_getitem__ = classmethod(GenericAlias)
+
+    _T = _P = None  # in annotations only (strings at run time)
 
 CHILD_QUEUED = ChildState.QUEUED
 CHILD_DONE = ChildState.DONE
@@ -178,7 +194,7 @@ _OFF_THREAD = (
 )
 
 
-def submit(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> ChildFuture:
+def submit(fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> ChildFuture[_T]:
     """Inside a task: run ``fn(*args, **kwargs)`` as a child task on this worker's own deque.
 
     The child may be stolen by an idle worker. ``result()`` on the returned future runs other
@@ -293,7 +309,7 @@ class TaskContext:
         )
 
 
-class ChildFuture:
+class ChildFuture(_Generic[_T]):
     """The future of a child task (``mpsched.submit``); lives in the spawning worker only.
 
     ``result()`` and ``exception()`` help: while the child is not done, this worker runs other
@@ -323,7 +339,7 @@ class ChildFuture:
         self._error_data: bytes | None = None
 
     @classmethod
-    def settled(cls, worker: Children, value: Any, error: bytes | None) -> ChildFuture:
+    def settled(cls, worker: Children, value: Any, error: bytes | None) -> ChildFuture[Any]:
         """A child run inline: its value, or its error pickled (``dump_exception``) as a
         child's is, so that it reads the same whichever way the child ran."""
         fut = cls(worker, -1)
@@ -359,7 +375,7 @@ class ChildFuture:
         child cannot be withdrawn once spawned (see the class docstring); it runs to its end."""
         return False
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> _T:
         """The child's return value; re-raises its exception. Runs other children meanwhile.
 
         The exception raised is a new copy at each call (equal type and arguments, not the
@@ -375,7 +391,7 @@ class ChildFuture:
         self._wait(timeout)
         if self._error_data is not None:
             raise load_exception(self._error_data)
-        return self._value
+        return self._value  # type: ignore[no-any-return]  # the child returned it
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._wait(timeout)
@@ -466,7 +482,7 @@ class Children:
 
     def spawn(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> ChildFuture:
+    ) -> ChildFuture[Any]:
         try:
             fid = self.fid_of.get(fn, INLINE)
         except Exception:  # unhashable (its hash raises, e.g. a frozen dataclass with a list)
@@ -507,7 +523,7 @@ class Children:
         # The slab or the deque is full: run the child here and now (rayon runs inline too).
         return self.run_inline(payload)
 
-    def run_inline(self, payload: bytes) -> ChildFuture:
+    def run_inline(self, payload: bytes) -> ChildFuture[Any]:
         # Decoding runs user code (the arguments' unpickling, the function's import): its
         # error is the child's, as when a peer runs it (it escaped from mpsched.submit).
         contexts = self.contexts
@@ -633,7 +649,7 @@ class Children:
             if self.me.exchange_block_state(self.slab, handle, CHILD_ABANDONED) == CHILD_DONE:
                 self.free_unread_child(handle)
 
-    def join(self, future: ChildFuture, timeout: float | None) -> bool:
+    def join(self, future: ChildFuture[Any], timeout: float | None) -> bool:
         """Help until ``future``'s child is done (True) or ``timeout`` passed (False): run
         other children (from the own deque, or stolen from a peer's), or sleep until woken.
         It raises nothing of its own (``_wait`` tells an exception from it for an interrupt).

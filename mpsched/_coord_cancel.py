@@ -32,6 +32,7 @@ import signal
 import time
 from collections.abc import Hashable, Iterable
 from concurrent.futures._base import PENDING
+from typing import Any
 
 from mpsched._coord_state import (
     _STATE,
@@ -49,7 +50,7 @@ STOP_WAIT = 0.2  # seconds a SIGSTOPped worker gets to show as stopped before a 
 
 
 class Cancelling(CoordinatorState):
-    def cancel(self, future: Future) -> bool:
+    def cancel(self, future: Future[Any]) -> bool:
         """Any thread (``Future.cancel``): withdraw a task no worker has claimed. True if it
         will never run."""
         if self.disowned:  # a fork child's copy: the task is the parent's (see __init__)
@@ -84,7 +85,7 @@ class Cancelling(CoordinatorState):
             self.wakeup()
         return True
 
-    def end_withdrawn(self, future: Future) -> None:
+    def end_withdrawn(self, future: Future[Any]) -> None:
         """Under ``self.lock``, in the handler of an exception (a Ctrl-C's KeyboardInterrupt)
         that hit a withdrawal: if ``future`` was withdrawn (it never runs; its caller marks it
         cancelled), take its version out of the timetable as the withdrawal would have. A
@@ -94,7 +95,7 @@ class Cancelling(CoordinatorState):
         if self.timetable.withdrawn(future):  # idempotent for a version still in the heap
             self.note_heap_due()
 
-    def cancel_later(self, futures: Iterable[Future]) -> None:
+    def cancel_later(self, futures: Iterable[Future[Any]]) -> None:
         """Any thread, in any context: have the loop cancel ``futures`` (``Future.cancel``) on
         its next pass. Takes no lock, so it may run inside a critical section of the calling
         thread: a generator finalized by the garbage collector while this thread holds
@@ -114,7 +115,7 @@ class Cancelling(CoordinatorState):
         while deferred:
             deferred.popleft().cancel()
 
-    def withdraw(self, future: Future) -> bool:
+    def withdraw(self, future: Future[Any]) -> bool:
         """Under ``self.lock``: make sure a task no worker has claimed never runs. True if it
         will not run (withdrawn now or before); False if it was claimed or has finished."""
         if future._owner is FINISHING:  # it ran; its outcome is being set (end_runs)
@@ -277,7 +278,7 @@ class Cancelling(CoordinatorState):
             elif overdue >= run.options.timeout_grace and not run.forced:
                 self.kill_running(future)
 
-    def kill_running(self, future: Future) -> bool:
+    def kill_running(self, future: Future[Any]) -> bool:
         """Kill the worker running ``future``'s task, and no other: the worker is stopped
         first, and killed only if the task is still on its run stack (else it continues).
 

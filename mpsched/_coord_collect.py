@@ -66,7 +66,7 @@ HELP_RETRY_EVERY = 32
 
 
 class Collecting(CoordinatorState):
-    def help_wait(self, future: Future, timeout: float | None = None) -> None:
+    def help_wait(self, future: Future[Any], timeout: float | None = None) -> None:
         """A user thread about to block in ``future.result(timeout)``: while the pool is lightly
         loaded, spin for a short while collecting done rings itself. The result then reaches the
         caller with one cross-process hop (worker -> this thread) instead of two (worker ->
@@ -100,7 +100,7 @@ class Collecting(CoordinatorState):
             # sweep, and a lazy loop would sweep only after LAZY_SWEEP_INTERVAL.
             self.wakeup()
 
-    def help_spin(self, future: Future) -> bool:
+    def help_spin(self, future: Future[Any]) -> bool:
         """``help_wait``'s spin: collect done rings until ``future`` is done or time is up.
         Returns whether the loop sweeps lazily (read after the spin)."""
         slots = self.slots
@@ -135,7 +135,7 @@ class Collecting(CoordinatorState):
             with self.collect_lock:
                 self.collect_locked(True)
             return
-        settled: list[Future] = []
+        settled: list[Future[Any]] = []
         previous = defer_callbacks(settled.append)
         try:
             with self.collect_lock:
@@ -181,7 +181,7 @@ class Collecting(CoordinatorState):
         ``take_done`` returned (or at this call's start) dropped them, and their futures ended
         cancelled at the drain, though their tasks ran."""
         slab = self.slab
-        outcomes: list[tuple[Future, int, Buffer]] = []
+        outcomes: list[tuple[Future[Any], int, Buffer]] = []
         unknown: list[int] = []
         later: list[int] = []  # a user thread's: left to the loop, their blocks kept
         by_handle = self.by_handle
@@ -273,7 +273,7 @@ class Collecting(CoordinatorState):
         handles: list[int],
         slot: int,
         exc: BaseException,
-        outcomes: list[tuple[Future, int, Buffer]],
+        outcomes: list[tuple[Future[Any], int, Buffer]],
         unknown: list[int],
     ) -> None:
         """``read_results`` in the coordinator thread, after reading ``handles[0]``'s result
@@ -304,10 +304,10 @@ class Collecting(CoordinatorState):
                 self.stash.pop(-nbytes, None)
             outcomes.append((future, _ERROR, failed))
 
-    def settle(self, outcomes: list[tuple[Future, int, Buffer]]) -> None:
+    def settle(self, outcomes: list[tuple[Future[Any], int, Buffer]]) -> None:
         """Resolve futures; tasks with an id or options first update the timetable (so that a
         caller woken by ``result()`` sees the final ``state()``)."""
-        special: list[tuple[Future, int, Buffer]] = []
+        special: list[tuple[Future[Any], int, Buffer]] = []
         loaded: list[tuple[bool, Any] | None] = []  # per special entry: its unpickled result
         for outcome in outcomes:
             future = outcome[0]
@@ -345,7 +345,7 @@ class Collecting(CoordinatorState):
             else:
                 resolve(future, status, data)
 
-    def settle_interrupted(self, outcomes: list[tuple[Future, int, Buffer]]) -> None:
+    def settle_interrupted(self, outcomes: list[tuple[Future[Any], int, Buffer]]) -> None:
         """``settle(outcomes)`` raised: a Ctrl-C's KeyboardInterrupt in a user thread's
         collection (``help_wait``), at any call in a setter, an unpickling, a waiter's notify
         or ``end_runs``. These futures left ``by_handle`` and their blocks were freed, so no
@@ -382,7 +382,7 @@ class Collecting(CoordinatorState):
             self.on_worker_message(worker, *recv_message(worker.conn))
         return self.stash.pop(key)
 
-    def end_runs(self, outcomes: list[tuple[Future, int, Buffer]]) -> None:
+    def end_runs(self, outcomes: list[tuple[Future[Any], int, Buffer]]) -> None:
         with self.lock:
             for future, status, _ in outcomes:
                 if future._handle >= 0:
@@ -426,14 +426,14 @@ def unpickle_result(data: Buffer) -> tuple[bool, Any]:
 # and one look at done() per task (resolve's, then _store).
 
 
-def settle_loaded(future: Future, ok: bool, value: Any) -> None:
+def settle_loaded(future: Future[Any], ok: bool, value: Any) -> None:
     """Settle a task's future with an unpickled result (``unpickle_result``'s pair)."""
     future._owner = FINISHING
     if not future.done():  # else cancelled meanwhile: a race the claim decided
         _store(future, ok, value)
 
 
-def _store(future: Future, ok: bool, value: Any) -> None:
+def _store(future: Future[Any], ok: bool, value: Any) -> None:
     """``settle_loaded`` once ``future`` was found not done (``resolve`` checked already)."""
     if ok:
         try:  # noqa: SIM105  (see above)
@@ -447,7 +447,7 @@ def _store(future: Future, ok: bool, value: Any) -> None:
             pass
 
 
-def resolve(future: Future, status: int, data: Buffer) -> None:
+def resolve(future: Future[Any], status: int, data: Buffer) -> None:
     """Settle a task's future from its result bytes (coordinator thread, no lock held)."""
     future._owner = FINISHING
     if future.done():  # cancelled meanwhile: a race the claim decided; nothing to report

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 from mpsched._coord_state import _NBYTES, _NO_LOW, _UID_PID_SHIFT, CoordinatorState
 from mpsched._future import Future
@@ -40,7 +41,7 @@ _UID = BlockField.UID
 
 
 class Dispatching(CoordinatorState):
-    def dispatch_one(self, future: Future) -> bool:
+    def dispatch_one(self, future: Future[Any]) -> bool:
         """Under ``self.lock``: inject one task into the next inbox with room; False if none."""
         if len(self.by_handle) >= self.max_inflight:
             return False
@@ -117,14 +118,14 @@ class Dispatching(CoordinatorState):
             # (which marks them queued: out of the inbox), at their aged levels
             self.ready.putback(futures, time.monotonic(), self.aging)
 
-    def take_ready(self, n: int) -> tuple[list[Future], int]:
+    def take_ready(self, n: int) -> tuple[list[Future[Any]], int]:
         """Under ``self.lock``: up to ``n`` due tasks, minus recurring runs that misfired."""
         batch, lowest = self.ready.take(n)
         if self.timetable.recurring:
             batch = [f for f in batch if not self.misfired(f)]
         return batch, lowest
 
-    def inject(self, k: int, batch: list[Future], lowest: int) -> int:
+    def inject(self, k: int, batch: list[Future[Any]], lowest: int) -> int:
         """Under ``self.lock``: write ``batch`` into slab blocks (tasks taken back already have
         theirs) and inject them into inbox ``k`` in one lock round, waking a sleeper. Returns
         how many went (the slab may be full)."""
@@ -200,7 +201,9 @@ class Dispatching(CoordinatorState):
             self.wake_sleepers()
         return len(queued)
 
-    def inject_interrupted(self, k: int, new: list[Future], handles: list[int], back: int) -> None:
+    def inject_interrupted(
+        self, k: int, new: list[Future[Any]], handles: list[int], back: int
+    ) -> None:
         """Under ``self.lock``: an exception hit ``inject`` (in a user thread, a Ctrl-C's
         KeyboardInterrupt in ``submit``'s direct dispatch; in the coordinator thread an
         internal error, which breaks the pool: its sweep of ``by_handle`` ends the tasks).

@@ -24,6 +24,7 @@ import contextlib
 import signal
 import socket
 import time
+from typing import Any
 
 from mpsched._coord_cancel import send_signal
 from mpsched._coord_recovery import release_orphaned_locks
@@ -141,8 +142,8 @@ class Draining(CoordinatorState):
         when due unless ``timed_after_shutdown`` is False; ``cancel_futures`` cancels all that
         has not started."""
         self.release_workers()  # they must answer the handshake, even with no task run
-        cancelled: list[Future] = []
-        injected: list[Future] = []
+        cancelled: list[Future[Any]] = []
+        injected: list[Future[Any]] = []
         try:
             with self.lock:
                 try:
@@ -183,7 +184,7 @@ class Draining(CoordinatorState):
                 raise
         cancel_all(injected)
 
-    def withdraw_recurrences(self, cancelled: list[Future]) -> None:
+    def withdraw_recurrences(self, cancelled: list[Future[Any]]) -> None:
         """Under ``self.lock`` (``begin_shutdown``): stop every recurrence and withdraw its next
         run if no worker has claimed it, appending the futures to end cancelled to
         ``cancelled`` as it goes. A recurrence leaves ``recurring`` only after its last step,
@@ -219,7 +220,7 @@ class Draining(CoordinatorState):
             self.requests.extend((future, True) for future in self.by_handle.values())
         self.wakeup()
 
-    def withdraw_queued(self, cancelled: list[Future]) -> list[Future]:
+    def withdraw_queued(self, cancelled: list[Future[Any]]) -> list[Future[Any]]:
         """Under ``self.lock`` (``begin_shutdown`` with ``cancel_futures``): withdraw every task
         in the ready queue, appending each future to ``cancelled`` as it goes; returns the
         futures of the tasks in inboxes (to cancel once the lock is released: each races its
@@ -320,7 +321,7 @@ class Draining(CoordinatorState):
         self.epoll.close()
 
 
-def settle_error(future: Future, error: BaseException) -> None:
+def settle_error(future: Future[Any], error: BaseException) -> None:
     future._owner = FINISHING
     with contextlib.suppress(Exception):
         if not future.done():

@@ -174,7 +174,7 @@ class Recovering(CoordinatorState):
         slot = self.slot_repaired(worker)
         self.release_orphans()
         self.collect()
-        outcomes: list[tuple[Future, int, Buffer]] = []
+        outcomes: list[tuple[Future[Any], int, Buffer]] = []
         taken = []  # freed after the loop: a free that raises must not lose their futures
         try:
             for handle in slot.take_running():

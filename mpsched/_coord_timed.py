@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 from mpsched._coord_collect import resolve
 from mpsched._coord_state import (
@@ -61,14 +62,14 @@ class Timing(CoordinatorState):
         task_id: Hashable,
         run_at: float,
         priority: int,
-        future: Future,
+        future: Future[Any],
         recurrence: Recurrence | None = None,
     ) -> bool:
         """Any thread: add a version of ``task_id`` (``future`` holds its call, encoded with its
         meta). The version handed out earlier, if no worker has claimed it, and the pending one
         are superseded: cancelled, never run.
         Returns True if the loop must be woken (the new task is due before it would wake)."""
-        superseded: Sequence[Future] = ()  # no list for a new id (the measured path)
+        superseded: Sequence[Future[Any]] = ()  # no list for a new id (the measured path)
         timetable = self.timetable
         lock = self.lock
         try:
@@ -121,7 +122,7 @@ class Timing(CoordinatorState):
         return wake
 
     def supersede(
-        self, task_id: Hashable, recurrence: Recurrence | None, superseded: list[Future]
+        self, task_id: Hashable, recurrence: Recurrence | None, superseded: list[Future[Any]]
     ) -> None:
         """Under ``self.lock``: a new version of ``task_id`` comes; cancel the handed-out version
         if no worker claimed it, the pending one, and a recurrence other than ``recurrence``.
@@ -145,7 +146,9 @@ class Timing(CoordinatorState):
             old.active = False
             del timetable.recurring[task_id]
 
-    def superseded_so_far(self, task_id: Hashable, candidates: Sequence[Future]) -> list[Future]:
+    def superseded_so_far(
+        self, task_id: Hashable, candidates: Sequence[Future[Any]]
+    ) -> list[Future[Any]]:
         """Under ``self.lock``, in ``schedule``'s exception handler: which of ``candidates``
         (``supersede``'s list, each added before its withdrawal) were superseded: a handed-out
         version withdrawn (ended here if the exception came before its end: left handed out,
@@ -169,7 +172,7 @@ class Timing(CoordinatorState):
         with self.lock:
             return self.timetable.state(task_id, self.claimed)
 
-    def claimed(self, future: Future) -> bool:
+    def claimed(self, future: Future[Any]) -> bool:
         """Under ``self.lock``: whether a handed-out task was claimed by a worker. A retry
         (its worker died: ``recover_slot``) was: it started before, and a state never goes
         back (``state()`` said PENDING from the death until the retry's claim)."""
@@ -192,7 +195,7 @@ class Timing(CoordinatorState):
         """Under ``self.lock``: ``release_due`` without the aging (also ``dispatch``'s)."""
         self.next_due = self.timetable.release_due(now, self.make_ready)
 
-    def make_ready(self, future: Future, priority: int) -> None:
+    def make_ready(self, future: Future[Any], priority: int) -> None:
         """Under ``self.lock``: a version came due (the timetable hands it out, its ``_due``
         set). It became due at its ``run_at``, unless that had passed at its schedule call
         (``_due_at`` set there): it queues behind what became due before it, not behind the
@@ -204,7 +207,7 @@ class Timing(CoordinatorState):
             run.made_ready = self.dispatches
         self.ready.append_due(future, priority)
 
-    def misfired(self, future: Future) -> bool:
+    def misfired(self, future: Future[Any]) -> bool:
         """Under ``self.lock``: drop a recurring run that is too late, if its policy says so."""
         run = future._run
         if (
@@ -242,7 +245,7 @@ class Timing(CoordinatorState):
             run.options.misfire_grace,
         )
 
-    def misfire_deadline(self, future: Future) -> float | None:
+    def misfire_deadline(self, future: Future[Any]) -> float | None:
         """Under ``self.lock``, as ``future`` is written to its block (``inject``): the time
         after which a worker that claims it behind other work drops it unstarted (see
         ``Worker.run``), or None. Only a run that ``skips_misfires``: it was not late as it
@@ -264,7 +267,7 @@ class Timing(CoordinatorState):
         have entered the heap, so the loop must learn the heap's next due time."""
         self.note_due(self.timetable.heap.next_deadline())
 
-    def end_recurring_run(self, future: Future, status: int, data: Buffer) -> None:
+    def end_recurring_run(self, future: Future[Any], status: int, data: Buffer) -> None:
         """One run of a recurring id ended: schedule the next, or end the recurrence."""
         future._owner = None  # begun (``settle_interrupted`` does not begin it again)
         rec: Recurrence = future._run.recurrence
@@ -301,7 +304,7 @@ class Timing(CoordinatorState):
         else:  # a run failed: the recurrence ends with its error (as Java's scheduled tasks)
             resolve(rec.future, status, data)
 
-    def continue_recurrence(self, run_future: Future, skipped: bool) -> None:
+    def continue_recurrence(self, run_future: Future[Any], skipped: bool) -> None:
         """Under ``self.lock``: schedule the run after ``run_future``'s (ended or skipped)."""
         rec: Recurrence = run_future._run.recurrence
         options = rec.options
@@ -311,7 +314,7 @@ class Timing(CoordinatorState):
         now = time.monotonic()
         run_at, dropped = next_run_at(run_future._run.run_at, every, now, policy)
         self.skipped_runs += dropped
-        future = Future(self, rec.call, rec.priority)
+        future: Future[Any] = Future(self, rec.call, rec.priority)
         future._run = run = TaskRun(options, rec, run_at)
         run.misfire_from = max(run_at, now)  # a catch-up run could not start before now
         if run_at <= now:  # due now (a catch-up run): queues behind what is due already

@@ -185,7 +185,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         if self.draining:
             raise PoolClosedError(POOL_CLOSED_MESSAGE)
 
-    def submit(self, future: Future) -> bool:
+    def submit(self, future: Future[Any]) -> bool:
         """Any thread: when the pool is idle (nothing queued or in flight), hand the task to a
         worker at once, one thread hop less on the latency path; otherwise queue it for the
         coordinator, which dispatches in batches with at most one wake-up per batch (a burst

@@ -47,7 +47,7 @@ from concurrent.futures._base import (
     RUNNING,
     InvalidStateError,
 )
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from mpsched._clock import join_interruptibly, wait_interruptibly, wait_seconds
 
@@ -66,22 +66,26 @@ LEFT_LOCK_WAIT = 2.0  # seconds; far above any hold of these locks (see release_
 _local = threading.local()
 _DONE_STATES = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED))
 _CANCELLED_STATES = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED))
+# The result type of a Future. Generic through concurrent.futures.Future's own parameter (its
+# __class_getitem__ makes ``mpsched.Future[int]`` work at run time), not typing.Generic: no
+# work on any per-task path.
+_T = TypeVar("_T")
 
 
 class _Owner(Protocol):
-    def cancel(self, future: Future) -> bool: ...
+    def cancel(self, future: Future[Any]) -> bool: ...
 
-    def help_wait(self, future: Future, timeout: float | None) -> None: ...
+    def help_wait(self, future: Future[Any], timeout: float | None) -> None: ...
 
 
 class _Finishing:
     """The owner of a future whose outcome is being set: too late to cancel. (With no owner
     at all, a racing ``cancel()`` would mark a task that ran as cancelled.)"""
 
-    def cancel(self, future: Future) -> bool:
+    def cancel(self, future: Future[Any]) -> bool:
         return False
 
-    def help_wait(self, future: Future, timeout: float | None) -> None:
+    def help_wait(self, future: Future[Any], timeout: float | None) -> None:
         return None
 
 
@@ -100,7 +104,7 @@ class _Sync(threading.Condition):
         self.callbacks: list[Any] = []  # add_done_callback's
 
 
-class Future(concurrent.futures.Future[Any]):
+class Future(concurrent.futures.Future[_T]):
     """The future of a task submitted to an ``mpsched.Pool``.
 
     A ``concurrent.futures.Future`` (``wait``, ``as_completed`` and callbacks work, also mixed
@@ -181,7 +185,7 @@ class Future(concurrent.futures.Future[Any]):
     def running(self) -> bool:
         return self._state == RUNNING
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> _T:
         """As ``concurrent.futures.Future.result``; while the pool is lightly loaded, the
         caller first collects results itself for a short while (``Coordinator.help_wait``).
         The main thread waits in slices of 0.1 s, so that a Ctrl-C always ends the wait
@@ -215,7 +219,7 @@ class Future(concurrent.futures.Future[Any]):
                 # As the stdlib: the traceback holds this frame, whose locals would hold
                 # the future (a cycle: future -> exception -> traceback -> frame).
                 del self, exception
-        return self._result
+        return self._result  # type: ignore[return-value]  # FINISHED without exception
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """As ``concurrent.futures.Future.exception`` (a settled one without its condition, as
@@ -244,7 +248,7 @@ class Future(concurrent.futures.Future[Any]):
     # future is not done, under the condition (released before the stdlib call, which runs
     # the done-callbacks without it, as the stdlib does; a setter racing in between makes that
     # call raise InvalidStateError and finds both fields set).
-    def set_result(self, result: Any) -> None:
+    def set_result(self, result: _T) -> None:
         if not self._settle_fast(result, None):
             with self._condition:
                 if self._state not in _DONE_STATES:
@@ -383,10 +387,10 @@ class Future(concurrent.futures.Future[Any]):
         return True
 
 
-Sink = Callable[[Future], None]
+Sink = Callable[[Future[Any]], None]
 
 
-def mark_all_cancelled(futures: Sequence[Future]) -> None:
+def mark_all_cancelled(futures: Sequence[Future[Any]]) -> None:
     """``_mark_cancelled`` each of ``futures``, whose tasks were withdrawn (none will run). An
     exception at one of them (a Ctrl-C's KeyboardInterrupt at the entry of its mark or between
     two, or one a done-callback raised in this thread) still marks it and the rest, and the
@@ -407,7 +411,7 @@ def mark_all_cancelled(futures: Sequence[Future]) -> None:
         raise error
 
 
-def cancel_all(futures: Sequence[Future]) -> None:
+def cancel_all(futures: Sequence[Future[Any]]) -> None:
     """``cancel()`` each of ``futures``, tasks in inboxes: each wins only against a claim
     that has not happened. An exception (one a done-callback raised in this thread) goes on
     once each was tried: the rest were left to run after ``shutdown(cancel_futures=True)``."""
@@ -445,7 +449,7 @@ def defer_callbacks(sink: Sink | None) -> Sink | None:
     return previous
 
 
-def _take(box: list[list[Future]]) -> list[Future]:
+def _take(box: list[list[Future[Any]]]) -> list[Future[Any]]:
     """Empty ``box`` (``CallbackRunner.hand_over``'s): its list, or [] if another thread took
     it. ``list.pop`` is one step under the GIL, so two threads cannot both take it."""
     try:
@@ -454,7 +458,7 @@ def _take(box: list[list[Future]]) -> list[Future]:
         return []
 
 
-def invoke_all(futures: list[Future]) -> None:
+def invoke_all(futures: list[Future[Any]]) -> None:
     """Call the callbacks of ``futures`` (a sink's) in this thread, as the stdlib
     would have: an Exception is logged; a BaseException (a Ctrl-C's KeyboardInterrupt) goes
     on to the caller, once the other futures' callbacks were called."""
@@ -480,12 +484,14 @@ class CallbackRunner:
     def __init__(self) -> None:
         # Items: a future (the coordinator's), a one-element list holding a user thread's list
         # of futures (``hand_over``), or None (``close``: the end).
-        self._queue: queue.SimpleQueue[Future | list[list[Future]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Future[Any] | list[list[Future[Any]]] | None] = (
+            queue.SimpleQueue()
+        )
         self._lock = threading.Lock()  # the thread's lazy start, and ``_closed``
         self._closed = False
         self.thread: threading.Thread | None = None
 
-    def append(self, future: Future) -> None:
+    def append(self, future: Future[Any]) -> None:
         """The coordinator thread's sink. That thread alone closes the runner, so it is open.
         If the thread cannot start, this thread calls the callbacks (``_start``)."""
         if self.thread is None:
@@ -496,7 +502,7 @@ class CallbackRunner:
                 return
         self._queue.put(future)
 
-    def hand_over(self, futures: list[Future]) -> None:
+    def hand_over(self, futures: list[Future[Any]]) -> None:
         """A user thread that collected in ``result()`` (``Collecting.collect``): the callbacks
         of what it settled run in this thread, not in its own, where they would run inside its
         wait (a lock the caller holds around ``result()``, which a callback takes, deadlocked;
@@ -570,7 +576,7 @@ class CallbackRunner:
             item = None
 
 
-def call_logged(futures: Sequence[Future]) -> None:
+def call_logged(futures: Sequence[Future[Any]]) -> None:
     """The callback thread's calls: each exception is logged and the next callback called."""
     for future in futures:
         for callback in future._done_callbacks:

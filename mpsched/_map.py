@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from mpsched._chunks import run_chunk
@@ -142,11 +142,11 @@ class MapRun:
         # the results are read (see ``_chunk_done``).
         self.eager = sized and deadline is not None and deadline < math.inf
         self.unfinished = 0  # chunks sent and not done (kept only if eager)
-        self.ended: list[Future] = []  # eager: chunks that ended, their rest not yet settled
+        self.ended: list[Future[Any]] = []  # eager: chunks that ended, their rest not yet settled
         self.sending = False  # the lock's holder is sending (see ``_chunk_done``)
         # In input order: each chunk's future and its items (a chunk that stopped at its budget
         # leaves the rest of its items to go again, before every later chunk's results).
-        self.in_flight: collections.deque[tuple[Future, list[Any]]] = collections.deque()
+        self.in_flight: collections.deque[tuple[Future[Any], list[Any]]] = collections.deque()
         # islice takes at most sys.maxsize: a bigger chunksize means the same (one chunk).
         self.size = min(chunksize, sys.maxsize) if chunksize else MAP_FIRST_CHUNK
         self.per_item: float | None = None
@@ -163,10 +163,10 @@ class MapRun:
         self.closed = False  # the iterator ended (closed, or by an error): nothing more is sent
         # The futures in flight of chunks that may stop part-way (by budget or bytes) whose
         # rest was not settled yet (``settle``): the iterator's, or ``Pool.shutdown``'s.
-        self.stoppable: set[Future] = set()
+        self.stoppable: set[Future[Any]] = set()
         self.lock = threading.RLock()
 
-    def start(self) -> Iterator[Any]:
+    def start(self) -> Generator[Any, None, None]:
         """``Pool.map``'s iterator, after its checks: the items in chunks, their results in
         input order, until ``deadline`` (``time.monotonic()``; None: no limit). The first
         window of chunks is sent here, at the call, as ``ProcessPoolExecutor.map`` sends its
@@ -199,7 +199,7 @@ class MapRun:
             finally:
                 self.sending = False
 
-    def _chunk_done(self, future: Future) -> None:
+    def _chunk_done(self, future: Future[Any]) -> None:
         """An ``eager`` run's chunk ended (a done-callback: in the pool's callback thread, or
         in the thread that collected it). Its rest goes at once and more chunks go, so that a
         reader who pauses between results does not stop the work: with a timeout counted
@@ -259,7 +259,7 @@ class MapRun:
             future.wait_done()
             self.settle(future)
 
-    def settle(self, future: Future) -> None:
+    def settle(self, future: Future[Any]) -> None:
         """Under ``lock``: the chunk of ``future`` (done, at the front of ``in_flight`` or, from
         ``send_rest``, anywhere in it) sends again what it left at its budget, right behind
         itself, once; a no-op for a chunk that cannot stop, or was settled or taken already."""
@@ -277,7 +277,7 @@ class MapRun:
             in_flight[index] = (future, chunk[:done])
             self._send_at(index + 1, chunk[done:])
 
-    def _send_whole(self, future: Future) -> None:
+    def _send_whole(self, future: Future[Any]) -> None:
         """Under ``lock``, from ``send_rest``: ``future``'s chunk (withdrawn before any worker
         claimed it) goes again in its place, to its end. The iterator, if it waits for it,
         finds its place taken (see ``ordered_results``)."""
@@ -287,7 +287,7 @@ class MapRun:
             del self.in_flight[index]
             self._send_at(index, chunk)
 
-    def _unlist(self, future: Future) -> int | None:
+    def _unlist(self, future: Future[Any]) -> int | None:
         """Under ``lock``: ``future``'s chunk is settled from now on (out of ``stoppable``);
         its index in ``in_flight``, or None if it left (its iterator was closed)."""
         self.stoppable.discard(future)
@@ -354,7 +354,7 @@ class MapRun:
             self.in_flight.append((_failed(error), []))
         self.exhausted = error is not None or len(chunk) < wanted
 
-    def _send(self, piece: list[Any]) -> tuple[list[tuple[Future, list[Any]]], bool]:
+    def _send(self, piece: list[Any]) -> tuple[list[tuple[Future[Any], list[Any]]], bool]:
         """``in_flight``'s entries for ``piece``, and whether all of it went. An error met
         ahead of the results (the input's, a submit's: an item that does not pickle, the pool
         shut down) takes the place of its items: the results before it come first, as with
@@ -405,11 +405,11 @@ class MapRun:
             self.window = self.limit
             self.size = _next_chunksize(per_item, done, _bytes_cap(self.cap, out))
 
-    def first_in_flight(self) -> Future | None:
+    def first_in_flight(self) -> Future[Any] | None:
         with self.lock:
             return self.in_flight[0][0] if self.in_flight else None
 
-    def take_first(self, future: Future) -> None:
+    def take_first(self, future: Future[Any]) -> None:
         """The iterator is done with ``future``'s chunk (the first in flight): what it left at
         its budget goes again, ahead of every later chunk (``settle``), and it leaves
         ``in_flight``."""
@@ -419,7 +419,7 @@ class MapRun:
             self.in_flight.popleft()
 
 
-def ordered_results(run: MapRun, pool: Pool) -> Iterator[Any]:
+def ordered_results(run: MapRun, pool: Pool) -> Generator[Any, None, None]:
     """The results of ``run``'s chunks in input order, sending more as they are consumed."""
     in_flight = run.in_flight
     deadline = run.deadline
@@ -475,7 +475,7 @@ def ordered_results(run: MapRun, pool: Pool) -> Iterator[Any]:
             future.cancel()
 
 
-def _chunk_done(ref: weakref.ref[MapRun], future: Future) -> None:
+def _chunk_done(ref: weakref.ref[MapRun], future: Future[Any]) -> None:
     """A chunk's done-callback: it refers to its run weakly (the run's futures are in its
     ``in_flight``: a cycle would keep a run, and the results it holds, until a collection)."""
     run = ref()
@@ -533,9 +533,9 @@ def _load(pieces: list[bytes]) -> list[Any]:
     return results
 
 
-def _failed(error: Exception) -> Future:
+def _failed(error: Exception) -> Future[Any]:
     """A future that failed with ``error``: an error in ``Pool.map``'s input order."""
-    future = Future()
+    future: Future[Any] = Future()
     future.set_exception(error)
     return future
 

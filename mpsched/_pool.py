@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import enum
 import functools
 import multiprocessing
 import os
@@ -25,8 +26,8 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sized
-from typing import Any
+from collections.abc import Callable, Generator, Hashable, Iterable, Sized
+from typing import Any, ParamSpec, TypeVar
 
 from mpsched._clock import join_interruptibly, wait_interruptibly, wait_seconds
 from mpsched._coordinator import Coordinator
@@ -36,7 +37,7 @@ from mpsched._future import Future
 from mpsched._layout import SegmentViews
 from mpsched._lifecycle import PoolResources, interrupted_pool_call, live_pools
 from mpsched._map import MapRun
-from mpsched._options import TaskOptions, check_seconds
+from mpsched._options import MisfirePolicy, OverlapPolicy, TaskOptions, check_seconds
 from mpsched._payloads import CHAIN_BYTES_MAX
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
 from mpsched._serialize import dumps_for_workers, module_by_name, portable
@@ -49,6 +50,22 @@ from mpsched._weakset import QuietWeakSet
 from mpsched._worker import WorkerOptions
 
 _INF = float("inf")
+_T = TypeVar("_T")  # a task's result
+_P = ParamSpec("_P")  # a task function's parameters
+_PoolT = TypeVar("_PoolT", bound="Pool")  # typing.Self, which Python 3.10 lacks
+_OPTION_FIELDS = tuple(field.name for field in dataclasses.fields(TaskOptions))
+
+
+class _NotGiven(enum.Enum):
+    """The default of ``with_options``' keywords: the option was not given."""
+
+    NOT_GIVEN = "NOT_GIVEN"
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+NOT_GIVEN = _NotGiven.NOT_GIVEN
 # Bytes: a payload longer than a slab chain holds goes through the coordinator's stash, and the
 # worker that runs it waits for the coordinator thread to answer its FETCH. A caller submitting
 # such tasks one after another holds the GIL while it pickles the next (~0.5 ms a MiB), so that
@@ -256,7 +273,7 @@ class Pool(concurrent.futures.Executor):
         self._workers_deferred = False  # after: a Ctrl-C before the send leaves it to the next
 
     # ------------------------------------------------------------------ submitting
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
         """Run ``fn(*args, **kwargs)`` in a worker; returns its future.
 
         The call is pickled here, so an unpicklable function or argument raises at once.
@@ -274,7 +291,7 @@ class Pool(concurrent.futures.Executor):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         rest: bool = False,
-    ) -> Future:
+    ) -> Future[Any]:
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         # Early, before pickling; the coordinator decides under its lock. Not for ``rest``: a
@@ -284,7 +301,7 @@ class Pool(concurrent.futures.Executor):
         if self._workers_deferred:
             self._release_workers(fn)
         payload = self._functions.encode(fn, args, kwargs)
-        future = Future(self._coordinator, payload)
+        future: Future[Any] = Future(self._coordinator, payload)
         if options is not None and not options.is_plain:
             future._run = TaskRun(options)
         try:
@@ -305,11 +322,11 @@ class Pool(concurrent.futures.Executor):
         task_id: Hashable,
         run_at: float,
         priority: int,
-        fn: Callable[..., Any],
+        fn: Callable[_P, _T],
         /,
-        *args: Any,
-        **kwargs: Any,
-    ) -> Future:
+        *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> Future[_T]:
         """Run ``fn(*args, **kwargs)`` as version of ``task_id`` due at ``run_at``.
 
         ``run_at`` is an absolute ``time.monotonic()`` time (in the past: due at once, at the
@@ -341,7 +358,7 @@ class Pool(concurrent.futures.Executor):
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> Future:
+    ) -> Future[Any]:
         if type(run_at) is not float or not -_INF < run_at < _INF:  # fast path: finite float
             run_at = check_run_at(run_at)
         if type(priority) is not int:
@@ -358,7 +375,7 @@ class Pool(concurrent.futures.Executor):
             self._release_workers(fn)
         coordinator = self._coordinator
         call = self._functions.encode(fn, args, kwargs, (task_id,))
-        future = Future(coordinator, call, priority)
+        future: Future[Any] = Future(coordinator, call, priority)
         recurrence = None
         if options is not None and not options.is_plain:
             grid_start = run_at
@@ -385,7 +402,21 @@ class Pool(concurrent.futures.Executor):
             raise
         return future if recurrence is None else recurrence.future
 
-    def with_options(self, options: TaskOptions | None = None, /, **fields: Any) -> TaskSubmitter:
+    def with_options(
+        self,
+        options: TaskOptions | None = None,
+        /,
+        *,
+        # TaskOptions' fields, for type checkers to check them (the Literal policies); kept
+        # equal to them by tests/integration/test_api_edges.py.
+        timeout: float | _NotGiven | None = NOT_GIVEN,
+        timeout_grace: float | _NotGiven = NOT_GIVEN,
+        retries: int | _NotGiven = NOT_GIVEN,
+        every: float | _NotGiven | None = NOT_GIVEN,
+        overlap: OverlapPolicy | _NotGiven = NOT_GIVEN,
+        misfire: MisfirePolicy | _NotGiven = NOT_GIVEN,
+        misfire_grace: float | _NotGiven = NOT_GIVEN,
+    ) -> TaskSubmitter:
         """A submitter whose ``submit``/``schedule`` run tasks with these options.
 
         Options are not arguments of ``fn``, so they travel here rather than as keywords of
@@ -394,8 +425,11 @@ class Pool(concurrent.futures.Executor):
             pool.with_options(timeout=5, retries=2).submit(fn, x, timeout=30)  # fn gets 30
             pool.with_options(every=1.0, overlap="skip").schedule("tick", t0, 0, poll)
 
-        Takes a ``TaskOptions`` or its fields (fields override the given options).
+        Takes a ``TaskOptions`` or its fields (fields given override the given options; the
+        others keep their value there, or ``TaskOptions``' default).
         """
+        given = locals()
+        fields = {name: given[name] for name in _OPTION_FIELDS if given[name] is not NOT_GIVEN}
         if options is None:
             options = TaskOptions(**fields)
         elif not isinstance(options, TaskOptions):  # before replace(), whose error says less
@@ -429,11 +463,11 @@ class Pool(concurrent.futures.Executor):
 
     def map(
         self,
-        fn: Callable[..., Any],
+        fn: Callable[..., _T],
         *iterables: Iterable[Any],
         chunksize: int | None = None,
         timeout: float | None = None,
-    ) -> Iterator[Any]:
+    ) -> Generator[_T, None, None]:
         """Like ``map(fn, *iterables)``, run in the pool; results in input order.
 
         The work starts at the call, as ``ProcessPoolExecutor.map``'s. The input is read
@@ -673,7 +707,7 @@ class Pool(concurrent.futures.Executor):
         depths and pids read 0 then."""
         return snapshot(self)  # reads the memory under PoolResources.memory_lock
 
-    def __enter__(self) -> Pool:
+    def __enter__(self: _PoolT) -> _PoolT:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
@@ -736,7 +770,7 @@ class TaskSubmitter:
     def options(self) -> TaskOptions:
         return self._options
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
         """``Pool.submit`` with these options (a recurrence needs an id: use ``schedule``)."""
         if self._options.every is not None:
             raise ValueError("a recurring task needs a task id: use schedule(), not submit()")
@@ -747,11 +781,11 @@ class TaskSubmitter:
         task_id: Hashable,
         run_at: float,
         priority: int,
-        fn: Callable[..., Any],
+        fn: Callable[_P, _T],
         /,
-        *args: Any,
-        **kwargs: Any,
-    ) -> Future:
+        *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> Future[_T]:
         """``Pool.schedule`` with these options. With ``every``, the task recurs, and the
         returned future ends only when the recurrence does: cancelled by ``cancel``/shutdown,
         or with the error of a run that raised (later runs do not happen then)."""

@@ -45,6 +45,7 @@ from __future__ import annotations
 import bisect
 import collections
 from collections.abc import Iterable
+from typing import Any
 
 from mpsched._future import Future
 
@@ -72,7 +73,7 @@ class ReadyQueue:
     __slots__ = ("_levels", "_order", "_withdrawn_queued", "size")
 
     def __init__(self) -> None:
-        self._levels: dict[int, collections.deque[Future]] = {}
+        self._levels: dict[int, collections.deque[Future[Any]]] = {}
         self._order: list[int] = []  # priorities with a deque, ascending (the last is the top)
         self.size = 0  # items queued, withdrawn ones included until they are popped
         self._withdrawn_queued = 0  # items queued with _slot QUEUED_WITHDRAWN
@@ -83,14 +84,14 @@ class ReadyQueue:
     def __bool__(self) -> bool:
         return self.size > 0
 
-    def _level(self, priority: int) -> collections.deque[Future]:
+    def _level(self, priority: int) -> collections.deque[Future[Any]]:
         level = self._levels.get(priority)
         if level is None:
             level = self._levels[priority] = collections.deque()
             bisect.insort(self._order, priority)
         return level
 
-    def append(self, item: Future, priority: int) -> None:
+    def append(self, item: Future[Any], priority: int) -> None:
         """Queue ``item``, a live (not withdrawn) due task, behind its level."""
         level = self._levels.get(priority)  # the common case inline: one call per submit
         if level is None:
@@ -99,7 +100,7 @@ class ReadyQueue:
         self.size += 1
         level.append(item)
 
-    def append_due(self, item: Future, priority: int) -> None:
+    def append_due(self, item: Future[Any], priority: int) -> None:
         """Queue ``item``, a live timed version that came out of the heap, behind the items of
         its level that became due no later than it (module doc)."""
         level = self._levels.get(priority)
@@ -117,7 +118,7 @@ class ReadyQueue:
         level.insert(len(level) - passed, item)
 
     def putback(
-        self, items: Iterable[Future], now: float = 0.0, aging: float | None = None
+        self, items: Iterable[Future[Any]], now: float = 0.0, aging: float | None = None
     ) -> None:
         """Return ``items`` (in their original order) to the front of their levels: they were
         taken before everything still queued there. With ``aging``, a level is the item's
@@ -137,7 +138,7 @@ class ReadyQueue:
             self.size += 1
             queue.appendleft(item)
 
-    def note_withdrawn(self, item: Future) -> None:
+    def note_withdrawn(self, item: Future[Any]) -> None:
         """The coordinator withdrew ``item`` (set ``_withdrawn``): if it is queued here, count
         it out of ``live()`` until ``take`` or ``drain`` pops it."""
         if item._slot == QUEUED:
@@ -154,10 +155,10 @@ class ReadyQueue:
             order.pop()
         return None
 
-    def take(self, n: int) -> tuple[list[Future], int]:
+    def take(self, n: int) -> tuple[list[Future[Any]], int]:
         """Up to ``n`` live (not withdrawn) items, highest priority first, and the lowest level
         they came from (``NO_LEVEL`` if none)."""
-        out: list[Future] = []
+        out: list[Future[Any]] = []
         lowest = NO_LEVEL
         levels = self._levels
         while len(out) < n:
@@ -179,9 +180,9 @@ class ReadyQueue:
                 self._order.pop()
         return out, lowest
 
-    def drain(self) -> list[Future]:
+    def drain(self) -> list[Future[Any]]:
         """Every item, highest priority first; the queue is empty afterwards."""
-        out: list[Future] = []
+        out: list[Future[Any]] = []
         for priority in reversed(self._order):
             out.extend(self._levels[priority])
         for item in out:

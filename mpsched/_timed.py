@@ -72,20 +72,21 @@ class Recurrence:
         self.call = call  # the encoded call; each run appends its own version (with_version)
         self.options = options
         self.stop = stop
-        self.future = Future(self)  # public: ends when the recurrence ends (cancel, error,
-        self.active = True  # shutdown)
+        # Public: ends when the recurrence ends (cancel, error, shutdown).
+        self.future: Future[Any] = Future(self)
+        self.active = True
 
-    def cancel(self, future: Future) -> bool:
+    def cancel(self, future: Future[Any]) -> bool:
         return self.stop(recurrence=self)
 
-    def help_wait(self, future: Future, timeout: float | None) -> None:
+    def help_wait(self, future: Future[Any], timeout: float | None) -> None:
         return None  # no task behind this future to collect
 
 
 class Timetable:
     def __init__(self) -> None:
         self.heap = VersionedHeap(remember=FINISHED_IDS_KEPT)
-        self.handed: dict[Hashable, Future] = {}  # by id: the version out of the heap
+        self.handed: dict[Hashable, Future[Any]] = {}  # by id: the version out of the heap
         self.recurring: dict[Hashable, Recurrence] = {}
         self.known = self.heap.knows  # known(task_id): the id has a record (pending, ran, ...)
         # cancel_pending(task_id) -> Future | None: cancel the version of ``task_id`` waiting
@@ -96,16 +97,18 @@ class Timetable:
         """True while a version waits in the heap or is handed out (drain must wait)."""
         return len(self.heap) > 0 or bool(self.handed)
 
-    def schedule(self, task_id: Hashable, run_at: float, priority: int, future: Future) -> None:
+    def schedule(
+        self, task_id: Hashable, run_at: float, priority: int, future: Future[Any]
+    ) -> None:
         """Add a version. The caller withdrew the handed-out version if it could (then it
         called ``end``); a version that already runs defers the new one."""
         future._due = self.heap.schedule(task_id, run_at, priority, future)
 
-    def pending_future(self, task_id: Hashable) -> Future | None:
+    def pending_future(self, task_id: Hashable) -> Future[Any] | None:
         item = self.heap.pending_item(task_id)
         return item if isinstance(item, Future) else None
 
-    def withdrawn(self, future: Future) -> bool:
+    def withdrawn(self, future: Future[Any]) -> bool:
         """``future``'s version will never run (the coordinator withdrew its future): take it
         out of the heap if it still waits there, or end it if it was handed out. (A version no
         longer in the heap was taken by a supersede or a cancel by id racing ``Future.cancel``,
@@ -119,12 +122,12 @@ class Timetable:
         self.end(future, None, cancelled=True)
         return self.heap.pending_item(due.task_id) is not None
 
-    def withdraw_pending(self, future: Future) -> bool:
+    def withdraw_pending(self, future: Future[Any]) -> bool:
         """Cancel ``future``'s version if it still waits in the heap."""
         due = future._due  # its heap record (never a Due: callers hold a pending version's)
         return self.heap.withdraw(due[RECORD_TASK_ID], due[RECORD_VERSION]) is not None
 
-    def release_due(self, now: float, on_due: Callable[[Future, int], None]) -> float | None:
+    def release_due(self, now: float, on_due: Callable[[Future[Any], int], None]) -> float | None:
         """Hand out every version due at ``now``, in key order, to ``on_due(future, priority)``.
         Returns the next due time, or None if no version waits on time."""
         heap = self.heap
@@ -139,7 +142,7 @@ class Timetable:
             self.handed[due.task_id] = future
             on_due(future, due.priority)
 
-    def end(self, future: Future, error: BaseException | None, *, cancelled: bool) -> None:
+    def end(self, future: Future[Any], error: BaseException | None, *, cancelled: bool) -> None:
         """A handed-out version ended (ran, or was withdrawn before it started)."""
         due = future._due
         future._due = None  # ended from here on (``Cancelling.end_withdrawn`` reads it)
@@ -157,7 +160,7 @@ class Timetable:
             # future to end it, and the drain waited for it.
             self.heap.finish(due, error, cancelled=cancelled)
 
-    def state(self, task_id: Hashable, claimed: Callable[[Future], bool]) -> TaskState | None:
+    def state(self, task_id: Hashable, claimed: Callable[[Future[Any]], bool]) -> TaskState | None:
         state = self.heap.state(task_id)
         if state is _RUNNING:
             future = self.handed.get(task_id)
@@ -165,7 +168,7 @@ class Timetable:
                 return _PENDING
         return state
 
-    def cancel_all_pending(self, cancelled: list[Future]) -> None:
+    def cancel_all_pending(self, cancelled: list[Future[Any]]) -> None:
         """Shutdown with cancel_futures (or timed_after_shutdown=False): every version still in
         the heap but the next runs of the recurrences still in ``recurring`` (kept after the
         shutdown: they go on until cancelled); their ids end CANCELLED. Appends their futures
@@ -178,7 +181,7 @@ class Timetable:
                 if future is not None:
                     cancelled.append(future)
 
-    def fail_all(self) -> list[Future]:
+    def fail_all(self) -> list[Future[Any]]:
         """The pool broke: end every version, handed out or waiting in the heap (deferred ones
         included), as FAILED, as their futures are about to fail. Returns their futures (the
         handed-out ones too: one whose end raised had left the pool's in-flight map, and its
@@ -188,7 +191,7 @@ class Timetable:
         # One entry that cannot be ended (an id whose __hash__ or __eq__ changed or raises,
         # which may be what broke the pool) must not stop the rest: every future fails, and
         # what the heap cannot end stays as it is (state() is the id's own riddle then).
-        futures: list[Future] = list(self.handed.values())
+        futures: list[Future[Any]] = list(self.handed.values())
         for handed in futures:
             with contextlib.suppress(Exception):
                 self.end(handed, _BROKEN, cancelled=False)  # a deferred one may enter the heap

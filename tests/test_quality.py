@@ -134,3 +134,10 @@ def test_user_code_of_the_public_api_type_checks() -> None:
     args = [sys.executable, "-m", "mypy", "--strict", "--warn-unused-ignores"]
     result = _run([*args, "tests/typing_cases.py"])
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_futures_are_generic_at_run_time_too() -> None:
+    # As concurrent.futures.Future[int]: annotations evaluated at run time (typing.get_type_hints,
+    # pydantic, ...) must not fail on them.
+    assert mpsched.Future[int].__origin__ is mpsched.Future
+    assert mpsched.ChildFuture[int].__origin__ is mpsched.ChildFuture

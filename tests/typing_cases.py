@@ -7,6 +7,8 @@ so that the API's types are seen to catch it.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import mpsched
 from mpsched import Pol  # type: ignore[attr-defined]
 
@@ -15,3 +17,51 @@ def typo_in_a_module_attribute() -> None:
     mpsched.curent_task()  # type: ignore[attr-defined]
     mpsched.current_task()
     print(Pol)
+
+
+def fib(n: int) -> int:
+    return n if n < 2 else mpsched.submit(fib, n - 1).result() + fib(n - 2)
+
+
+def spawns_children() -> list[int]:
+    child: mpsched.ChildFuture[int] = mpsched.submit(fib, 5)
+    mpsched.submit(fib, "5")  # type: ignore[arg-type]
+    wrong: str = mpsched.submit(fib, 5).result()  # type: ignore[assignment]
+    return [child.result(), len(wrong)]
+
+
+def uses_a_pool() -> None:
+    with mpsched.Pool(2) as pool:
+        same: mpsched.Pool = pool
+        future: mpsched.Future[int] = pool.submit(fib, 25)
+        n: int = future.result()
+        pool.submit(fib, "25")  # type: ignore[arg-type]
+        pool.submit(fib)  # type: ignore[call-arg]
+        pool.submit(fib, n=25)
+        s: str = pool.submit(fib, 25).result()  # type: ignore[assignment]
+        timed: mpsched.Future[int] = pool.schedule("id", 0.0, 0, fib, 25)
+        pool.schedule("id", 0.0, 0, fib, "25")  # type: ignore[arg-type]
+        submitter = pool.with_options(timeout=5, retries=2, overlap="skip", misfire="skip")
+        opts: mpsched.TaskOptions = submitter.options
+        pool.with_options(opts, every=1.0).schedule("tick", 0.0, 0, fib, 1)
+        with_timeout: mpsched.Future[int] = submitter.submit(fib, 25)
+        submitter.submit(fib, "25")  # type: ignore[arg-type]
+        pool.with_options(overlap="bogus")  # type: ignore[arg-type]
+        pool.with_options(misfire="late")  # type: ignore[arg-type]
+        pool.with_options(retries="2")  # type: ignore[arg-type]
+        pool.with_options(timout=5)  # type: ignore[call-arg]
+        results = pool.map(fib, range(10), chunksize=2)
+        squares: list[int] = list(results)
+        results.close()  # to abandon a map (its docstring)
+        names: list[str] = list(pool.map(fib, range(10)))  # type: ignore[arg-type]
+        concurrent.futures.wait([future, timed, with_timeout])
+        print(same, n, s, squares, names)
+
+
+class MyPool(mpsched.Pool):
+    pass
+
+
+def subclass_enters_as_itself() -> MyPool:
+    with MyPool(1) as pool:
+        return pool

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import dataclasses
+import inspect
 import itertools
 import math
 import multiprocessing
@@ -16,6 +18,7 @@ import pickle
 import signal
 import threading
 import time
+import typing
 from typing import Any
 
 import pytest
@@ -503,6 +506,30 @@ def test_map_and_with_options_check_their_arguments_at_the_call() -> None:
             pool.with_options("fast", timeout=1)  # type: ignore[arg-type]
         assert pool.with_options(mpsched.TaskOptions(), timeout=1).options.timeout == 1
         assert list(pool.map(tasks.ident, [1, 2])) == [1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_with_options_takes_exactly_the_fields_of_task_options() -> None:
+    """Its keywords are TaskOptions' fields (names, order, types, keyword-only), spelled out for
+    type checkers: a field added to one and not the other fails here. Not given, a field keeps
+    the value of the options given, or its default."""
+    from mpsched._pool import NOT_GIVEN, _NotGiven
+
+    params = list(inspect.signature(Pool.with_options).parameters.values())[2:]
+    fields = dataclasses.fields(mpsched.TaskOptions)
+    assert [p.name for p in params] == [f.name for f in fields]
+    assert all(p.kind is p.KEYWORD_ONLY and p.default is NOT_GIVEN for p in params)
+    hints = typing.get_type_hints(Pool.with_options)
+    field_hints = typing.get_type_hints(mpsched.TaskOptions)
+    for f in fields:
+        assert hints[f.name] == field_hints[f.name] | _NotGiven, f.name
+    pool = Pool.__new__(Pool)  # with_options reads nothing of the pool's
+    base = mpsched.TaskOptions(timeout=3, retries=2)
+    assert pool.with_options(base, retries=5).options == mpsched.TaskOptions(timeout=3, retries=5)
+    assert pool.with_options(timeout=None).options == mpsched.TaskOptions()
+    assert pool.with_options().options == mpsched.TaskOptions()
+    with pytest.raises(ValueError, match="overlap"):
+        pool.with_options(overlap="bogus")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- current_task()
