@@ -154,14 +154,19 @@ class Cancelling(CoordinatorState):
         return True
 
     def cancel_id(
-        self, task_id: Hashable, *, force: bool = False, recurrence: Recurrence | None = None
+        self, recurrence: Recurrence | Cancelling, /, task_id: Hashable, *, force: bool = False
     ) -> bool:
-        """Any thread: ``Pool.cancel`` (each pool binds it as its ``cancel``: see there), and
-        a recurrence's future's ``cancel()``. Cancel every version of ``task_id`` that has not
-        started, stop its recurrence, and ask a running version to stop (cooperatively, or by
-        killing its worker with ``force``). True if anything was cancelled or asked to stop.
+        """Any thread: ``Pool.cancel`` (``recurrence`` is this coordinator: none; each pool
+        binds it, to this coordinator twice, as its ``cancel``: see ``_pool._cancel_by_id``),
+        and a recurrence's future's ``cancel()`` (``recurrence``: that recurrence). Cancel
+        every version of ``task_id`` that has not started, stop its recurrence, and ask a
+        running version to stop (cooperatively, or by killing its worker with ``force``). True
+        if anything was cancelled or asked to stop.
 
-        With ``recurrence``: only while it is still the id's recurrence."""
+        With a ``recurrence``: only while it is still the id's recurrence. (Positional-only and
+        first, so that the pool's bound ``cancel`` takes no such argument. No recurrence is
+        the coordinator, not None: a bound method's object cannot be None, and the pool's
+        ``cancel`` pickles as the coordinator's, which refuses, saying why.)"""
         if force is not False and force is not True:  # two tests for the default, no call
             raise TypeError(f"force must be a bool, not {type(force).__name__}")
         if self.disowned:  # a fork child's copy: the versions are the parent's (see __init__)
@@ -177,13 +182,13 @@ class Cancelling(CoordinatorState):
             raise
         try:
             try:
-                if recurrence is not None and timetable.recurring.get(task_id) is not recurrence:
+                if recurrence is not self and timetable.recurring.get(task_id) is not recurrence:
                     # Stopped already: by a racing cancel by id, reschedule or shutdown, which
                     # mark its future cancelled after releasing the lock (so True, as they
                     # will), or by a run's error (its future's owner is FINISHING then: False).
                     # Going on would cancel the id's versions, which may belong to the schedule
                     # that replaced it.
-                    return recurrence.future._owner is not FINISHING
+                    return recurrence.future._owner is not FINISHING  # type: ignore[union-attr]
                 pending = timetable.cancel_pending(task_id)
                 if timetable.recurring:
                     rec = timetable.recurring.get(task_id)

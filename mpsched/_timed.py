@@ -45,9 +45,9 @@ class Recurrence:
     """A recurring id: the call it repeats and the future that reports its end.
 
     It is also that future's owner: ``future.cancel()`` stops the recurrence through ``stop``
-    (``Coordinator.cancel_id``, bound by the pool, called with this recurrence: once it was
-    stopped or replaced, the id's versions are no longer its to cancel), as
-    ``pool.cancel(task_id)`` does."""
+    (the coordinator's ``cancel_id``, called with this recurrence: once it was stopped or
+    replaced, the id's versions are no longer its to cancel), as ``pool.cancel(task_id)``
+    does."""
 
     __slots__ = (
         "active",
@@ -65,7 +65,7 @@ class Recurrence:
         priority: int,
         call: bytes,
         options: TaskOptions,
-        stop: Callable[..., bool],  # stop(recurrence=self)
+        stop: Callable[[Recurrence, Hashable], bool],  # stop(self, task_id)
     ) -> None:
         self.task_id = task_id
         self.priority = priority
@@ -77,7 +77,7 @@ class Recurrence:
         self.active = True
 
     def cancel(self, future: Future[Any]) -> bool:
-        return self.stop(recurrence=self)
+        return self.stop(self, self.task_id)
 
     def help_wait(self, future: Future[Any], timeout: float | None) -> None:
         return None  # no task behind this future to collect

@@ -657,6 +657,13 @@ def test_cancel_keeps_its_signature_and_a_subclass_keeps_its_override() -> None:
         pool.schedule("t", time.monotonic() + 3600, 0, tasks.ident, 1)
         with pytest.raises(TypeError):
             pool.cancel("t", True)  # type: ignore[misc]
+        # Only its documented arguments: not the coordinator's own (a recurrence's cancel).
+        with pytest.raises(TypeError, match="recurrence"):
+            pool.cancel("t", recurrence="oops")  # type: ignore[call-arg]
+        with pytest.raises(TypeError):
+            pool.cancel("t", None)  # type: ignore[misc]
+        assert pool.cancel(task_id="never scheduled") is False
+        assert "Pool.cancel" in repr(pool.cancel)
         assert pool.state("t") is TaskState.PENDING
         assert pool.cancel("t", force=False)
         assert pool.state("t") is TaskState.CANCELLED
