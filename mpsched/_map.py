@@ -475,6 +475,12 @@ def ordered_results(run: MapRun, pool: Pool) -> Generator[Any, None, None]:
             future.cancel()
 
 
+def no_results() -> Generator[Any, None, None]:
+    """``Pool.map`` of no iterable: no result (a generator, as every map's iterator, so that
+    it has ``close()`` too)."""
+    yield from ()
+
+
 def _chunk_done(ref: weakref.ref[MapRun], future: Future[Any]) -> None:
     """A chunk's done-callback: it refers to its run weakly (the run's futures are in its
     ``in_flight``: a cycle would keep a run, and the results it holds, until a collection)."""

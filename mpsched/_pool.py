@@ -36,7 +36,7 @@ from mpsched._function_cache import FunctionCache
 from mpsched._future import Future
 from mpsched._layout import SegmentViews
 from mpsched._lifecycle import PoolResources, interrupted_pool_call, live_pools
-from mpsched._map import MapRun
+from mpsched._map import MapRun, no_results
 from mpsched._options import MisfirePolicy, OverlapPolicy, TaskOptions, check_seconds
 from mpsched._payloads import CHAIN_BYTES_MAX
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
@@ -473,7 +473,9 @@ class Pool(concurrent.futures.Executor):
         chunksize: int | None = None,
         timeout: float | None = None,
     ) -> Generator[_T, None, None]:
-        """Like ``map(fn, *iterables)``, run in the pool; results in input order.
+        """Like ``map(fn, *iterables)``, run in the pool; results in input order. With no
+        iterable, an empty iterator (as ``concurrent.futures.Executor.map``; the builtin
+        ``map`` raises TypeError).
 
         The work starts at the call, as ``ProcessPoolExecutor.map``'s. The input is read
         lazily, at most a few chunks per worker ahead of the results (with a finite
@@ -498,7 +500,7 @@ class Pool(concurrent.futures.Executor):
         rest of its items go again. The results are unpickled in the thread that iterates.
 
         Raises:
-            TypeError: no iterable (as the builtin ``map``); ``fn`` is not callable;
+            TypeError: ``fn`` is not callable;
                 ``chunksize`` is not an int (a bool is not) or None; ``timeout`` is not a
                 number (a bool is not) or None.
             ValueError: ``chunksize`` is less than 1; ``timeout`` is NaN.
@@ -514,8 +516,6 @@ class Pool(concurrent.futures.Executor):
                 the error of submitting a chunk (TaskPicklingError: an item, or ``fn``,
                 does not pickle; the results of the items before it come first).
         """
-        if not iterables:  # as the builtin map: at the call, not at the first next()
-            raise TypeError("Pool.map() needs at least one iterable")
         if chunksize is not None:
             if isinstance(chunksize, bool) or not isinstance(chunksize, int):
                 raise TypeError(f"chunksize must be an int or None, not {type(chunksize).__name__}")
@@ -525,6 +525,8 @@ class Pool(concurrent.futures.Executor):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         if timeout is not None:
             timeout = wait_seconds(timeout)
+        if not iterables:  # nothing to run (as Executor.map), so nothing a closed pool refuses
+            return no_results()
         if self._closed:
             raise PoolClosedError(self._closed_message)
         if self._workers_deferred:

@@ -422,12 +422,21 @@ def test_map_bad_chunksize(pool2: Pool, chunksize: object, error: type[Exception
 
 
 @pytest.mark.timeout(60)
-def test_map_without_an_iterable_raises_at_the_call(pool2: Pool) -> None:
-    """As the builtin ``map(fn)``: a TypeError at the call (it returned an empty iterator)."""
-    with pytest.raises(TypeError):
-        map(tasks.ident)  # type: ignore[call-overload]
-    with pytest.raises(TypeError, match="iterable"):
-        pool2.map(tasks.ident)
+def test_map_without_an_iterable_yields_nothing_as_executor_map(pool2: Pool) -> None:
+    """A Pool is a ``concurrent.futures.Executor``, whose ``map(fn)`` is an empty iterator
+    (not the builtin ``map(fn)``'s TypeError: code written for an executor may call it with
+    no iterables, e.g. ``map(fn, *columns)`` of an empty table). Its arguments are still
+    checked at the call."""
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        assert list(executor.map(tasks.ident)) == []
+    results = pool2.map(tasks.ident)
+    assert list(results) == []
+    results.close()
+    assert list(pool2.map(tasks.ident, timeout=1, chunksize=2)) == []
+    with pytest.raises(TypeError, match="fn must be callable"):
+        pool2.map(5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chunksize"):
+        pool2.map(tasks.ident, chunksize=0)
 
 
 # ---------------------------------------------------------------- ChildFuture
