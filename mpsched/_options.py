@@ -24,9 +24,11 @@ happens to those missed times:
 
 Misfire: a run that could not *start* within ``misfire_grace`` seconds of its due time (the pool
 was busy) is a misfire. "run_late" (the default) runs it anyway; "skip" drops that run, counts it
-in ``PoolStatistics.misfires`` and logs a warning: never silently. A run that the coordinator
-hands to a worker as soon as it finds it due is never a misfire, whatever the grace (zero
-included): the coordinator's own wake-up after the due time is not the pool being busy. The
+in ``PoolStatistics.misfires`` and logs a warning: never silently; the due times that passed
+while it waited are dropped with it, whatever the overlap policy (the next run is due at the
+first grid time after now; they count in ``PoolStatistics.skipped_runs``). A run that the
+coordinator hands to a worker as soon as it finds it due is never a misfire, whatever the grace
+(zero included): the coordinator's own wake-up after the due time is not the pool being busy. The
 check is made twice: as a run leaves the pool's ready queue, and, under "skip", by the worker
 that claims it from an inbox (up to ``dispatch_window`` tasks may wait there ahead of it): one
 that waited there behind other work past its grace is dropped unstarted; one claimed first
@@ -92,7 +94,10 @@ class TaskOptions:
             was still going: ``"skip"``, ``"coalesce"`` or ``"queue"`` (module doc).
         misfire: ``"run_late"`` or ``"skip"`` for a recurring run that could not start within
             ``misfire_grace`` seconds of its due time (judged as it leaves the pool's ready
-            queue, and again as a worker claims it: see the module doc).
+            queue, and again as a worker claims it: see the module doc). ``"skip"`` also drops
+            the due times that passed while that run waited, whatever ``overlap`` (``"queue"``
+            too): the next run is due at the first grid time after now (counted in
+            ``PoolStatistics.skipped_runs``).
         misfire_grace: seconds; see ``misfire``.
     """
 

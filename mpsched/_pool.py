@@ -283,7 +283,10 @@ class Pool(concurrent.futures.Executor):
         The call is pickled here, so an unpicklable function or argument raises at once.
 
         Raises:
+            TypeError: ``fn`` is not callable.
             PoolClosedError: the pool is shutting down or shut down.
+            BrokenPoolError: the pool is broken (its initializer raised, or an internal
+                error); the cause says what broke it.
             TaskPicklingError: the function or an argument cannot be pickled.
         """
         return self._submit(None, fn, args, kwargs)
@@ -346,6 +349,7 @@ class Pool(concurrent.futures.Executor):
 
         Raises:
             PoolClosedError: the pool is shutting down or shut down.
+            BrokenPoolError: the pool is broken (see ``submit``).
             TypeError: unhashable or unpicklable ``task_id``, non-real ``run_at``, non-int
                 ``priority``, non-callable ``fn``.
             ValueError: ``run_at`` is NaN or infinite.
@@ -462,7 +466,11 @@ class Pool(concurrent.futures.Executor):
         """The state of the latest version of ``task_id``: PENDING until a worker claims it,
         RUNNING (also while a retry after its worker's death waits), then COMPLETED, FAILED or
         CANCELLED; None for an unknown id (ids that ended are forgotten after the 100,000 more
-        recent ones)."""
+        recent ones).
+
+        Raises:
+            TypeError: unhashable ``task_id``.
+        """
         check_task_id(task_id)
         return self._coordinator.state(task_id)
 
@@ -777,7 +785,11 @@ class TaskSubmitter:
 
     @property
     def options(self) -> TaskOptions:
+        """The options every task submitted or scheduled through this submitter runs with."""
         return self._options
+
+    def __repr__(self) -> str:
+        return f"<mpsched.TaskSubmitter {self._options!r} of {self._pool!r}>"
 
     def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
         """``Pool.submit`` with these options (a recurrence needs an id: use ``schedule``)."""

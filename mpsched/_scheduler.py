@@ -167,6 +167,7 @@ class Scheduler:
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` was called: ``schedule`` then raises ``SchedulerClosed``."""
         return self._closed
 
     def __len__(self) -> int:

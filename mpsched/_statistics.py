@@ -68,7 +68,10 @@ class PoolStatistics:
     retried: int  # runs started again after their worker died (the retries option)
     recycled: int  # workers replaced after max_tasks_per_worker tasks
     misfires: int  # recurring runs skipped by the misfire policy
-    skipped_runs: int  # recurring due times dropped by the overlap policy "skip"/"coalesce"
+    # Recurring due times dropped: by the overlap policy "skip"/"coalesce" (times that passed
+    # during a run), and after a run skipped as a misfire, whatever the overlap policy (the
+    # times that passed while that run waited: the next run is due at the grid time after now).
+    skipped_runs: int
     per_worker: tuple[WorkerStatistics, ...]
 
 

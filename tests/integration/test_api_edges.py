@@ -532,6 +532,19 @@ def test_with_options_takes_exactly_the_fields_of_task_options() -> None:
         pool.with_options(overlap="bogus")  # type: ignore[arg-type]
 
 
+@pytest.mark.timeout(60)
+def test_a_task_submitter_says_what_it_is_and_the_api_documents_its_errors() -> None:
+    with Pool(1) as pool:
+        submitter = pool.with_options(timeout=5)
+        assert repr(submitter) == f"<mpsched.TaskSubmitter {submitter.options!r} of {pool!r}>"
+    assert mpsched.TaskSubmitter.options.__doc__
+    assert mpsched.Scheduler.closed.__doc__
+    raises = (Pool.submit.__doc__ or "").split("Raises:")[1]
+    assert "TypeError" in raises
+    assert "BrokenPoolError" in raises
+    assert "TypeError" in (Pool.state.__doc__ or "").split("Raises:")[1]
+
+
 # ---------------------------------------------------------------- current_task()
 def test_current_task_in_plain_and_timed_tasks_and_their_children() -> None:
     with Pool(1) as pool:

@@ -593,3 +593,46 @@ def test_len_waits_for_an_update_under_way() -> None:
         assert got == [], "len() read the counts while an update held the lock"
     reader.join(10)
     assert got == [1]
+
+
+# ---------------------------------------------------------------- FakeClock
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        (math.nan, ValueError),
+        (math.inf, ValueError),
+        (10**400, ValueError),
+        ("5", TypeError),
+        (True, TypeError),
+        (None, TypeError),
+        (1j, TypeError),
+    ],
+    ids=["nan", "inf", "int-beyond-floats", "str", "bool", "None", "complex"],
+)
+def test_fake_clock_refuses_what_is_no_finite_time(value: object, error: type[Exception]) -> None:
+    """As the rest of the API for times (``run_at``, timeouts): a non-number (a bool is not
+    one) is a TypeError, a NaN or infinite one a ValueError; the clock does not move."""
+    with pytest.raises(error):
+        FakeClock(value)  # type: ignore[arg-type]
+    clock = FakeClock(1)
+    with pytest.raises(error):
+        clock.advance(value)  # type: ignore[arg-type]
+    with pytest.raises(error):
+        clock.set(value)  # type: ignore[arg-type]
+    assert clock() == 1.0
+
+
+@pytest.mark.timeout(30)
+def test_fake_clock_takes_real_numbers_and_only_moves_forward() -> None:
+    clock = FakeClock(fractions.Fraction(1, 2))
+    assert clock() == 0.5
+    assert type(clock()) is float
+    assert clock.advance(2) == 2.5
+    clock.set(3)
+    assert type(clock()) is float
+    with pytest.raises(ValueError, match="forward"):
+        clock.advance(-1)
+    with pytest.raises(ValueError, match="back"):
+        clock.set(2.0)
+    assert clock() == 3.0
