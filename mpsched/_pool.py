@@ -75,22 +75,27 @@ NOT_GIVEN = _NotGiven.NOT_GIVEN
 YIELD_AFTER_BYTES = CHAIN_BYTES_MAX
 
 
-def _module_body_hint() -> str:
-    """For the daemonic-process error: a pool created by a module's body as it is imported.
-    A worker imports a task's module to load its function or arguments (and a task may
-    import one), so a module that starts a pool at import time tries it in every worker.
-    Only a module being imported counts (its spec's ``_initializing``, which importlib sets
-    while it runs the body; absent, no hint): a process's own main code (``python -c``, a
-    spawned child's bootstrap) is no import."""
-    frame: Any = sys._getframe(2)  # the caller of Pool()
+def _importing_module() -> str | None:
+    """The name of the module whose body, as it is imported, called ``Pool()``, or None. Only
+    a module being imported counts (its spec's ``_initializing``, which importlib sets while
+    it runs the body): a process's own main code (``python -c``, a spawned child's bootstrap)
+    is no import."""
+    frame: Any = sys._getframe(2)  # Pool() or its caller: the walk goes up from there
     while frame is not None and not (
         frame.f_code.co_name == "<module>"
         and getattr(frame.f_globals.get("__spec__"), "_initializing", False)
     ):
         frame = frame.f_back
-    if frame is None:
+    return None if frame is None else str(frame.f_globals.get("__name__"))
+
+
+def _module_body_hint() -> str:
+    """For the daemonic-process error: a pool created by a module's body as it is imported.
+    A worker imports a task's module to load its function or arguments (and a task may
+    import one), so a module that starts a pool at import time tries it in every worker."""
+    name = _importing_module()
+    if name is None:
         return ""
-    name = frame.f_globals.get("__name__")
     return (
         f" This Pool() runs in the body of module {name!r} as it is imported here (a worker "
         "imports a task's module to load its function or arguments): create the pool under "
@@ -185,6 +190,18 @@ class Pool(concurrent.futures.Executor):
             raise ValueError(
                 f"start_method must be one of {multiprocessing.get_all_start_methods()}, "
                 f"not {method!r}"
+            )
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # multiprocessing's own refusal comes from the zygote's start, deep in its code,
+            # and tells a user whose main module is guarded to guard it (found in review).
+            module = _importing_module()
+            where = "the main module" if module is None else f"module {module!r}"
+            raise RuntimeError(
+                "mpsched.Pool() cannot start while multiprocessing starts this process: under "
+                "spawn and forkserver a new process (a pool's zygote, as ProcessPoolExecutor's "
+                f"workers) imports the main module again, and {where} makes a pool as it is "
+                "imported. Make it in a function called at first use, or under "
+                "`if __name__ == '__main__':`."
             )
         if method != "fork" and multiprocessing.current_process().daemon:
             # multiprocessing's own refusal is an AssertionError that names neither the pool

@@ -429,6 +429,39 @@ def test_a_zygote_that_an_import_left_with_threads_warns(
     assert "the pool's zygote runs threads (refresher)" in proc.stderr, proc.stderr
 
 
+# A module that the main module imports makes a pool as it is imported: under spawn and forkserver
+# the zygote imports the main module again, and with it that module, whose Pool() then failed
+# inside multiprocessing with its advice to guard the main module, which was guarded (found in
+# review). The zygote's error now names the module and the way out.
+POOL_AT_IMPORT_MODULE = """
+import sys
+import mpsched
+POOL = mpsched.Pool(1, start_method=sys.argv[1])
+"""
+POOL_AT_IMPORT_MAIN = """
+import pool_at_import
+
+if __name__ == "__main__":
+    pool_at_import.POOL.submit(abs, -1).result(timeout=20)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_pool_made_by_a_module_the_main_module_imports_names_it(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    (tmp_path / "pool_at_import.py").write_text(POOL_AT_IMPORT_MODULE)
+    script = tmp_path / "user_main.py"
+    script.write_text(POOL_AT_IMPORT_MAIN)
+    proc = _run([sys.executable, str(script), start_method], tmp_path)
+    assert proc.returncode != 0
+    assert "mpsched.Pool() cannot start while multiprocessing starts this process" in proc.stderr, (
+        proc.stderr
+    )
+    assert "module 'pool_at_import' makes a pool as it is imported" in proc.stderr, proc.stderr
+
+
 # cloudpickle's copy of a class with __slots__ has no slots (it sets __slots__ as a plain
 # attribute after creating the class), so its instances have a __dict__ and pickle their state
 # as one; a worker's copy maps back to the caller's own slotted class, which cannot take that
