@@ -414,11 +414,19 @@ def mark_all_cancelled(futures: Sequence[Future[Any]]) -> None:
 def cancel_all(futures: Sequence[Future[Any]]) -> None:
     """``cancel()`` each of ``futures``, tasks in inboxes: each wins only against a claim
     that has not happened. An exception (one a done-callback raised in this thread) goes on
-    once each was tried: the rest were left to run after ``shutdown(cancel_futures=True)``."""
+    once each was tried: the rest were left to run after ``shutdown(cancel_futures=True)``.
+    A future that the user settled (``set_result``) keeps that outcome, and its task is
+    withdrawn all the same: ``cancel()`` refused at once, as for any done future, and the
+    task ran after the shutdown had cancelled what was not started (found in review)."""
     error: BaseException | None = None
     for future in futures:
         try:
-            future.cancel()
+            if future._state in _DONE_STATES:
+                owner = future._owner
+                if owner is not None:
+                    owner.cancel(future)
+            else:
+                future.cancel()
         except BaseException as exc:
             if error is None:
                 error = exc

@@ -456,6 +456,32 @@ def test_a_poll_of_a_result_collects_nothing_itself(fifos: Fifos) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_shutdown_that_cancels_withdraws_the_tasks_of_futures_the_user_settled(
+    fifos: Fifos,
+) -> None:
+    """``set_result`` on a queued task's future: the caller's outcome wins, and the future
+    stays so; ``shutdown(cancel_futures=True)`` must still keep its task from running, as it
+    keeps every task that no worker claimed (those in an inbox ran: found in review)."""
+    open(fifos.log, "wb").close()
+    pool = Pool(1, dispatch_window=64)
+    try:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
+        tasks.wait_started(fifos.started)
+        queued = [pool.submit(tasks.record, fifos.log, i) for i in range(20)]
+        wait_until(lambda: all(f._slot >= 0 for f in queued), "the tasks were dispatched")
+        for f in queued:
+            f.set_result("mine")
+        pool.shutdown(wait=False, cancel_futures=True)  # the cancels are done as it returns
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(RESULT_TIMEOUT) == "blocker"
+        assert pool.await_termination(RESULT_TIMEOUT)
+        assert tasks.read_log(fifos.log) == []
+        assert [f.result() for f in queued] == ["mine"] * 20
+    finally:
+        pool.shutdown(wait=False)
+
+
+@pytest.mark.timeout(60)
 def test_await_termination_keeps_its_timeout_while_the_teardown_waits_for_the_zygote() -> None:
     """Once the loop ended, ``await_termination`` joined the coordinator thread with no limit,
     whose teardown gives a zygote that does not exit ``ZYGOTE_JOIN_TIMEOUT`` (5 s) before it
