@@ -299,15 +299,6 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
-def test_copies_of_main_block_objects_keep_the_identity_of_the_classes_they_refer_to(
-    tmp_path: pathlib.Path, start_method: str
-) -> None:
-    proc = _run_main(tmp_path, MAIN_BLOCK_COPIES_KEEP_IDENTITY, start_method)
-    assert proc.stdout.splitlines() == ["True True True True True"], proc.stderr
-
-
 # A class of __main__ defined again after the pool started (a notebook's cell run again; here
 # in the script's main block, and under ``python -c``, where only fork's workers have the name):
 # its instances went by name, and the workers' class of that name, the old one, ran its old
@@ -335,16 +326,6 @@ if __name__ == "__main__":
         print(before, pool.submit(call_v, K()).result(timeout=20),
               type(pool.submit(ident, K()).result(timeout=20)) is K)
 """
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("main", ["script", "dash-c"])
-@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
-def test_an_instance_of_a_class_defined_again_runs_the_new_methods(
-    tmp_path: pathlib.Path, main: str, start_method: str
-) -> None:
-    proc = _run_main(tmp_path, REDEFINED_CLASS, start_method, main)
-    assert proc.stdout.splitlines() == ["old new True"], proc.stderr
 
 
 # Functions of __main__ that functools.lru_cache or functools.cache wrap: plain pickle writes the
@@ -387,15 +368,6 @@ if __name__ == "__main__":
               pool.submit(version, 1).result(timeout=20),
               pool.submit(cached_in_worker).result(timeout=20))
 """
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
-def test_main_functions_wrapped_by_lru_cache_run_with_their_cache(
-    tmp_path: pathlib.Path, start_method: str
-) -> None:
-    proc = _run_main(tmp_path, CACHED_FUNCTIONS, start_method)
-    assert proc.stdout.splitlines() == ["23416728348467685 [4, 9] 16 ('new', 1) 81"], proc.stderr
 
 
 # A main module that starts a thread as it is imported: spawn and forkserver run it again in the
@@ -507,13 +479,29 @@ if __name__ == "__main__":
 """
 
 
+# What each script above prints, in each start method (and as ``python -c`` where the way the
+# workers lack the main block's names matters).
+SCRIPT_OUTPUTS = {
+    "copies_keep_identity": (MAIN_BLOCK_COPIES_KEEP_IDENTITY, ["True True True True True"]),
+    "redefined_class": (REDEFINED_CLASS, ["old new True"]),
+    "lru_cache": (CACHED_FUNCTIONS, ["23416728348467685 [4, 9] 16 ('new', 1) 81"]),
+    "slotted": (SLOTTED_COPIES, ["True True True True False"]),
+}
+SCRIPT_RUNS = [
+    *((case, "script") for case in SCRIPT_OUTPUTS),
+    ("redefined_class", "dash-c"),
+]
+
+
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize(("case", "main"), SCRIPT_RUNS)
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
-def test_instances_of_slotted_classes_copied_by_value_come_back(
-    tmp_path: pathlib.Path, start_method: str
+def test_a_main_script_sees_in_its_tasks_what_it_sees_itself(
+    tmp_path: pathlib.Path, case: str, main: str, start_method: str
 ) -> None:
-    proc = _run_main(tmp_path, SLOTTED_COPIES, start_method)
-    assert proc.stdout.splitlines() == ["True True True True False"], proc.stderr
+    source, expected = SCRIPT_OUTPUTS[case]
+    proc = _run_main(tmp_path, source, start_method, main)
+    assert proc.stdout.splitlines() == expected, proc.stderr
 
 
 @pytest.mark.timeout(60)
