@@ -13,7 +13,9 @@ Start-up, in order (the reasons are in docs/design.md, section 2):
      and format the segment but for the slab's free stack;
   3. start the zygote through the start method (under fork: a bare fork, see ForkedZygote;
      under forkserver, a pool that starts the server has it preload the zygote's modules,
-     ``_shm.preload_in_forkserver``); it opens the locks and maps the segment; meanwhile
+     ``_shm.preload_in_forkserver``; its config carries at most ``WAKE_FDS_IN_CONFIG`` wake
+     fds, the others follow on its socket, ``_zygote.send_wake_fds``); it opens the locks and
+     maps the segment; meanwhile
      build the coordinator, mark the initial workers as starting (the others dormant), fill
      the free stack and start the coordinator thread (it waits);
   4. on READY, unlink every lock name (from here on nothing of the pool has a name), let the
@@ -39,6 +41,7 @@ resources are watched for its drop, only once it started.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -67,7 +70,13 @@ from mpsched._shm import (
     sweep_stale_names,
 )
 from mpsched._wakeup import Wakeup
-from mpsched._zygote import ZYGOTE_NAME, ForkedZygote, ZygoteConfig, zygote_main
+from mpsched._zygote import (
+    ZYGOTE_NAME,
+    ForkedZygote,
+    ZygoteConfig,
+    send_wake_fds,
+    zygote_main,
+)
 
 if TYPE_CHECKING:
     from mpsched._pool import Pool
@@ -77,6 +86,12 @@ DISPATCH_WINDOW_MAX = 4096  # the inbox ring is sized for the window
 INFLIGHT_PER_WORKER = 4 * DISPATCH_WINDOW  # dispatched-unfinished tasks, per worker
 BLOCKS_PER_WORKER = 2048  # slab blocks per worker: in-flight tasks plus their children
 DEQUE_CAPACITY = 1024  # children queued per worker before they run inline
+# Wake eventfds pickled with the zygote's config (forkserver, spawn); a pool with more workers
+# sends it the others after its start (_zygote.send_wake_fds). Under forkserver every fd of the
+# config goes to multiprocessing's server in one SCM_RIGHTS message (at most 249 fds of ours:
+# SCM_MAX_FD, 253, less its 4): this leaves room for the segment, the control socket and fds in
+# the initializer's arguments (a Queue's pipe), and Pool() on up to 128 CPUs sends no more.
+WAKE_FDS_IN_CONFIG = 128
 STARTUP_TIMEOUT = 60.0  # seconds for the zygote to come up (spawn imports the main module)
 _MAX_SEGMENT_BYTES = 1 << 63  # off_t: ftruncate's limit
 
@@ -259,12 +274,14 @@ def _start_zygote(
     res.zygote_conn = parent_conn
     coordinator_fds.add(parent_conn.fileno())
     fork = pool._start_method == "fork"
+    # Under fork the zygote inherits them all; else the config carries the first ones.
+    late_wake_fds = [] if fork else res.wake_fds[WAKE_FDS_IN_CONFIG:]
     cfg = ZygoteConfig(
         conn=child_conn,
         segment=res.segment,
         layout=layout,
         locks=locks,
-        wake_fds=res.wake_fds,
+        wake_fds=res.wake_fds if fork else res.wake_fds[:WAKE_FDS_IN_CONFIG],
         coordinator_pid=os.getpid(),
         worker_options=pool._worker_options,
         close_fds=sorted(coordinator_fds) if fork else [],
@@ -285,6 +302,11 @@ def _start_zygote(
             res.zygote.start()
     finally:
         child_conn.close()
+    if late_wake_fds:
+        # Before the coordinator thread exists: nothing else is sent on the socket first.
+        # EPIPE: the zygote died already; wait_ready reports it (BrokenPoolError).
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            send_wake_fds(parent_conn, late_wake_fds)
     return parent_conn
 
 

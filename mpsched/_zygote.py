@@ -12,6 +12,11 @@ spawn) or in a bare fork (``ForkedZygote``, fork start method). Runs in the zygo
 ``_spawn`` runs the worker (``_worker.worker_main``) in the forked child.
 
 Protocol with the coordinator (one duplex Connection; see ``_protocol``):
+    coord  -> the other wake fds        first, only if the config carries fewer wake fds than
+                                        the pool has slots (``send_wake_fds``): the rest, in
+                                        SCM_RIGHTS messages of up to ``FDS_PER_MESSAGE``,
+                                        sent by ``Pool()`` right after the zygote's start;
+                                        received before anything else (``_receive_wake_fds``)
     zygote -> READY (its __main__ names) after attaching; then it forks the pool's initial
                                         workers (``ZygoteConfig.initial_slots``), answering
                                         SPAWNED for each as for a SPAWN; the other slots are
@@ -38,6 +43,7 @@ unlinked semaphores vanish with their last holder.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import select
@@ -63,6 +69,11 @@ if TYPE_CHECKING:
 # the fork start method the zygote inherits it from the pool's process (imported before).
 _set_death_signal = death_signal_setter()
 ZYGOTE_NAME = "mpsched-zygote"  # its multiprocessing.current_process().name, and its workers'
+# The kernel's cap on the fds of one SCM_RIGHTS message is SCM_MAX_FD, 253: beyond it sendmsg
+# fails with EINVAL. (Under forkserver multiprocessing sends every fd of a Process's pickled
+# args, with 4 of its own, in one such message: why the config carries a bounded number of wake
+# fds, and this module sends the others, see send_wake_fds.)
+FDS_PER_MESSAGE = 250  # fds per SCM_RIGHTS message; below SCM_MAX_FD (253)
 # ForkedZygote's exit code when the kernel reaped it (the pool's process ignores SIGCHLD) and
 # its status is gone; as a negative code is a signal's, 255 (exit(-1)) stands for "unknown".
 EXIT_STATUS_LOST = 255
@@ -95,6 +106,8 @@ class ZygoteConfig:
         self.segment = segment
         self.layout = layout
         self.locks = locks
+        # The first wake fds (by slot), or all of them; the zygote receives the others over
+        # ``conn`` before it attaches (``send_wake_fds``), so it has one per slot before READY.
         self.wake_fds = wake_fds
         self.coordinator_pid = coordinator_pid
         self.worker_options = worker_options
@@ -131,6 +144,8 @@ def zygote_main(cfg: ZygoteConfig) -> None:
         for owned in cfg.inherited:  # each marks itself closed: no number is closed twice
             with contextlib.suppress(BufferError, OSError):  # a view left: the fd goes anyway
                 owned.close()
+        if not _receive_wake_fds(cfg):
+            return  # EOF: Pool() gave up (a Ctrl-C in it) before sending them: exit quietly
         views = cfg.views if cfg.views is not None else attach(cfg.segment, cfg.layout, cfg.locks)
         _Zygote(cfg, views, workers_sigchld).serve()
     except BaseException:
@@ -163,6 +178,60 @@ def _warn_if_threaded() -> None:
         import warnings
 
         warnings.warn(THREADED_ZYGOTE_WARNING.format(names=", ".join(others)), RuntimeWarning, 2)
+
+
+def send_wake_fds(conn: Connection, wake_fds: Sequence[SharedFd]) -> None:
+    """The pool's process, right after the zygote's start: send it the wake fds that its
+    config does not carry, before any other message on ``conn``. No answer is awaited: the
+    messages wait in the socket until the zygote reads them (``_receive_wake_fds``).
+
+    Why: under forkserver ``multiprocessing`` passes every fd of a ``Process``'s pickled args
+    to its server in one SCM_RIGHTS message, with 4 of its own: more than 251 failed with
+    ValueError ("too many fds"), 250 and 251 with EINVAL (over SCM_MAX_FD), which also killed
+    the server (an EOFError in it), so that the process's next forkserver pool failed too.
+    """
+    sock = _socket_of(conn)
+    try:
+        for i in range(0, len(wake_fds), FDS_PER_MESSAGE):
+            socket.send_fds(sock, [b"W"], [f.fd for f in wake_fds[i : i + FDS_PER_MESSAGE]])
+    finally:
+        sock.detach()
+
+
+def _receive_wake_fds(cfg: ZygoteConfig) -> bool:
+    """Receive the wake fds that ``send_wake_fds`` sent, until there is one per slot (none to
+    receive under fork, or when the config carried them all). Returns False at EOF (Pool()
+    gave up before sending them all). Raises OSError(EMFILE) if this process had no fd free
+    for them: the zygote dies before READY, so ``Pool()`` fails (BrokenPoolError)."""
+    if len(cfg.wake_fds) >= cfg.layout.n_slots:
+        return True
+    sock = _socket_of(cfg.conn)
+    try:
+        while len(cfg.wake_fds) < cfg.layout.n_slots:
+            # CLOEXEC as ours are (a later exec would leak them); os.fork() still inherits them.
+            msg, fds, flags, _ = socket.recv_fds(sock, 1, FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC)
+            cfg.wake_fds += [SharedFd(fd) for fd in fds]
+            if flags & socket.MSG_CTRUNC:  # the kernel dropped what it could not install
+                raise OSError(
+                    errno.EMFILE,
+                    f"the pool's zygote had no file descriptor free for the workers' wake "
+                    f"fds ({cfg.layout.n_slots} workers; the open-file limit, RLIMIT_NOFILE, "
+                    "reached?)",
+                )
+            if not msg:
+                return False
+    finally:
+        sock.detach()
+    return True
+
+
+def _socket_of(conn: Connection) -> socket.socket:
+    """A socket object on ``conn``'s fd (``detach()`` it after use: the fd stays ``conn``'s)."""
+    sock = socket.socket(fileno=conn.fileno())
+    # Blocking, as the Connection's fd is: under socket.setdefaulttimeout() the new object
+    # would have made the shared file description non-blocking.
+    sock.setblocking(True)
+    return sock
 
 
 class _Zygote:

@@ -393,3 +393,22 @@ def _wait_for_file(path: str) -> None:
     deadline = time.monotonic() + 20
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
+def eventfd_ids(fds: list[int]) -> list[str]:
+    """The kernel's ids of eventfds ``fds`` of this process (``eventfd-id`` in their fdinfo):
+    equal ids in two processes mean the same eventfd."""
+    ids = []
+    for fd in fds:
+        with open(f"/proc/self/fdinfo/{fd}") as info:
+            ids += [line.split()[1] for line in info if line.startswith("eventfd-id")]
+    return ids
+
+
+def wake_fd_ids() -> list[str]:
+    """The ids of the wake eventfds of the worker that runs this, by slot."""
+    from mpsched import _children
+
+    worker = _children._current
+    assert worker is not None
+    return eventfd_ids(worker.wake_fds)

@@ -30,6 +30,7 @@ from mpsched._errors import InternalError, ProtocolError
 from mpsched._future import Future
 from mpsched._protocol import Tag
 from mpsched._slot_region import MAX_NESTING
+from mpsched._zygote import FDS_PER_MESSAGE
 
 from . import edge_tasks as et
 from . import tasks
@@ -814,6 +815,34 @@ def test_children_run_inline_on_a_full_deque_leave_no_stash(
     finally:
         pool.shutdown(wait=True)
     assert pool._coordinator.stash == {}
+
+
+# ---------------------------------------------------------------- many workers
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("start_method", "workers"),
+    [
+        ("forkserver", 248),  # 250 fds of ours: over SCM_MAX_FD, EINVAL killed the server
+        # The wake fds in two messages after the config's (over "too many fds" before).
+        ("forkserver", _startup.WAKE_FDS_IN_CONFIG + FDS_PER_MESSAGE + 2),
+        ("spawn", _startup.WAKE_FDS_IN_CONFIG + FDS_PER_MESSAGE + 2),
+    ],
+)
+def test_a_pool_with_more_wake_fds_than_one_fd_message_holds_works(
+    start_method: str, workers: int
+) -> None:
+    """Under forkserver multiprocessing sends a Process's fds in one SCM_RIGHTS message: a
+    config with one wake eventfd per worker failed ``Pool(248)`` and more, and killed the
+    forkserver, so that the process's next pool failed too. The config now carries the first
+    ``WAKE_FDS_IN_CONFIG`` and the others follow on the zygote's socket: the worker has every
+    slot's eventfd, in slot order, and a pool made after it works. Cheap: one worker starts
+    (the others are dormant)."""
+    with Pool(workers, start_method=start_method) as pool:
+        expected = et.eventfd_ids([f.fd for f in pool._resources.wake_fds])
+        assert len(expected) == workers
+        assert pool.submit(et.wake_fd_ids).result(timeout=30) == expected
+    with Pool(2, start_method=start_method) as pool:
+        assert pool.submit(abs, -1).result(timeout=30) == 1
 
 
 # ---------------------------------------------------------------- worker lifecycle
