@@ -93,6 +93,13 @@ FINE_WAIT = 0.002  # seconds
 # ahead raised OverflowError in the loop and broke the pool), so a far due time is waited for in
 # waits of at most this, each followed by a pass that finds nothing due and waits again.
 MAX_WAIT = 3600.0
+# SPAWNs sent and not answered yet. The zygote answers each with SPAWNED and the worker's
+# socket, an SCM_RIGHTS message whose room in a socket buffer (~1 KiB each) is far above its
+# bytes: ~600 SPAWNs sent in one pass (a map that woke every dormant worker of Pool(600))
+# filled the zygote's way back while it forked, it stopped reading, and the rest of the SPAWNs
+# filled the way there: both sides waited for ever (found in review). The rest wait for the
+# next passes, which the answers wake.
+SPAWNS_IN_FLIGHT_MAX = 32
 
 
 class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Draining):
@@ -125,6 +132,9 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             wanted = len(self.by_handle) + len(self.ready) - asked
             if wanted <= 0:
                 return
+        wanted = min(wanted, SPAWNS_IN_FLIGHT_MAX - len(self.starting))
+        if wanted <= 0:
+            return
         slots, self.dormant = self.dormant[:wanted], self.dormant[wanted:]
         for slot in slots:
             self.spawn(slot)  # while some stay dormant, its first child asks for them

@@ -117,3 +117,15 @@ def test_a_replacement_of_the_first_worker_wakes_its_dormant_peers_too(tmp_path:
         parent.result(timeout=CONDITION_TIMEOUT)
         assert pool._coordinator.dormant == []
         assert pool.statistics().steals == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", METHODS)
+def test_a_map_that_wakes_hundreds_of_dormant_workers_at_once_ends(start_method: str) -> None:
+    """A map of 600 items on ``Pool(600)`` woke every dormant worker in one pass: ~600 SPAWNs
+    at once, whose answers (each with a socket, an SCM_RIGHTS message) filled the zygote's way
+    back while the SPAWNs filled the way there, and both sides waited for ever (found in
+    review). At most ``SPAWNS_IN_FLIGHT_MAX`` go unanswered now."""
+    with Pool(600, start_method=start_method) as pool:
+        assert list(pool.map(tasks.ident, range(600), chunksize=1)) == list(range(600))
+    assert pool.statistics().completed == 600
