@@ -171,6 +171,10 @@ class CoordinatorState:
         # task spawns a child (``Coordinator.wake_dormant``). Coordinator thread only, after go.
         self.dormant: list[int] = []
         self.peers_wanted = False  # a worker with dormant peers pushed a child (WANT_PEERS)
+        # A worker could not start (Coordinator.spawn_failed): when to ask again (monotonic
+        # seconds; 0: no wait), and since when every try failed (None: the last one worked).
+        self.spawn_retry_at = 0.0
+        self.spawn_failing_since: float | None = None
         self.by_fd: dict[int, WorkerHandle] = {}
         self.exit_codes: dict[int, int] = {}  # pid -> exit code, from the zygote
         self.draining = False  # set once shutdown began: no task may come in after it

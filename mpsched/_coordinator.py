@@ -41,6 +41,7 @@ import os
 import select
 import threading
 import time
+import warnings
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import Any
@@ -100,6 +101,15 @@ MAX_WAIT = 3600.0
 # filled the way there: both sides waited for ever (found in review). The rest wait for the
 # next passes, which the answers wake.
 SPAWNS_IN_FLIGHT_MAX = 32
+# A worker that could not start for now (the pool's process or the zygote out of fds, or a
+# process limit: SPAWN_FAILED) is asked for again after this many seconds, as its slot's work
+# still wants it; with no worker running, the pool breaks once every try failed for
+# SPAWN_GIVE_UP seconds (its tasks could not run).
+SPAWN_RETRY_INTERVAL = 0.5
+SPAWN_GIVE_UP = 10.0
+# fds that the pool's process takes for a new worker: its socket, its pidfd, and the duplicate
+# of the zygote's socket that receiving the worker's takes meanwhile (``recv_handle``).
+FDS_PER_NEW_WORKER = 3
 
 
 class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Draining):
@@ -125,6 +135,8 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         and the coordinator does not see them). Not for a result: a pool used one task at a
         time needs one worker, and forking the others as a result comes would take the CPUs
         that its way to the caller needs (docs/design.md, "Dormant workers")."""
+        if self.spawn_retry_at and self.spawn_retry_at > time.monotonic():
+            return
         if self.peers_wanted:
             wanted = len(self.dormant)
         else:
@@ -140,6 +152,10 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             self.spawn(slot)  # while some stay dormant, its first child asks for them
 
     def spawn(self, slot: int) -> None:
+        short = _fds_short(self.zygote.fileno(), FDS_PER_NEW_WORKER)
+        if short is not None:  # the worker's socket could not be received: see spawn_failed
+            self.spawn_failed(slot, f"no fd free in the pool's process: {short}")
+            return
         self.starting.add(slot)
         try:
             # With whether peers are still dormant: a replacement asks for them (WANT_PEERS)
@@ -147,6 +163,27 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             self.send_to_zygote(Tag.SPAWN, slot, bool(self.dormant))
         except OSError as exc:  # EPIPE: it died, its EOF not read yet (e.g. during a recovery)
             raise zygote_died() from exc
+
+    def spawn_failed(self, slot: int, error: str) -> None:
+        """Coordinator thread: ``slot``'s worker could not start for now (``error``): the slot
+        is dormant again, asked for again after ``SPAWN_RETRY_INTERVAL`` if its work still
+        wants it. The pool broke for good at the first such failure, even while another
+        worker ran (found in review); now only once no worker runs and every try failed for
+        ``SPAWN_GIVE_UP`` seconds. The first failure of a run of them is told as a warning."""
+        self.starting.discard(slot)
+        self.dormant.append(slot)
+        now = time.monotonic()
+        self.spawn_retry_at = now + SPAWN_RETRY_INTERVAL
+        since = self.spawn_failing_since
+        if since is None:
+            self.spawn_failing_since = now
+            warnings.warn(
+                f"mpsched: a worker of the pool could not start ({error}); trying again",
+                RuntimeWarning,
+                2,
+            )
+        elif now - since > SPAWN_GIVE_UP and not self.starting and not any(self.workers):
+            raise BrokenPoolError(f"no worker could start for {SPAWN_GIVE_UP:g} s: {error}")
 
     def release_workers(self, modules: tuple[str, ...] = ()) -> None:
         """Any thread: let a zygote that awaits START fork the initial workers, after it
@@ -474,6 +511,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         if tag == Tag.SPAWNED:
             slot, pid = fields
             self.starting.discard(slot)
+            self.spawn_failing_since = None
             try:
                 fd = recv_handle(self.zygote)
             except RuntimeError as exc:  # the fd cut off the message: none free here
@@ -491,6 +529,8 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             self.workers[slot] = worker
             self.by_fd[conn.fileno()] = worker
             self.epoll.register(conn.fileno(), select.EPOLLIN)
+        elif tag == Tag.SPAWN_FAILED:
+            self.spawn_failed(*fields)
         elif tag == Tag.EXITED:
             _, pid, code = fields
             if pid in self.retired_pids:
@@ -505,6 +545,20 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             return decode(self.zygote.recv_bytes())
         except (EOFError, OSError) as exc:
             raise zygote_died() from exc
+
+
+def _fds_short(fd: int, count: int) -> OSError | None:
+    """The error if this process cannot open ``count`` more fds now (duplicates of ``fd``,
+    closed at once), else None."""
+    taken: list[int] = []
+    try:
+        taken.extend(os.dup(fd) for _ in range(count))  # those made stay listed on a raise
+    except OSError as exc:
+        return exc
+    finally:
+        for dup in taken:
+            os.close(dup)
+    return None
 
 
 def zygote_died() -> BrokenPoolError:

@@ -99,6 +99,9 @@ class Tag(Constants):
     # worker -> coordinator: it pushed a child while its peers were dormant (not forked yet):
     # fork them, so that they can steal (sent once, by a worker forked with peers dormant).
     WANT_PEERS: Final = 19
+    # zygote -> coordinator, instead of SPAWNED: the worker could not be forked for now
+    # (fields: slot, the error's text).
+    SPAWN_FAILED: Final = 20
 
 
 class ResultStatus(Constants):

@@ -29,6 +29,9 @@ Protocol with the coordinator (one duplex Connection; see ``_protocol``):
                                         sends the coordinator's end of the worker's socket
                                         pair as an fd (``send_handle``); ``dormant``: other
                                         slots are still dormant (see ``worker_main``)
+    zygote -> SPAWN_FAILED(slot, error) instead of SPAWNED: the fork (or its socket pair, or
+                                        its pidfd) failed for want of fds or processes; the
+                                        coordinator tries again later
     zygote -> EXITED(slot, pid, code)   a worker exited (reaped here; its pidfd fired)
     coord  -> STOP                      spawn no more; exit once every worker has been reaped
 
@@ -310,15 +313,32 @@ class _Zygote:
         # else START again (a Ctrl-C in the pool's process right after it sent one): done
 
     def _spawn(self, slot: int, peers_dormant: bool) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:  # EMFILE, ENFILE: see _spawn_failed
+            self._spawn_failed(slot, exc)
+            return
         zygote_pid = os.getpid()
         gc.freeze()  # and what the zygote made since (a module it imported): see zygote_main
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # EAGAIN (a process limit), ENOMEM
+            ours.close()
+            theirs.close()
+            self._spawn_failed(slot, exc)
+            return
         if pid == 0:  # the worker
             ours.close()
             self._become_worker(slot, theirs, zygote_pid, peers_dormant)
         theirs.close()
-        pidfd = os.pidfd_open(pid)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as exc:  # EMFILE: a worker this process cannot watch is not kept
+            os.kill(pid, signal.SIGKILL)  # not reaped yet: the pid is still that child's
+            os.waitpid(pid, 0)
+            ours.close()
+            self._spawn_failed(slot, exc)
+            return
         self.children[pidfd] = (slot, pid)
         self.poller.register(pidfd, select.POLLIN)
         try:
@@ -328,6 +348,16 @@ class _Zygote:
             self._coordinator_gone()
         finally:
             ours.close()
+
+    def _spawn_failed(self, slot: int, error: OSError) -> None:
+        """A worker could not be forked for now (out of fds or processes: a limit the user's
+        program reaches for a while): say so, and go on. The zygote died of it, and the pool
+        broke for good, blaming its start-up, even while another worker ran (found in
+        review); the coordinator now tries again later (``Coordinator.spawn_failed``)."""
+        try:
+            self.conn.send_bytes(encode(Tag.SPAWN_FAILED, slot, str(error)))
+        except OSError:  # EPIPE: as in _spawn
+            self._coordinator_gone()
 
     def _become_worker(
         self, slot: int, sock: socket.socket, zygote_pid: int, peers_dormant: bool

@@ -236,3 +236,108 @@ def test_a_program_that_ignores_or_reaps_sigchld_keeps_its_pool_through_a_worker
     kept = sigchld if sigchld == "ignored" or start_method == "fork" else "default"
     assert f"workers: {kept}" in result.stdout, result.stdout
     assert "fds left by a second pool: 0" in result.stdout, result.stdout
+
+
+# A worker that cannot start for now: the pool's process out of fds as work wakes a dormant
+# worker, or the zygote's fork failing with EAGAIN (a process limit: RLIMIT_NPROC, which does
+# not bind root, or a container's pids.max; here a stand-in for os.fork in the zygote, a copy
+# of this process under fork). The pool broke for good at the first such failure, even while
+# a worker ran (found in review); now it warns, runs the work on the workers it has, and asks
+# again later; with no worker at all it breaks after SPAWN_GIVE_UP, saying why.
+SPAWN_FAILURE_PROGRAM = """
+import errno
+import os
+import resource
+import sys
+import time
+import mpsched
+import mpsched._coordinator
+
+def nap(x):
+    time.sleep(0.02)
+    return x
+
+def running(pool):
+    return sum(1 for w in pool.statistics().per_worker if w.pid)
+
+def busy(pool, n):
+    return sorted(f.result(timeout=20) for f in [pool.submit(nap, i) for i in range(n)])
+
+mode, flag = sys.argv[1], sys.argv[2]
+real_fork, me = os.fork, os.getpid()
+
+def fork():
+    if os.getpid() != me and os.path.exists(flag):  # in the zygote, while the flag is there
+        raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+    return real_fork()
+
+os.fork = fork
+
+if __name__ == "__main__":
+    if mode == "give-up":
+        mpsched._coordinator.SPAWN_GIVE_UP = 1.0
+        open(flag, "w").close()
+        pool = mpsched.Pool(1, start_method="fork")
+        try:
+            pool.submit(nap, 1).result(timeout=20)
+        except mpsched.BrokenPoolError as exc:
+            print("broken:", exc)
+        pool.shutdown()
+        sys.exit()
+    with mpsched.Pool(2, start_method="fork") as pool:
+        print(busy(pool, 1), running(pool))  # the other worker is dormant
+        held = []
+        if mode == "fds":
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
+            try:
+                while True:
+                    held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                pass
+        else:
+            open(flag, "w").close()
+        print(busy(pool, 40) == list(range(40)), running(pool))
+        for fd in held:
+            os.close(fd)
+        if os.path.exists(flag):
+            os.unlink(flag)
+        while running(pool) < 2:
+            busy(pool, 40)
+        print(busy(pool, 4), running(pool))
+"""
+
+
+def _run_spawn_failure_program(
+    tmp_path: pathlib.Path, mode: str
+) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "prog.py"
+    script.write_text(SPAWN_FAILURE_PROGRAM)
+    return subprocess.run(
+        [sys.executable, str(script), mode, str(tmp_path / "flag")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["fds", "fork"])
+def test_a_worker_that_cannot_start_for_now_is_asked_for_again(
+    tmp_path: pathlib.Path, mode: str
+) -> None:
+    result = _run_spawn_failure_program(tmp_path, mode)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[0] 1", "True 1", "[0, 1, 2, 3] 2"], result.stderr
+    assert "a worker of the pool could not start" in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_pool_none_of_whose_workers_can_start_breaks_saying_why(tmp_path: pathlib.Path) -> None:
+    result = _run_spawn_failure_program(tmp_path, "give-up")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("broken: no worker could start for 1 s: [Errno 11]"), (
+        result.stdout + result.stderr
+    )
