@@ -172,6 +172,8 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         ``SPAWN_GIVE_UP`` seconds. The first failure of a run of them is told as a warning."""
         self.starting.discard(slot)
         self.dormant.append(slot)
+        if self.slots[slot].inbox_depth():  # tasks handed to it while it was starting:
+            self.wake_sleepers()  # a sleeping peer steals them
         now = time.monotonic()
         self.spawn_retry_at = now + SPAWN_RETRY_INTERVAL
         since = self.spawn_failing_since
