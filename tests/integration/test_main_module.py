@@ -482,6 +482,7 @@ if __name__ == "__main__":
 # What each script above prints, in each start method (and as ``python -c`` where the way the
 # workers lack the main block's names matters).
 SCRIPT_OUTPUTS = {
+    "identity_beside_a_lambda": (MAIN_IDENTITY_BESIDE_A_LAMBDA, ["True True True", "True", "True"]),
     "copies_keep_identity": (MAIN_BLOCK_COPIES_KEEP_IDENTITY, ["True True True True True"]),
     "redefined_class": (REDEFINED_CLASS, ["old new True"]),
     "lru_cache": (CACHED_FUNCTIONS, ["23416728348467685 [4, 9] 16 ('new', 1) 81"]),
@@ -502,15 +503,6 @@ def test_a_main_script_sees_in_its_tasks_what_it_sees_itself(
     source, expected = SCRIPT_OUTPUTS[case]
     proc = _run_main(tmp_path, source, start_method, main)
     assert proc.stdout.splitlines() == expected, proc.stderr
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
-def test_objects_of_main_keep_their_identity_beside_a_lambda(
-    tmp_path: pathlib.Path, start_method: str
-) -> None:
-    proc = _run_main(tmp_path, MAIN_IDENTITY_BESIDE_A_LAMBDA, start_method)
-    assert proc.stdout.splitlines() == ["True True True", "True", "True"], proc.stderr
 
 
 # A __main__ function the worker cannot name goes by value (_serialize.portable). Its copy by
