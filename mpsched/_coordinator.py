@@ -39,6 +39,7 @@ import errno
 import math
 import os
 import select
+import sys
 import threading
 import time
 import warnings
@@ -198,7 +199,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
                 return
             # EPIPE: the zygote died; the loop reads its EOF and breaks the pool.
             with contextlib.suppress(OSError):
-                self.zygote.send_bytes(encode(Tag.START, modules))
+                self.zygote.send_bytes(encode(Tag.START, modules, process_state()))
             self.workers_released = True
 
     def send_to_zygote(self, tag: int, *fields: Any) -> None:
@@ -547,6 +548,20 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             return decode(self.zygote.recv_bytes())
         except (EOFError, OSError) as exc:
             raise zygote_died() from exc
+
+
+def process_state() -> tuple[str | None, list[str], dict[str, str]]:
+    """What the workers should see of this process, taken as the first task comes (START):
+    the working directory (None if it was removed), ``sys.path`` and the environment, as
+    ProcessPoolExecutor's workers see those of the moment they start (multiprocessing's
+    preparation data; the environment at their start). The zygote takes them before it forks
+    the workers (``_zygote._take_state``): a path added to ``sys.path`` after ``Pool()``, and a
+    module imported from it, failed in the workers (ModuleNotFoundError; found in review)."""
+    try:
+        cwd: str | None = os.getcwd()
+    except OSError:
+        cwd = None
+    return cwd, list(sys.path), dict(os.environ)
 
 
 def _fds_short(fd: int, count: int) -> OSError | None:

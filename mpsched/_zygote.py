@@ -21,9 +21,11 @@ Protocol with the coordinator (one duplex Connection; see ``_protocol``):
                                         workers (``ZygoteConfig.initial_slots``), answering
                                         SPAWNED for each as for a SPAWN; the other slots are
                                         dormant until the coordinator SPAWNs them
-    coord  -> START(modules)            first, if ``ZygoteConfig.await_start``: the initial
+    coord  -> START(modules, state)     first, if ``ZygoteConfig.await_start``: the initial
                                         workers wait for it (the pool's first task); the
-                                        zygote imports ``modules`` before forking them
+                                        zygote takes ``state`` (the pool's process's working
+                                        directory, sys.path and environment) and imports
+                                        ``modules`` before forking them
     coord  -> SPAWN(slot, dormant)      (a dormant slot's first worker, or a replacement)
                                         zygote forks, answers SPAWNED(slot, pid) and then
                                         sends the coordinator's end of the worker's socket
@@ -237,6 +239,20 @@ def _socket_of(conn: Connection) -> socket.socket:
     return sock
 
 
+def _take_state(state: tuple[str | None, list[str], dict[str, str]]) -> None:
+    """The pool's process's working directory, ``sys.path`` and environment as START carried
+    them (``_coordinator.process_state``), for every worker forked from here on. A directory
+    that cannot be entered is left as it was, as multiprocessing does."""
+    cwd, path, environ = state
+    if cwd is not None:
+        with contextlib.suppress(OSError):
+            os.chdir(cwd)
+    sys.path[:] = path
+    if environ != os.environ:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
 class _Zygote:
     def __init__(self, cfg: ZygoteConfig, views: SegmentViews, workers_sigchld: Any) -> None:
         self.cfg = cfg
@@ -289,6 +305,7 @@ class _Zygote:
             return
         if tag != Tag.START:
             raise ProtocolError(f"the zygote got {Tag.name(tag)} before START")
+        _take_state(fields[1])  # before the imports: a path added since Pool() may hold them
         for name in fields[0]:
             if name not in sys.modules:
                 # An import that fails here fails again in the worker that needs it, which

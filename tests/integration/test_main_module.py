@@ -401,6 +401,48 @@ def test_a_zygote_that_an_import_left_with_threads_warns(
     assert "the pool's zygote runs threads (refresher)" in proc.stderr, proc.stderr
 
 
+# The working directory, sys.path and environment that the workers see: under forkserver and
+# spawn those of the first task, as the pool's first workers start with it (a path added to
+# sys.path after Pool(), and a module imported from it, failed in the workers; found in review);
+# under fork those of Pool(), where the zygote and its first worker are forked.
+STATE_AFTER_POOL = """
+import os
+import sys
+import mpsched
+
+def probe():
+    try:
+        import helper_after_pool
+    except ImportError:
+        found = False
+    else:
+        found = helper_after_pool.FOUND
+    return os.path.basename(os.getcwd()), os.environ.get("SET_AFTER_POOL"), found
+
+if __name__ == "__main__":
+    here = os.getcwd()
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        os.mkdir("lib")
+        with open(os.path.join("lib", "helper_after_pool.py"), "w") as module:
+            module.write("FOUND = True")
+        sys.path.insert(0, os.path.join(here, "lib"))
+        os.mkdir("elsewhere")
+        os.chdir("elsewhere")
+        os.environ["SET_AFTER_POOL"] = "yes"
+        print(*pool.submit(probe).result(timeout=20))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_the_workers_see_the_directory_path_and_environment_of_the_first_task(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    proc = _run_main(tmp_path, STATE_AFTER_POOL, start_method)
+    expected = f"{tmp_path.name} None False" if start_method == "fork" else "elsewhere yes True"
+    assert proc.stdout.splitlines() == [expected], proc.stderr
+
+
 # A module that the main module imports makes a pool as it is imported: under spawn and forkserver
 # the zygote imports the main module again, and with it that module, whose Pool() then failed
 # inside multiprocessing with its advice to guard the main module, which was guarded (found in
