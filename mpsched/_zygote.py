@@ -248,9 +248,11 @@ def _take_state(state: tuple[str | None, list[str], dict[str, str]]) -> None:
         with contextlib.suppress(OSError):
             os.chdir(cwd)
     sys.path[:] = path
-    if environ != os.environ:
-        os.environ.clear()
-        os.environ.update(environ)
+    for name in [name for name in os.environ if name not in environ]:
+        del os.environ[name]
+    for name, value in environ.items():
+        if os.environ.get(name) != value:  # each set is a putenv(): only what changed
+            os.environ[name] = value
 
 
 class _Zygote:
