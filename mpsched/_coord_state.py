@@ -172,9 +172,11 @@ class CoordinatorState:
         self.dormant: list[int] = []
         self.peers_wanted = False  # a worker with dormant peers pushed a child (WANT_PEERS)
         # A worker could not start (Coordinator.spawn_failed): when to ask again (monotonic
-        # seconds; 0: no wait), and since when every try failed (None: the last one worked).
+        # seconds; 0: no wait), whether this run of failures was told, and since when no
+        # worker runs while every try fails (None: one runs, or the last try worked).
         self.spawn_retry_at = 0.0
-        self.spawn_failing_since: float | None = None
+        self.spawn_warned = False
+        self.stranded_since: float | None = None
         self.by_fd: dict[int, WorkerHandle] = {}
         self.exit_codes: dict[int, int] = {}  # pid -> exit code, from the zygote
         self.draining = False  # set once shutdown began: no task may come in after it

@@ -177,15 +177,24 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             self.wake_sleepers()  # a sleeping peer steals them
         now = time.monotonic()
         self.spawn_retry_at = now + SPAWN_RETRY_INTERVAL
-        since = self.spawn_failing_since
-        if since is None:
-            self.spawn_failing_since = now
-            warnings.warn(
-                f"mpsched: a worker of the pool could not start ({error}); trying again",
-                RuntimeWarning,
-                2,
-            )
-        elif now - since > SPAWN_GIVE_UP and not self.starting and not any(self.workers):
+        if not self.spawn_warned:
+            self.spawn_warned = True
+            # Told, not raised: under ``-W error`` the warning raised here, out of the loop,
+            # and broke the pool that the retry keeps.
+            with contextlib.suppress(Warning):
+                warnings.warn(
+                    f"mpsched: a worker of the pool could not start ({error}); trying again",
+                    RuntimeWarning,
+                    2,
+                )
+        # The clock of the give-up runs only while no worker runs: it counted from the first
+        # failure, so after failures while a worker ran, that worker's death broke the pool
+        # at the first failed try of its replacement (found in review).
+        if self.starting or any(self.workers):
+            self.stranded_since = None
+        elif self.stranded_since is None:
+            self.stranded_since = now
+        elif now - self.stranded_since > SPAWN_GIVE_UP:
             raise BrokenPoolError(f"no worker could start for {SPAWN_GIVE_UP:g} s: {error}")
 
     def release_workers(self, modules: tuple[str, ...] = ()) -> None:
@@ -514,7 +523,8 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         if tag == Tag.SPAWNED:
             slot, pid = fields
             self.starting.discard(slot)
-            self.spawn_failing_since = None
+            self.spawn_warned = False
+            self.stranded_since = None
             try:
                 fd = recv_handle(self.zygote)
             except RuntimeError as exc:  # the fd cut off the message: none free here

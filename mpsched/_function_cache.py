@@ -238,9 +238,10 @@ class FunctionCache:
         # the caller's __main__ they were taken at (a name defined since changes one of them).
         self._worker_main: frozenset[str] | None = None
         self._missing: tuple[tuple[int, str], list[bytes]] = ((-1, ""), [])
-        # The fid of each class of __main__ tabled with its copy (MainObject), for the
-        # arguments' stand-ins; weak, as a notebook redefines classes. Written under _lock.
-        self._class_fids: weakref.WeakKeyDictionary[type, int] = weakref.WeakKeyDictionary()
+        # The fid of each class of __main__ tabled with its copy (MainObject), and of each
+        # function of it that lru_cache wraps (its stand-in), for the calls' stand-ins; weak,
+        # as a notebook redefines them. Written under _lock.
+        self._stand_in_fids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         # The classes of this process's __main__ under names that the workers' has, as they
         # were at READY (note_worker_main, _redefined).
         self._classes_at_start: dict[str, weakref.ref[type]] = {}
@@ -359,31 +360,42 @@ class FunctionCache:
             redefined = ref is not None and ref() is not _in_main(head)
             if worker_main is not None and head in worker_main and not redefined:
                 return None
-            fid = self._class_fids.get(obj)
+            fid = self._stand_in_fids.get(obj)
             if fid is None:
-                fid = self._table_class(obj, name_first=not redefined)
+                fid = self._table_stand_in(obj, name_first=not redefined)
+        elif type(obj) is _CACHED:
+            # Tabled as a class is: inline, its copy (up to MAIN_BY_VALUE_MAX) went with every
+            # task, and was loaded by each (found in review: 53 -> 792 bytes a task).
+            fid = self._stand_in_fids.get(obj)
+            if fid is None:
+                fid = self._table_stand_in(obj, name_first=True)
         else:
             fid = self.fid(obj)
         return inline_stand_in(obj) if fid == INLINE else (load_tabled, (fid,))
 
-    def _table_class(self, cls: type, name_first: bool) -> int:
-        """``cls`` (of ``__main__``) tabled with its copy (its fid), or INLINE if the table is
-        full or the copy cannot be made (for good: a copy past ``MAIN_BY_VALUE_MAX``).
-        ``name_first``: see ``MainObject``."""
+    def _table_stand_in(self, obj: Any, name_first: bool) -> int:
+        """``obj`` (a class of ``__main__``, or a function of it that ``lru_cache`` wraps)
+        tabled with its copy (its fid), or INLINE if the table is full or the copy cannot be
+        made (for good: a copy past ``MAIN_BY_VALUE_MAX``). ``name_first``: see
+        ``MainObject``. Its copy holds what it refers to as it is now (a global its methods
+        read), as any copy does."""
         with self._lock:
-            fid = self._class_fids.get(cls)
+            fid = self._stand_in_fids.get(obj)
             if fid is not None or self._full:
                 return INLINE if fid is None else fid
             try:
-                data = _dumps(MainObject(cls, name_first), PICKLE_PROTOCOL)
+                stand_in = MainObject(obj, name_first) if isinstance(obj, type) else portable(obj)
+                if stand_in is obj:
+                    raise ValueError("no copy")  # too big: by reference, as inline_stand_in's
+                data = _dumps(stand_in, PICKLE_PROTOCOL)
             except Exception:  # no copy: by reference (inline_stand_in's answer, kept too)
-                self._class_fids[cls] = INLINE  # not tried again on every task
+                self._stand_in_fids[obj] = INLINE  # not tried again on every task
                 return INLINE
             fid = self._table_add(data)
             if fid == INLINE:
                 self._full = True
             else:
-                self._class_fids[cls] = fid
+                self._stand_in_fids[obj] = fid
             return fid
 
     def portable(self, fn: Any) -> Any:

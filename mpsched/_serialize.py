@@ -184,7 +184,8 @@ def copy_by_value(obj: Any, copied: Iterable[type] = (), cached: Any = None) -> 
     making.update(added)
     try:
         buffer = io.BytesIO()
-        _main_aware_pickler()(buffer, _class_stand_in, making).dump(obj)
+        cached_id = 0 if cached is None else id(cached)
+        _main_aware_pickler()(buffer, _class_stand_in, making, cached_id).dump(obj)
         return buffer.getvalue()
     finally:
         making.difference_update(added)
@@ -213,10 +214,12 @@ def _main_aware_pickler() -> Any:
                 file: io.BytesIO,
                 main_stand_in: StandIn | None,
                 copied: set[int] | None = None,
+                cached: int = 0,
             ) -> None:
                 super().__init__(file, protocol=PICKLE_PROTOCOL)
                 self.main_stand_in = main_stand_in
                 self.copied = copied
+                self.cached = cached  # id() of copy_by_value's ``cached`` (0: none)
 
             def reducer_override(self, obj: Any) -> Any:
                 if of_main(obj) and _in_main(obj.__qualname__) is obj:
@@ -229,7 +232,11 @@ def _main_aware_pickler() -> Any:
                         if copied is None:
                             return NotImplemented  # by name
                     elif type(obj) is _CACHED:
-                        return (type(None), ())  # the wrapper being copied (copy_by_value)
+                        if id(obj) == self.cached:  # the wrapper being copied: its loader
+                            return (type(None), ())  # puts itself there (copy_by_value)
+                        # Another one being copied (cached functions calling each other): by
+                        # name. A None there, which no loader replaced, was called.
+                        return NotImplemented
                 reduced = super().reducer_override(obj)
                 if isinstance(obj, type) and "__slots__" in vars(obj):
                     return _with_slots(reduced, vars(obj)["__slots__"])
@@ -398,8 +405,13 @@ def inline_stand_in(obj: Any) -> tuple[Any, ...] | None:
     else:
         stand_in = portable(obj)  # a function: the stand-in a task's own function has
         reduced = None if stand_in is obj else stand_in.__reduce__()
-    with contextlib.suppress(TypeError):  # not weakly referenceable: made again next time
-        _stand_ins[obj] = reduced
+    # Not one made inside another copy (``copy_by_value``'s): it copies what that copy is
+    # making (a cycle) instead of referring to it, which is right there only. Kept, a class's
+    # stand-in made first inside such a cycle gave a copy of the other class to every later
+    # task: ``isinstance`` said False or True as the tasks' order had it (found in review).
+    if not _local.__dict__.get("making"):
+        with contextlib.suppress(TypeError):  # not weakly referenceable: made again next time
+            _stand_ins[obj] = reduced
     return reduced
 
 

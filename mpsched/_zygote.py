@@ -182,7 +182,11 @@ def _warn_if_threaded() -> None:
     if others:
         import warnings
 
-        warnings.warn(THREADED_ZYGOTE_WARNING.format(names=", ".join(others)), RuntimeWarning, 2)
+        # Told, not raised: under ``-W error`` (which spawn passes on) it killed the zygote.
+        with contextlib.suppress(Warning):
+            warnings.warn(
+                THREADED_ZYGOTE_WARNING.format(names=", ".join(others)), RuntimeWarning, 2
+            )
 
 
 def send_wake_fds(conn: Connection, wake_fds: Sequence[SharedFd]) -> None:

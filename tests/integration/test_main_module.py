@@ -521,6 +521,38 @@ if __name__ == "__main__":
 """
 
 
+# Classes in a cycle: the top-level A's method reads B of the main block, B's reads A. B's copy
+# made first inside A's (a task using A's copy: here g, under spawn, where the workers lack B)
+# copies A along, which is right there only; kept for later tasks, it made B's isinstance(x, A)
+# of an argument A (the worker's own) say False after g, True without it (found in review).
+CYCLE_ORDER = """
+import sys
+import mpsched
+
+class A:
+    def make_b(self):
+        return B()
+
+if __name__ == "__main__":
+    class B:
+        def check(self, x):
+            return isinstance(x, A)
+
+    def g():
+        return type(A().make_b()).__name__
+
+    def f(a):
+        return B().check(a)
+
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        try:
+            pool.submit(g).result(timeout=20)
+        except NameError:  # the workers' own A reads their B: under spawn they have none
+            pass
+        print(pool.submit(f, A()).result(timeout=20))
+"""
+
+
 # What each script above prints, in each start method (and as ``python -c`` where the way the
 # workers lack the main block's names matters).
 SCRIPT_OUTPUTS = {
@@ -529,6 +561,7 @@ SCRIPT_OUTPUTS = {
     "redefined_class": (REDEFINED_CLASS, ["old new True"]),
     "lru_cache": (CACHED_FUNCTIONS, ["23416728348467685 [4, 9] 16 ('new', 1) 81"]),
     "slotted": (SLOTTED_COPIES, ["True True True True False"]),
+    "cycle_order": (CYCLE_ORDER, ["True"]),
 }
 SCRIPT_RUNS = [
     *((case, "script") for case in SCRIPT_OUTPUTS),

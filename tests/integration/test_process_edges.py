@@ -284,6 +284,23 @@ if __name__ == "__main__":
             print("broken:", exc)
         pool.shutdown()
         sys.exit()
+    if mode == "stranded":
+        # Failures for longer than the give-up while a worker ran, then that worker dies:
+        # the clock starts then (it counted from the first failure: the pool broke at once).
+        mpsched._coordinator.SPAWN_GIVE_UP = 1.0
+        with mpsched.Pool(2, start_method="fork") as pool:
+            busy(pool, 1)
+            open(flag, "w").close()
+            started = time.monotonic()
+            while time.monotonic() - started < 1.5:
+                busy(pool, 4)  # the dormant worker is wanted, and cannot start
+            os.kill(next(w.pid for w in pool.statistics().per_worker if w.pid), 9)
+            coordinator = pool._coordinator
+            while coordinator.stranded_since is None and coordinator.broken is None:
+                time.sleep(0.01)  # until its replacement failed too
+            os.unlink(flag)
+            print(busy(pool, 2))
+        sys.exit()
     with mpsched.Pool(2, start_method="fork") as pool:
         print(busy(pool, 1), running(pool))  # the other worker is dormant
         held = []
@@ -332,6 +349,15 @@ def test_a_worker_that_cannot_start_for_now_is_asked_for_again(
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["[0] 1", "True 1", "[0, 1, 2, 3] 2"], result.stderr
     assert "a worker of the pool could not start" in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_pool_whose_last_worker_dies_while_spawns_fail_waits_for_a_replacement(
+    tmp_path: pathlib.Path,
+) -> None:
+    result = _run_spawn_failure_program(tmp_path, "stranded")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[0, 1]"], result.stdout + result.stderr
 
 
 @pytest.mark.timeout(60)
