@@ -421,11 +421,12 @@ def cancel_all(futures: Sequence[Future[Any]]) -> None:
     error: BaseException | None = None
     for future in futures:
         try:
-            if future._state in _DONE_STATES:
+            state = future._state
+            if state == FINISHED:  # settled by the user: only the task is withdrawn
                 owner = future._owner
                 if owner is not None:
                     owner.cancel(future)
-            else:
+            elif state not in _CANCELLED_STATES:  # a cancelled one was withdrawn already
                 future.cancel()
         except BaseException as exc:
             if error is None:
