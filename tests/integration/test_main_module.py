@@ -399,6 +399,10 @@ def test_a_zygote_that_an_import_left_with_threads_warns(
     proc = _run_main(tmp_path, THREAD_AT_IMPORT, start_method)
     assert proc.stdout.splitlines() == ["1"], proc.stderr
     assert "the pool's zygote runs threads (refresher)" in proc.stderr, proc.stderr
+    # Told, not raised: under -W error (which spawn passes on) the warning killed the zygote.
+    script = tmp_path / "user_main.py"
+    strict = _run([sys.executable, "-W", "error", str(script), start_method], tmp_path)
+    assert (strict.returncode, strict.stdout) == (0, "1\n"), strict.stderr
 
 
 # The working directory, sys.path and environment that the workers see: under forkserver and
