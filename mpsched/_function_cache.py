@@ -36,7 +36,6 @@ from mpsched._serialize import (
     _cloudpickle,
     _dumps,
     _encode_with_cloudpickle,
-    _in_main,
     bound_to_state,
     inline_stand_in,
     load_tabled,
@@ -266,9 +265,13 @@ class FunctionCache:
         the old methods (found in review). A redefinition before the pool started, in a
         script's main block, is not seen (spawn and forkserver run the script's top level
         again, which has the old one)."""
-        return [
-            name for name, ref in self._classes_at_start.items() if namespace.get(name) is not ref()
-        ]
+        return [name for name in self._classes_at_start if self._is_redefined(name, namespace)]
+
+    def _is_redefined(self, name: str, namespace: dict[str, Any]) -> bool:
+        """Whether ``namespace`` (this process's ``__main__``) binds ``name``, a class of the
+        workers' ``__main__``, to another object than it did at READY (``_redefined``)."""
+        ref = self._classes_at_start.get(name)
+        return ref is not None and namespace.get(name) is not ref()
 
     def _may_name_a_missing_object(self, data: bytes) -> bool:
         """Whether ``data``, a call's plain pickle (one that names ``__main__`` if it is short),
@@ -356,8 +359,8 @@ class FunctionCache:
         if isinstance(obj, type):
             worker_main = self._worker_main
             head = obj.__qualname__.partition(".")[0]
-            ref = self._classes_at_start.get(head)
-            redefined = ref is not None and ref() is not _in_main(head)
+            namespace = getattr(sys.modules.get("__main__"), "__dict__", None) or {}
+            redefined = self._is_redefined(head, namespace)
             if worker_main is not None and head in worker_main and not redefined:
                 return None
             fid = self._stand_in_fids.get(obj)

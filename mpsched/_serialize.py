@@ -185,13 +185,13 @@ def copy_by_value(obj: Any, copied: Iterable[type] = (), cached: Any = None) -> 
     try:
         buffer = io.BytesIO()
         cached_id = 0 if cached is None else id(cached)
-        _main_aware_pickler()(buffer, _class_stand_in, making, cached_id).dump(obj)
+        _main_aware_pickler()(buffer, _copy_stand_in, making, cached_id).dump(obj)
         return buffer.getvalue()
     finally:
         making.difference_update(added)
 
 
-def _class_stand_in(obj: Any) -> tuple[Any, ...] | None:
+def _copy_stand_in(obj: Any) -> tuple[Any, ...] | None:
     """``copy_by_value``'s stand-in: a class's or a cached function's (None: copied with the
     rest), never a plain function's."""
     return inline_stand_in(obj) if isinstance(obj, (type, _CACHED)) else None

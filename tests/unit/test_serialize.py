@@ -208,6 +208,17 @@ def test_a_main_function_reaches_a_worker_that_lacks_its_name(
     assert loaded(*args, **kwargs) == 6
 
 
+def _recording_table() -> tuple[list[bytes], Callable[[bytes], int]]:
+    """A function table that keeps what is tabled: the list, and its ``table_add``."""
+    tabled: list[bytes] = []
+
+    def table_add(data: bytes) -> int:
+        tabled.append(data)
+        return len(tabled) - 1
+
+    return tabled, table_add
+
+
 def _main_class() -> type:
     class Pair:  # a class of the main block, as in _main_function
         def __init__(self, a: int, b: int) -> None:
@@ -229,12 +240,7 @@ def test_an_argument_of_a_main_class_reaches_a_worker_with_or_without_its_name(
     cls = _main_class()
     main = sys.modules["__main__"]
     monkeypatch.setattr(main, "mpsched_test_Pair", cls, raising=False)
-    tabled: list[bytes] = []
-
-    def table_add(data: bytes) -> int:
-        tabled.append(data)
-        return len(tabled) - 1
-
+    tabled, table_add = _recording_table()
     payload = FunctionCache(table_add).encode(len, (cls(1, 2),), {})
     assert len(payload) < 200  # the class's copy went to the table, not into each task
     # The worker: its function table's loader, and its __main__.
@@ -259,12 +265,7 @@ def test_a_main_function_that_lru_cache_wraps_is_tabled_once(
     fn = functools.lru_cache(maxsize=None)(_main_function())
     main = sys.modules["__main__"]
     monkeypatch.setattr(main, "mpsched_test_triple", fn, raising=False)
-    tabled: list[bytes] = []
-
-    def table_add(data: bytes) -> int:
-        tabled.append(data)
-        return len(tabled) - 1
-
+    tabled, table_add = _recording_table()
     cache = FunctionCache(table_add)
     cache.note_worker_main(vars(main))  # the workers have the name: only the code is checked
     payloads = [cache.encode(fn, (x,), {}) for x in (2, 3)]
