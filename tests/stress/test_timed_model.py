@@ -25,11 +25,13 @@ then earlier call; the coordinator hands out due tasks in the order they *became
 per priority, docs/design.md section 3), which is that order except for two versions of equal
 priority whose ``run_at`` and call order disagree (the later call may have become due first):
 either order is accepted for those. The dispatch window needs no model: a due task of a higher
-priority takes lower ones back from the inbox, so the window cannot let them pass it; the test
-runs windows of 1, 2 and 128 to cover the ready queue, the inbox and the take-back. Deferred
-versions become due only when their holder ends, so their place in the order is not checked.
-Before the release, the test waits until every due version left the heap (a version that became
-due after the release could rightly run after lower ones that were claimed meanwhile).
+priority takes lower ones back from the inbox (in the loop's next dispatch pass), so the window
+cannot let them pass it; the test runs windows of 1, 2 and 128 to cover the ready queue, the
+inbox and the take-back. Deferred versions become due only when their holder ends, so their
+place in the order is not checked. Before the release, the test waits until every due version
+left the heap and a dispatch pass has run since (a version that became due after the release
+could rightly run after lower ones that were claimed meanwhile, and so could a task that the
+loop had not yet taken back from the inbox when the worker freed up).
 
 Plain ``submit`` calls join in: a submitted task is due at its call with priority 0, and
 cancellable only through its future. It goes straight to the ready queue, while a timed version
@@ -217,6 +219,17 @@ class Run:
         # Before the release: a due version still in the heap would become due after some
         # lower ones already ran, and the order check would blame the pool for the test.
         wait_until(self.handed_out, "every due version is handed out")
+        # ... and taken back where owed: take_back_lower runs in the loop's dispatch pass,
+        # a lock hold after release_due (and after a submit, which never enters the heap).
+        coordinator = self.pool._coordinator
+        with coordinator.lock:
+            seen = coordinator.dispatches
+
+        def dispatched() -> bool:
+            with coordinator.lock:
+                return not coordinator.ready or coordinator.dispatches > seen
+
+        wait_until(dispatched, "a dispatch pass ran since every due version was handed out")
         self.release.touch()
         for v in model.running.values():
             assert v.future.result(CONDITION_TIMEOUT) == 1
