@@ -93,11 +93,25 @@ def _our_children(before: set[int]) -> list[psutil.Process]:
     return out
 
 
+_os_kill = os.kill
+
+
+def _kill_one_process(pid: int, sig: int) -> None:
+    """``os.kill`` that refuses a pid of 0 or below, which signals a whole process group: a
+    test that read a worker's pid as 0 (before the coordinator registered the worker) and sent
+    it SIGSTOP stopped pytest itself, whose timeout then never fired, and CI hung."""
+    if pid <= 0:
+        raise ValueError(f"os.kill({pid}, {sig}) would signal a process group, not a process")
+    _os_kill(pid, sig)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """A suite started with SIGINT ignored (``cmd &`` in a shell without job control ignores it)
     would pass that on to every script it starts, whose Ctrl-C tests then see no
     KeyboardInterrupt: give the suite Python's own handler, which an exec resets to the
-    default, so the scripts get theirs. And the scripts' TMPDIR (see the module doc)."""
+    default, so the scripts get theirs. And the scripts' TMPDIR (see the module doc). And
+    ``os.kill`` signals one process only (``_kill_one_process``)."""
+    os.kill = _kill_one_process
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     # This process keeps its own temporary directory (read before TMPDIR changes, and cached

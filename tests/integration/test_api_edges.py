@@ -48,6 +48,8 @@ def test_statistics_add_up_across_a_crash_between_tasks_and_shutdown() -> None:
         assert [pool.submit(tasks.ident, i).result(RESULT_TIMEOUT) for i in range(10)] == list(
             range(10)
         )
+        # (a worker may run tasks before the coordinator has its pid: 0 until then)
+        wait_until(lambda: pool.statistics().per_worker[0].pid != 0, "the worker is known")
         before = pool.statistics()  # a run is counted before its result is published
         assert _executed(before) == 10
         assert before.completed == 10

@@ -89,6 +89,9 @@ def test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block(
     with Pool(1) as pool:
         blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
         tasks.wait_started(fifos.started)
+        # (the loop hands a run to a worker once it has its pid, which may come after the
+        # worker started its first task: a run due before that could misfire unhanded)
+        wait_until(lambda: pool.statistics().per_worker[0].pid != 0, "the worker is known")
         due = time.monotonic()
         rec = pool.with_options(every=600.0, misfire="skip", misfire_grace=MISFIRE_GRACE).schedule(
             "m", due, 0, tt.log, fifos.log, "m"
@@ -151,8 +154,10 @@ def test_a_run_that_waits_past_its_grace_in_a_busy_workers_inbox_misfires(
     assert sum(w.executed for w in stats.per_worker) == stats.completed
     versions = tt.read_tags(fifos.log)
     if policy == "skip":
-        assert misfires == 1
-        assert versions[0] == 2, f"the late run ran: {versions}"
+        # The late run is dropped; so may be a next one, if its worker came to it late too (a
+        # worker off the CPU between two runs claims the next one past its grace).
+        assert misfires >= 1
+        assert 1 not in versions, f"the late run ran: {versions}"
     else:
         assert misfires == 0
         assert versions[0] == 1
@@ -829,27 +834,39 @@ def test_pending_does_not_count_cancelled_tasks(fifos: Fifos) -> None:
     from the ready queue (cancelled tasks stayed counted there until a dispatch popped them)."""
     with Pool(1, dispatch_window=1) as pool:
         blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
-        tasks.wait_started(fifos.started)
-        injected = pool.submit(tasks.ident, "injected")  # the window of one: in the inbox
-        queued = [pool.submit(tasks.ident, i) for i in range(3)]
-        due = [pool.schedule(i, 0.0, 0, tasks.ident, i) for i in range(3)]
-        wait_until(lambda: pool.statistics().scheduled == 0, "the timed ones are due")
-        assert pool.statistics().pending == 6
-        assert all(f.cancel() for f in queued)
-        assert pool.cancel(0) is True
-        assert pool.statistics().pending == 2
-        assert pool.cancel(1) is True
-        assert pool.cancel(2) is True
-        assert pool.statistics().pending == 0
-        # A higher priority takes the injected one back to the ready queue, with its block.
-        high = pool.schedule("high", 0.0, 1, tasks.ident, "high")
-        wait_until(
-            lambda: injected._slot < 0 and pool.statistics().pending == 1,
-            "the injected one is taken back",
-        )
-        assert injected.cancel() is True
-        assert pool.statistics().pending == 0
-        tasks.open_gate(fifos.gate)
+        try:
+            tasks.wait_started(fifos.started)
+            # The loop dispatches to a worker once it has its pid, which may come after the
+            # worker started its first task.
+            wait_until(lambda: pool.statistics().per_worker[0].pid != 0, "the worker is known")
+            injected = pool.submit(tasks.ident, "injected")  # the window of one: in the inbox
+            queued = [pool.submit(tasks.ident, i) for i in range(3)]
+            due = [pool.schedule(i, 0.0, 0, tasks.ident, i) for i in range(3)]
+            # (the release from the heap and the dispatch are two holds of the lock)
+            wait_until(
+                lambda: (
+                    pool.statistics().scheduled == 0
+                    and pool.statistics().per_worker[0].inbox_depth == 1
+                ),
+                "the timed ones are due and the first submit is injected",
+            )
+            assert pool.statistics().pending == 6
+            assert all(f.cancel() for f in queued)
+            assert pool.cancel(0) is True
+            assert pool.statistics().pending == 2
+            assert pool.cancel(1) is True
+            assert pool.cancel(2) is True
+            assert pool.statistics().pending == 0
+            # A higher priority takes the injected one back to the ready queue, with its block.
+            high = pool.schedule("high", 0.0, 1, tasks.ident, "high")
+            wait_until(
+                lambda: injected._slot < 0 and pool.statistics().pending == 1,
+                "the injected one is taken back",
+            )
+            assert injected.cancel() is True
+            assert pool.statistics().pending == 0
+        finally:
+            tasks.open_gate(fifos.gate)  # a failure above must not leave the exit waiting on it
         assert blocker.result(timeout=CONDITION_TIMEOUT) == "blocker"
         assert high.result(timeout=CONDITION_TIMEOUT) == "high"
         assert pool.statistics().pending == 0
