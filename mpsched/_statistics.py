@@ -31,9 +31,11 @@ class WorkerStatistics:
     a recycling goes on counting). A run is counted just before its result is published, so a
     snapshot taken after a future is done counts its run (a worker that dies in between counts
     a run whose task then fails). ``pid`` is 0 while the slot's worker is starting (under
-    forkserver and spawn without an initializer, until the pool's first task), while the slot
-    is dormant (no worker forked yet: the pool has not had that many tasks at once, nor a
-    child for a peer to steal; docs/design.md, "Dormant workers") and after the pool ended.
+    forkserver and spawn without an initializer, until the pool's first task; the pool learns
+    the pid from the zygote, which may tell it after the worker began its first task), while
+    the slot is dormant (no worker forked yet: the pool has not had that many tasks at once,
+    nor a child for a peer to steal; docs/design.md, "Dormant workers") and after the pool
+    ended.
     ``inbox_depth`` counts the entries a cancel left (tombstones) until the worker's claims
     reach them; ``deque_depth``, the children queued in its deque.
     """
