@@ -989,7 +989,7 @@ def test_a_map_finalized_by_a_gc_pass_inside_a_critical_section_does_not_deadloc
             env=env,
             capture_output=True,
             text=True,
-            timeout=10,
+            timeout=45,  # s: a loaded machine took 2-3 s; a hang takes this long to fail
         )
     except subprocess.TimeoutExpired:
         pytest.fail("deadlock: the map's cleanup waited for a lock its own thread held")

@@ -601,6 +601,9 @@ def test_shutdown_cancel_futures_cancels_unclaimed_work(tmp_path: object) -> Non
     tasks.wait_started(started)  # the blocker runs: everything else is unclaimed
     stopper = threading.Thread(target=pool.shutdown, kwargs={"cancel_futures": True})
     stopper.start()
+    # The gate opens once the shutdown has cancelled: else the worker may run its inbox, and
+    # the loop refill it, before the shutdown is asked for (more than 128 run: rightly).
+    wait_until(queued[-1].cancelled, "the shutdown cancelled the last task queued")
     tasks.open_gate(fifo)
     stopper.join()
     assert blocker.result() == "blocker"

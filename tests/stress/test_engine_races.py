@@ -314,6 +314,11 @@ def test_callbacks_and_waiters_race_the_settlement(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- shutdown from a callback
+# tasks a submitter thread submits at most in one round (a bound on the test's work, however
+# late the shutdown comes; a round takes a few hundred)
+SUBMITS_PER_ROUND_MAX = 5_000
+
+
 @pytest.mark.timeout(60)
 def test_shutdown_from_a_done_callback_while_others_submit(tmp_path: Path) -> None:
     """A done-callback (run by the coordinator thread) calls ``pool.shutdown()`` while two
@@ -327,6 +332,9 @@ def test_shutdown_from_a_done_callback_while_others_submit(tmp_path: Path) -> No
 
     def prepare(i: int) -> None:
         pool = Pool(1)
+        # The worker up first: the race lasts one task's round trip, not a worker's start (the
+        # submitters, which go on until the pool closes, gave a slow start ~100,000 tasks).
+        assert pool.submit(tasks.ident, -1).result(timeout=CONDITION_TIMEOUT) == -1
         state["pool"] = pool
         state["closed"] = closed = threading.Event()
 
@@ -340,13 +348,14 @@ def test_shutdown_from_a_done_callback_while_others_submit(tmp_path: Path) -> No
     def submitter(name: str) -> Any:
         def play(i: int) -> int:
             n = 0
-            while True:
+            while n < SUBMITS_PER_ROUND_MAX:
                 tag = (name, i, n)
                 try:
                     futures[tag] = state["pool"].submit(tt.log, path, tag)
                 except PoolClosedError:
                     return n
                 n += 1
+            return n
 
         return play
 

@@ -525,13 +525,14 @@ def test_a_result_collected_by_a_waiting_thread_while_a_dropped_pool_drains_sett
     """A user thread blocked in ``result()`` collects its own result (``help_wait``): it pops
     the task from ``by_handle``, then frees its block and settles its future. If the drain's
     ``all_done()`` sees ``by_handle`` empty in between (forced here: a profile hook holds the
-    coordinator thread inside ``all_done`` until the user thread popped, and then holds the
-    user thread until the coordinator thread ended, for at most 0.5 s each), the dropped pool
+    coordinator thread inside ``all_done`` until the result is in the done ring and then until
+    the user thread popped, and then holds the user thread until the coordinator thread ended,
+    for at most 0.5 s each), the dropped pool
     must not be torn down under the collector: its future must still get its result. (It was:
     the future never settled; ``Coordinator.drained`` now decides under the collector's lock.)"""
     gate = str(tmp_path / "gate")
     os.mkfifo(gate)
-    in_all_done, popped = threading.Event(), threading.Event()
+    in_all_done, result_seen, popped = threading.Event(), threading.Event(), threading.Event()
     hooked: list[str] = []
 
     def coordinator_hook(frame: Any, event: str, arg: Any) -> None:
@@ -541,7 +542,11 @@ def test_a_result_collected_by_a_waiting_thread_while_a_dropped_pool_drains_sett
         if coordinator.draining and coordinator.by_handle:
             hooked.append("coordinator")
             in_all_done.set()
-            popped.wait(0.5)  # the user thread pops the last task meanwhile
+            # Held until the test saw the result in the done ring (which a torn-down pool
+            # cannot show), however long the worker takes to get there on a loaded machine;
+            # then the user thread pops the last task meanwhile.
+            result_seen.wait(CONDITION_TIMEOUT)
+            popped.wait(0.5)
 
     threading.setprofile(coordinator_hook)  # the threads started from here: the coordinator's
     try:
@@ -561,6 +566,7 @@ def test_a_result_collected_by_a_waiting_thread_while_a_dropped_pool_drains_sett
     while not coordinator.slots[0].done_depth():  # the result is in the done ring
         assert time.monotonic() < deadline
         time.sleep(0.001)
+    result_seen.set()
     coordinator.help_misses = 0  # help_wait spins (collects) on this result
 
     def user_hook(frame: Any, event: str, arg: Any) -> None:
