@@ -25,6 +25,15 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.001)
 
 
+def wait_until_known(pool: Pool, slot: int = 0) -> int:
+    """Wait until the pool knows the pid of ``slot``'s worker, and return it. It learns it from
+    the zygote, which may tell it after the worker began its first task: until then
+    ``statistics()`` says 0 (and ``os.kill(0, ...)`` would signal the test's own process
+    group), and the loop hands that worker nothing."""
+    wait_until(lambda: pool.statistics().per_worker[slot].pid != 0, f"worker {slot} is known")
+    return pool.statistics().per_worker[slot].pid
+
+
 def start_every_worker(pool: Pool) -> None:
     """Fork a pool's dormant workers now, as a worker's first child would have them forked
     (WANT_PEERS), and wait until every slot has a worker: for a test whose premise is a full

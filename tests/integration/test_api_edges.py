@@ -30,7 +30,7 @@ from mpsched._lifecycle import ZYGOTE_JOIN_TIMEOUT
 
 from . import api_edge_tasks as at
 from . import edge_tasks, tasks
-from .conditions import Fifos, wait_until
+from .conditions import Fifos, wait_until, wait_until_known
 
 RESULT_TIMEOUT = 20.0  # s; a future of these tests must end within this (a hang fails)
 FAR = 3600.0  # s; a run_at this far ahead never comes during a test
@@ -48,8 +48,7 @@ def test_statistics_add_up_across_a_crash_between_tasks_and_shutdown() -> None:
         assert [pool.submit(tasks.ident, i).result(RESULT_TIMEOUT) for i in range(10)] == list(
             range(10)
         )
-        # (a worker may run tasks before the coordinator has its pid: 0 until then)
-        wait_until(lambda: pool.statistics().per_worker[0].pid != 0, "the worker is known")
+        wait_until_known(pool)
         before = pool.statistics()  # a run is counted before its result is published
         assert _executed(before) == 10
         assert before.completed == 10

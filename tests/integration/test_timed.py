@@ -26,7 +26,7 @@ from mpsched import Pool, PoolClosedError, TaskState
 
 from . import tasks
 from . import timed_tasks as tt
-from .conditions import CONDITION_TIMEOUT, Fifos, start_every_worker, wait_until
+from .conditions import CONDITION_TIMEOUT, Fifos, start_every_worker, wait_until, wait_until_known
 
 
 def hold_worker(pool: Pool, fifos: Fifos) -> mpsched.Future:
@@ -250,9 +250,7 @@ def test_a_version_held_back_by_an_inbox_full_of_cancelled_entries_runs() -> Non
         assert pool.submit(tasks.ident, 0).result(timeout=CONDITION_TIMEOUT) == 0
         slot = coordinator.slots[0]
         wait_until(slot.is_sleeping, "the worker sleeps")
-        # (a worker may run tasks before the coordinator has its pid: 0 until then)
-        wait_until(lambda: pool.statistics().per_worker[0].pid != 0, "the worker is known")
-        pid = pool.statistics().per_worker[0].pid
+        pid = wait_until_known(pool)
         os.kill(pid, signal.SIGSTOP)
         try:
             first = pool.schedule("t", 0.0, 0, tasks.ident, 1)

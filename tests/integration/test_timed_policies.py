@@ -35,7 +35,7 @@ from mpsched._shm_deque import SlotQueues
 from . import bad_tasks as bt
 from . import tasks
 from . import timed_tasks as tt
-from .conditions import CONDITION_TIMEOUT, Fifos, start_every_worker, wait_until
+from .conditions import CONDITION_TIMEOUT, Fifos, start_every_worker, wait_until, wait_until_known
 
 
 # ---------------------------------------------------------------- timeouts and state()
@@ -89,9 +89,7 @@ def test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block(
     with Pool(1) as pool:
         blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
         tasks.wait_started(fifos.started)
-        # (the loop hands a run to a worker once it has its pid, which may come after the
-        # worker started its first task: a run due before that could misfire unhanded)
-        wait_until(lambda: pool.statistics().per_worker[0].pid != 0, "the worker is known")
+        wait_until_known(pool)  # (a run due before could misfire, unhanded)
         due = time.monotonic()
         rec = pool.with_options(every=600.0, misfire="skip", misfire_grace=MISFIRE_GRACE).schedule(
             "m", due, 0, tt.log, fifos.log, "m"
@@ -132,7 +130,7 @@ def test_a_run_that_waits_past_its_grace_in_a_busy_workers_inbox_misfires(
             tasks.wait_started(fifos.started)
             # Registered too: the worker starts with the first task, and a run due before the
             # coordinator knew of it could not be handed out in the first dispatch (a misfire).
-            wait_until(lambda: pool.statistics().per_worker[0].pid != 0, "the worker is known")
+            wait_until_known(pool)
             due = time.monotonic()
             options = pool.with_options(every=0.05, misfire=policy, misfire_grace=grace)
             rec = options.schedule("m", due, 0, tt.log_version, fifos.log)
@@ -208,10 +206,9 @@ def stop_worker(pool: Pool) -> int:
     tasks injected meanwhile stay unclaimed in its inbox until ``os.kill(pid, SIGCONT)``.
     A first task brings the worker up (under forkserver it waits for one)."""
     assert pool.submit(int, 7).result(timeout=CONDITION_TIMEOUT) == 7
-    wait_until(lambda: pool.statistics().per_worker[0].pid != 0, "the worker is up")
+    pid = wait_until_known(pool)
     slot = pool._views.slots[0]
     wait_until(slot.is_sleeping, "the worker sleeps")
-    pid = pool.statistics().per_worker[0].pid
     os.kill(pid, signal.SIGSTOP)
     wait_until(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, "it is stopped")
     return pid
@@ -836,9 +833,7 @@ def test_pending_does_not_count_cancelled_tasks(fifos: Fifos) -> None:
         blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
         try:
             tasks.wait_started(fifos.started)
-            # The loop dispatches to a worker once it has its pid, which may come after the
-            # worker started its first task.
-            wait_until(lambda: pool.statistics().per_worker[0].pid != 0, "the worker is known")
+            wait_until_known(pool)
             injected = pool.submit(tasks.ident, "injected")  # the window of one: in the inbox
             queued = [pool.submit(tasks.ident, i) for i in range(3)]
             due = [pool.schedule(i, 0.0, 0, tasks.ident, i) for i in range(3)]
