@@ -9,8 +9,11 @@ caller. Several iterables need the tuples (``star=True``).
 
 A chunk may stop early, at its time budget: it runs its items in runs of 1, 1, 2, 4, ... (each
 run as long as all before it), reads the clock after each run, and stops once ``budget``
-seconds have passed. So a chunk holds at most about twice its budget of work (or one item),
-whatever its length: ``Pool.map`` sends the items it did not run again.
+seconds have passed. So a chunk of items of one cost holds at most about twice its budget of
+work (or one item), whatever its length: ``Pool.map`` sends the items it did not run again.
+Items that turn slower partway through a chunk are not bounded so: the run in progress (up to
+half the chunk) goes on unchecked. (A clock read per item would bound them, at a cost paid on
+every item of every map; not done.)
 
 A chunk pickles its own results (``dumps_result``) and returns their bytes: ``map``
 reads their size (``len``) to bound the results of later chunks, and unpickles them itself. The

@@ -300,7 +300,9 @@ class Future(concurrent.futures.Future[_T]):
     def cancel(self) -> bool:
         """Cancel the task if no worker has claimed it yet; then it never runs. (A task with
         ``retries`` whose worker died while running it is not claimed again until its retry
-        starts: until then it can be cancelled, and the retry never runs.)
+        starts: until then it can be cancelled, and the retry never runs.) The future of a
+        recurrence stands for the whole recurrence: its cancel stops it, even while a run is
+        in progress (``TaskSubmitter.schedule``).
 
         Returns:
             True if the future is cancelled; False if the task was claimed or has finished.

@@ -522,7 +522,10 @@ class Pool(concurrent.futures.Executor):
         back, returns about 512 KiB of pickled results at most (one item at least); a chunk
         stops once it ran longer than 10 ms, or once its pickled results passed 1 MiB (the
         chunks sent before the first result can only be sized from their arguments), and the
-        rest of its items go again. The results are unpickled in the thread that iterates.
+        rest of its items go again. Both are checked between runs of 1, 1, 2, 4, ... items,
+        so a chunk of uniform items stops within about twice the bound; items that turn
+        slower or bigger partway through a chunk can overrun it by up to half the chunk. The
+        results are unpickled in the thread that iterates.
 
         Raises:
             TypeError: ``fn`` is not callable;
@@ -826,5 +829,9 @@ class TaskSubmitter:
     ) -> Future[_T]:
         """``Pool.schedule`` with these options. With ``every``, the task recurs, and the
         returned future ends only when the recurrence does: cancelled by ``cancel``/shutdown,
-        or with the error of a run that raised (later runs do not happen then)."""
+        or with the error of a run that raised (later runs do not happen then). Its
+        ``cancel()`` stops the recurrence, and returns True, even while a run is in progress:
+        that run goes on to its end (``Pool.cancel(id)`` also asks it to stop). A caller's
+        ``set_result``/``set_exception`` on it ends the future only: the recurrence goes on
+        until ``Pool.cancel(id)`` or the shutdown stops it."""
         return self._pool._schedule(self._options, task_id, run_at, priority, fn, args, kwargs)

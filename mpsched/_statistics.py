@@ -67,7 +67,8 @@ class PoolStatistics:
     crashes: int  # workers that died other than by retiring (killed on purpose too: a forced
     # cancel, a timeout's grace, an interrupted ``with`` block)
     respawns: int  # replacements for those (none for a death once the drain's work is done)
-    retried: int  # runs started again after their worker died (the retries option)
+    retried: int  # runs queued again after their worker died (the retries option; a retry
+    # cancelled before it started counts too)
     recycled: int  # workers replaced after max_tasks_per_worker tasks
     misfires: int  # recurring runs skipped by the misfire policy
     # Recurring due times dropped: by the overlap policy "skip"/"coalesce" (times that passed

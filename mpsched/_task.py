@@ -34,6 +34,7 @@ class TaskState(enum.IntEnum):
 
     @property
     def is_terminal(self) -> bool:
+        """True for COMPLETED, FAILED and CANCELLED: the version will not change state again."""
         return self >= TaskState.COMPLETED
 
 
