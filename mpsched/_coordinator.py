@@ -494,7 +494,13 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         elif tag == Tag.RETIRING:
             worker.retiring = True
             worker.left_children = bool(fields[1])
-            self.retired_pids.add(worker.pid)  # before its exit, so EXITED finds it here
+            # Its EXITED comes on the zygote's socket, which the loop may read first: then
+            # its code is dropped here (a clean exit is no crash report), else EXITED finds
+            # the pid in ``retired_pids``. Either way neither keeps an entry for it (both
+            # did, for ever, at ~5% of recycles: a later worker reusing the pid then
+            # crashed with this exit code, and its own EXITED was dropped).
+            if self.exit_codes.pop(worker.pid, None) is None:
+                self.retired_pids.add(worker.pid)
         elif tag == Tag.INIT_FAILED:
             error = BrokenPoolError(
                 f"the pool's initializer raised in worker {fields[0]}; no task can run (the "
@@ -522,6 +528,11 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         tag, fields = self.read_zygote()
         if tag == Tag.SPAWNED:
             slot, pid = fields
+            # What is kept under this pid is a previous process's: the zygote reaped it and
+            # sent its EXITED, on this socket, before the pid could be reused (an exit code
+            # that came after its crash's recovery stopped waiting for it, wait_exit_code).
+            self.exit_codes.pop(pid, None)
+            self.retired_pids.discard(pid)
             self.starting.discard(slot)
             self.spawn_warned = False
             self.stranded_since = None

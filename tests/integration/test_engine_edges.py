@@ -869,6 +869,62 @@ def test_an_initializer_failing_in_a_replacement_breaks_the_pool_without_hanging
 
 
 @pytest.mark.timeout(60)
+def test_a_retired_workers_exit_read_before_its_retiring_leaves_no_entry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RETIRING comes on the worker's socket, EXITED on the zygote's, and the loop may read
+    EXITED first (~5% of recycles here). Forced for every recycle: the coordinator keeps
+    nothing for a retired pid (both ``exit_codes`` and ``retired_pids`` kept an entry for good,
+    and a later worker reusing the pid inherited them: see the next test)."""
+    on_worker_message = Coordinator.on_worker_message
+
+    def exited_first(self: Coordinator, worker: Any, tag: int, fields: tuple[Any, ...]) -> None:
+        if tag == Tag.RETIRING:
+            while worker.pid not in self.exit_codes:
+                self.on_zygote_message(block=True)
+        on_worker_message(self, worker, tag, fields)
+
+    monkeypatch.setattr(Coordinator, "on_worker_message", exited_first)
+    with Pool(1, max_tasks_per_worker=1) as pool:
+        for i in range(4):
+            assert pool.submit(tasks.ident, i).result(timeout=20) == i
+        wait_until(lambda: pool.statistics().recycled == 4, "four recycles")
+        coordinator = pool._coordinator
+        assert (coordinator.exit_codes, coordinator.retired_pids) == ({}, set())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("initializer", [False, True], ids=["task", "initializer"])
+def test_a_worker_reusing_a_pid_reports_its_own_death(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path, initializer: bool
+) -> None:
+    """A worker whose pid a previous worker of the pool had (pids wrap: 32,768 here), and
+    whose entries stayed (a retired one's, before the fix above; an exit code that came after
+    its crash's recovery stopped waiting): its SIGKILL is its own. It was reported as the
+    stale "exit code 0", and in the initializer it broke the pool instead of being survived."""
+    read_zygote = Coordinator.read_zygote
+
+    def stale_entries(self: Coordinator) -> tuple[int, tuple[Any, ...]]:
+        tag, fields = read_zygote(self)
+        if tag == Tag.SPAWNED:  # as if a retired process with this pid had left both
+            self.exit_codes[fields[1]] = 0
+            self.retired_pids.add(fields[1])
+        return tag, fields
+
+    monkeypatch.setattr(Coordinator, "read_zygote", stale_entries)
+    if initializer:
+        marker = str(tmp_path / "killed")
+        with Pool(1, initializer=et.initializer_killed_once, initargs=(marker,)) as pool:
+            assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+            assert pool.statistics().crashes == 1
+        return
+    with Pool(1) as pool:
+        with pytest.raises(WorkerCrashedError, match=r"SIGKILL\(-9\)"):
+            pool.submit(tasks.kill_self).result(timeout=20)
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+
+
+@pytest.mark.timeout(60)
 def test_a_retired_workers_kept_child_futures_leak_no_block() -> None:
     """A worker that retires (max_tasks_per_worker) while futures of its children are still
     referenced (here: kept in a module global): nobody will collect those children; their
