@@ -84,6 +84,11 @@ CHILD_ABANDONED = ChildState.ABANDONED
 # A uid or stash key is pid << 31 | counter: the counter wraps at 2**31 (a uid is reused only
 # after 2**31 more from the same process, long after its task ended).
 UID_COUNTER_MASK = (1 << 31) - 1
+# The end of a worker's process (and of the zygote's, and of a task's forked child), bound at
+# import: a task may leave ``os._exit`` replaced (a ``mock.patch`` never stopped). The
+# replacement returned, and the worker ran on into the zygote's code, which then SIGKILLed pid
+# 0: the pool's whole process group (found in review).
+end_process = os._exit
 _OK = ResultStatus.OK
 _ERROR = ResultStatus.ERROR
 _STATE = BlockField.STATE
@@ -119,7 +124,7 @@ def abandon_worker(exc: BaseException, why: str) -> NoReturn:
     through the task's code, which may catch it and go on. The coordinator gone (a FETCH's or
     STASH's socket at its end) is no crash: the worker exits quietly, as ``worker_main`` does."""
     if isinstance(exc, (BrokenPipeError, ConnectionResetError, EOFError)):
-        os._exit(0)
+        end_process(0)
     import traceback  # here, not at the top: see _protocol.dump_exception
 
     try:
@@ -130,7 +135,7 @@ def abandon_worker(exc: BaseException, why: str) -> NoReturn:
         sys.stderr.flush()
     except BaseException:  # a task may have taken stderr away
         pass
-    os._exit(USER_ERROR_EXIT)
+    end_process(USER_ERROR_EXIT)
 
 
 def end_forked_child(exc: BaseException | None) -> NoReturn:
@@ -158,7 +163,7 @@ def end_forked_child(exc: BaseException | None) -> NoReturn:
             stream.flush()
     except BaseException:  # a task may have taken stdout or stderr away
         pass
-    os._exit(code)
+    end_process(code)
 
 
 # An exception that mpsched's own code inside a task did not raise: a Python signal handler that

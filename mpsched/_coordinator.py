@@ -75,6 +75,7 @@ from mpsched._protocol import (
     recv_message,
     send_data,
 )
+from mpsched._shm import SELECT_FD_LIMIT
 
 _UID_COUNTER_MASK = (1 << _UID_PID_SHIFT) - 1  # counters wrap: see _children.UID_COUNTER_MASK
 RESULT_SWEEP_INTERVAL = 0.005  # seconds between done-ring sweeps while tasks are in flight
@@ -424,7 +425,11 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         if due is not None and due - time.monotonic() < min(timeout, MAX_WAIT):
             timeout = max(0.0, due - time.monotonic())
             if timeout < FINE_WAIT:  # epoll would round up to whole ms; select() waits in us
-                select.select([self.epoll.fileno()], [], [], timeout)
+                fd = self.epoll.fileno()
+                if fd < SELECT_FD_LIMIT:
+                    select.select([fd], [], [], timeout)
+                else:  # no wait in us takes this fd: an event waits for the due time's pass
+                    time.sleep(timeout)
                 timeout = 0.0
             else:  # wake up to 1 ms early (epoll rounds up), then wait the rest with select()
                 timeout -= 0.001

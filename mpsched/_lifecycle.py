@@ -40,7 +40,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import select
 import sys
 import threading
 import types
@@ -53,7 +52,7 @@ from mpsched._coordinator import Coordinator
 from mpsched._errors import PACKAGE_DIR
 from mpsched._function_cache import FunctionCache
 from mpsched._future import call_logged
-from mpsched._shm import AnonSegment, SharedFd, disown_inherited_process
+from mpsched._shm import AnonSegment, SharedFd, disown_inherited_process, wait_readable
 from mpsched._wakeup import Wakeup
 from mpsched._zygote import EXIT_STATUS_LOST, ForkedZygote
 
@@ -202,10 +201,10 @@ class PoolResources:
     def wait_release_requested(self) -> None:
         """Coordinator thread, after its loop: until ``request_release`` or the drop. The
         flag is written before the wakeup byte, which stays readable until ``clear``, so a
-        request between the check and ``select`` is not lost."""
+        request between the check and the wait is not lost."""
         fd = self.wakeup.fileno()
         while not self.release_requested:
-            select.select([fd], [], [])
+            wait_readable(fd, None)
             self.wakeup.clear()
 
     def teardown(self) -> None:
@@ -227,10 +226,7 @@ class PoolResources:
             coordinator_fds.discard(self.zygote_conn.fileno())
             self.zygote_conn.close()  # EOF: the zygote kills its workers and exits
         if self.zygote is not None and self.zygote.pid is not None:
-            self.zygote.join(ZYGOTE_JOIN_TIMEOUT)
-            if self.zygote.is_alive():
-                self.zygote.kill()
-                self.zygote.join()
+            _join_zygote(self.zygote)
             _close_process(self.zygote)
         self.wakeup.close()
         for fd in self.wake_fds:
@@ -261,6 +257,30 @@ class PoolResources:
                 if worker is not None:
                     with contextlib.suppress(OSError):
                         worker.conn.close()
+
+
+def _join_zygote(zygote: Any) -> None:
+    """Wait for the zygote's exit, killing it after ``ZYGOTE_JOIN_TIMEOUT``. Its exit is
+    watched through a pidfd: multiprocessing's timed join (under spawn) watches a pipe whose
+    write end the zygote's descendants inherit, so a process that a task left running
+    (``os.system("cmd &")``) made every pool's end wait the whole timeout (found in review)."""
+    if isinstance(zygote, ForkedZygote):  # watched through its own pidfd
+        zygote.join(ZYGOTE_JOIN_TIMEOUT)
+    else:
+        try:
+            pidfd = os.pidfd_open(zygote.pid)
+        except OSError:  # reaped already (where SIGCHLD is ignored), or no fd free
+            zygote.join(ZYGOTE_JOIN_TIMEOUT)
+        else:
+            try:
+                exited = wait_readable(pidfd, ZYGOTE_JOIN_TIMEOUT)
+            finally:
+                os.close(pidfd)
+            if exited:
+                zygote.join()
+    if zygote.is_alive():
+        zygote.kill()
+        zygote.join()
 
 
 def _close_process(zygote: Any) -> None:

@@ -9,6 +9,8 @@ What this module owns:
       zygote opens it by name, the coordinator unlinks the name, and the zygote's ``os.fork()``
       children inherit the open semaphore (as fork-context Locks do).
     * ``SharedFd`` and ``create_eventfd``: wake fds passed to a spawn/forkserver child.
+    * ``wait_readable``: a wait for one fd of any number (``select()`` refuses the fds of a
+      process with more than ``SELECT_FD_LIMIT`` open).
     * ``sweep_stale_names``: removes semaphore names left by a creator that died inside the
       start-up window.
     * ``death_signal_setter``: ``prctl(PR_SET_PDEATHSIG)`` for the zygote's workers.
@@ -55,9 +57,11 @@ and the real size into the first words, because ``.size`` is only what was asked
 from __future__ import annotations
 
 import _multiprocessing  # type: ignore[import-not-found]  # private C module, no stubs
+import math
 import mmap
 import os
 import re
+import select
 import sys
 import weakref
 from collections.abc import Callable
@@ -567,6 +571,20 @@ def _fresh_interpreter_finds_this_package() -> bool:
     if spec is None or spec.origin is None:
         return False
     return os.path.realpath(os.path.dirname(spec.origin)) == os.path.realpath(PACKAGE_DIR)
+
+
+# FD_SETSIZE: ``select.select`` raises ValueError for an fd from this number on, which a pool
+# created by a program with many files or sockets open gets (found in review: the pool broke
+# at its first timed task, and its end raised in the coordinator thread).
+SELECT_FD_LIMIT = 1024
+
+
+def wait_readable(fd: int, timeout: float | None) -> bool:
+    """Wait until ``fd`` is readable or ``timeout`` seconds passed (None: no limit); True if
+    readable. ``poll()``, not ``select()``: any fd number (the timeout is rounded up to ms)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else math.ceil(timeout * 1000)))
 
 
 def create_eventfd() -> int:

@@ -76,6 +76,7 @@ from mpsched._children import (
     Children,
     abandon_worker,
     end_forked_child,
+    end_process,
     write_wake,
 )
 from mpsched._errors import PACKAGE_DIR, InternalError, TaskCancelled
@@ -107,12 +108,20 @@ STEAL_RETRY_ROUNDS = 64  # full rounds over the peers while some answered RETRY,
 # before it submits the next task (a latency-bound loop) hands the next one over within tens of
 # microseconds, and a sleeping worker costs it a cross-process wake-up (~35 us here) each time.
 IDLE_SPIN = 200e-6
+# The spin's bound in polls of the own queues, whatever the clock reads: a task may leave
+# ``time.perf_counter`` frozen (what freezegun's ``freeze_time().start()`` does if never
+# stopped), and the idle worker then spun on a full CPU for ever (found in review). A poll
+# takes ~0.3 us here (~700 in a spin), so the spin ends by its time long before this count.
+IDLE_SPIN_POLLS_MAX = 20_000
 # A task closed (or replaced) an fd of the worker's signal wake-up pipe: as for its eventfds
 # (WAKE_FD_FAILED), the worker is lost, not the pool (the EBADF in mpsched's frame read as a bug).
 SIGNAL_FD_FAILED = "the signal wake-up pipe failed: a task closed or replaced one of its fds"
 # The longest single sleep of a join with a timeout (ms): poll() takes a C int. A join that may
 # wait longer wakes then and sleeps again (``Children.join`` rechecks its deadline).
 SLEEP_MS_MAX = 2**31 - 1
+# Seconds a retiring worker's process gets to end once it sent RETIRING (flushing the streams
+# a task may have replaced), as the drain gives a worker (``DRAIN_TIMEOUT``) before its kill.
+RETIRED_EXIT_TIMEOUT = 10.0
 _SUCCESS = StealResult.SUCCESS
 _RETRY = StealResult.RETRY
 _CANCELLED = ResultStatus.CANCELLED
@@ -402,8 +411,10 @@ class Worker(Children):
         me = self.me
         if awaited is None:
             end = time.perf_counter() + IDLE_SPIN
+            polls = IDLE_SPIN_POLLS_MAX
             while me.is_empty():
-                if time.perf_counter() > end:
+                polls -= 1
+                if not polls or time.perf_counter() > end:
                     break
             else:
                 return  # work arrived: back to find_work
@@ -496,7 +507,7 @@ class Worker(Children):
             try:
                 message = recv_message(self.conn)
             except EOFError:  # the coordinator is gone
-                os._exit(0)
+                end_process(0)
             self.on_message(*message)
 
     def on_message(self, tag: int, fields: tuple[Any, ...]) -> None:
@@ -536,6 +547,12 @@ def worker_main(
             # Children still unsettled (their futures kept past their task, e.g. in a module
             # global) have nobody to collect them: the coordinator frees their blocks.
             conn.send_bytes(encode(Tag.RETIRING, slot, worker.unsettled))
+            # Its replacement is forked at its exit (the socket's EOF), so the exit is bounded:
+            # a stream that a task left in sys.stdout, whose flush blocked, held the slot for
+            # ever (Pool(1) stalled, and the program's exit with it; found in review). The
+            # default action of SIGALRM ends the process whatever code blocks.
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.setitimer(signal.ITIMER_REAL, RETIRED_EXIT_TIMEOUT)
             return 0
         worker.poke()
         conn.send_bytes(encode(Tag.DRAINED, slot, worker.statistics()))

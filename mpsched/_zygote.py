@@ -58,10 +58,17 @@ import sys
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 
+from mpsched._children import end_process
 from mpsched._errors import ProtocolError
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach
 from mpsched._protocol import Tag, decode, encode
-from mpsched._shm import AnonSegment, SharedFd, become_forked_child, death_signal_setter
+from mpsched._shm import (
+    AnonSegment,
+    SharedFd,
+    become_forked_child,
+    death_signal_setter,
+    wait_readable,
+)
 from mpsched._worker import WorkerOptions, worker_main  # loaded once; every worker inherits it
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
@@ -129,7 +136,7 @@ class ZygoteConfig:
 
 
 def zygote_main(cfg: ZygoteConfig) -> None:
-    """Target of the zygote's ``Process``. Never returns normally: exits with ``os._exit``."""
+    """Target of the zygote's ``Process``. Never returns normally: exits with ``end_process``."""
     # What this process inherited (under fork: the user's whole heap) is never collected here
     # nor in the workers: a garbage cycle not yet collected in the user's process had its
     # finalizers run again in each (a file removed, a message sent, twice); and a collection
@@ -157,8 +164,10 @@ def zygote_main(cfg: ZygoteConfig) -> None:
         _print_exc()
         code = 1
     finally:
-        _flush_std_streams()
-        os._exit(code)
+        try:
+            _flush_std_streams()
+        finally:
+            end_process(code)
 
 
 THREADED_ZYGOTE_WARNING = (
@@ -389,7 +398,7 @@ class _Zygote:
         try:
             _set_death_signal(signal.SIGKILL)  # SIGKILL us when the zygote dies
             if os.getppid() != zygote_pid:  # the zygote died between fork and prctl
-                os._exit(1)
+                end_process(1)
             handler = self.workers_sigchld
             if handler == signal.SIG_IGN or callable(handler):  # None: not settable here
                 signal.signal(signal.SIGCHLD, handler)
@@ -407,8 +416,10 @@ class _Zygote:
         except BaseException:
             _print_exc()
         finally:
-            _flush_std_streams()
-            os._exit(code)
+            try:
+                _flush_std_streams()
+            finally:  # whatever a task left in sys.stdout: never on in the zygote's code
+                end_process(code)
 
     def _on_child_exit(self, pidfd: int) -> None:
         slot, pid = self.children.pop(pidfd)
@@ -422,7 +433,7 @@ class _Zygote:
         """EOF or EPIPE on the control socket: the coordinator is gone (or has given up on
         us): take every worker with us and exit."""
         self._kill_all()
-        os._exit(0)
+        end_process(0)
 
     def _kill_all(self) -> None:
         for _, pid in self.children.values():
@@ -459,11 +470,11 @@ class ForkedZygote:
         if pid == 0:  # the zygote: never returns (as multiprocessing's Popen._launch, even a
             try:  # signal between the two calls must not run the pool's code on in this child)
                 become_forked_child(ZYGOTE_NAME, parent_pid, stdin)
-                zygote_main(cfg)  # exits with os._exit
+                zygote_main(cfg)  # exits with end_process
             except BaseException:
                 _print_exc()
             finally:
-                os._exit(1)
+                end_process(1)
         if stdin is not None:
             stdin.close()  # closefd=False: fd 0 stays open
         self.pid = pid
@@ -479,7 +490,7 @@ class ForkedZygote:
     def join(self, timeout: float | None = None) -> None:
         if self.exitcode is not None:
             return
-        if not select.select([self._pidfd], [], [], timeout)[0]:
+        if not wait_readable(self._pidfd, timeout):
             return
         try:
             _, status = os.waitpid(self.pid, 0)
@@ -516,8 +527,9 @@ def _print_exc() -> None:
 
 def _flush_std_streams() -> None:
     """Flush stdout and stderr before ``os._exit`` or a fork. A task may have replaced or
-    closed them (``sys.stdout = None``): that is no error of the worker's exit (it printed a
-    traceback that blamed the zygote's code, and the worker exited with code 1)."""
+    closed them (``sys.stdout = None``), or put there an object whose ``flush`` raises: that is
+    no error of the worker's exit (it printed a traceback that blamed the zygote's code, and the
+    worker exited with code 1)."""
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(AttributeError, ValueError, OSError):
+        with contextlib.suppress(Exception):
             stream.flush()

@@ -421,3 +421,27 @@ def initializer_killed_once(marker: str) -> None:
     except FileExistsError:
         return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def freeze_clock() -> int:
+    """Leave ``time.perf_counter`` frozen in the worker, as a freezegun ``freeze_time().start()``
+    never stopped does."""
+    frozen = time.perf_counter()
+    time.perf_counter = lambda: frozen
+    return os.getpid()
+
+
+class _BlockingStream:
+    """A ``sys.stdout`` whose ``flush`` blocks (a pipe whose reader stopped reading)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        time.sleep(3600)
+
+
+def block_stdout_flush() -> int:
+    """Leave the worker a ``sys.stdout`` whose ``flush`` blocks."""
+    sys.stdout = _BlockingStream()
+    return os.getpid()

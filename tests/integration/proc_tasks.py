@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import subprocess
 import sys
 
 import mpsched
@@ -91,3 +92,9 @@ def fork_in_initializer() -> None:
 
 def initializer_fork() -> int | str | None:
     return _initializer_fork
+
+
+def leave_a_process(seconds: float) -> int:
+    """Start a process that outlives the task and inherits the worker's fds (as a shell's
+    ``cmd &`` does); return its pid."""
+    return subprocess.Popen(["sleep", str(seconds)], close_fds=False).pid

@@ -24,6 +24,7 @@ from mpsched import (
     WorkerCrashedError,
     _map,
     _startup,
+    _worker,
 )
 from mpsched._coordinator import Coordinator
 from mpsched._errors import InternalError, ProtocolError
@@ -866,6 +867,33 @@ def test_an_initializer_failing_in_a_replacement_breaks_the_pool_without_hanging
             pool.submit(tasks.ident, 0)
     finally:
         pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_clock_a_task_froze_goes_to_sleep() -> None:
+    """The idle spin before a sleep ends at a time on ``time.perf_counter``: frozen by a task,
+    the worker spun on a full CPU for ever. It also ends after a number of polls."""
+    with Pool(1) as pool:
+        pool.submit(et.freeze_clock).result(timeout=20)
+        slot = pool._coordinator.slots[0]
+        wait_until(slot.is_sleeping, "the worker sleeps")
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+        wait_until(slot.is_sleeping, "the worker sleeps again")
+
+
+@pytest.mark.timeout(60)
+def test_a_retiring_worker_whose_exit_blocks_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retiring worker's replacement is forked at its exit; a task left it a ``sys.stdout``
+    whose ``flush`` (at the exit) blocked: the slot stayed taken for ever, and ``Pool(1)`` ran
+    nothing more. The exit is bounded (``RETIRED_EXIT_TIMEOUT``, shortened here: under fork
+    the workers inherit the module's value)."""
+    monkeypatch.setattr(_worker, "RETIRED_EXIT_TIMEOUT", 0.2)
+    with Pool(1, start_method="fork", max_tasks_per_worker=1) as pool:
+        pool.submit(et.block_stdout_flush).result(timeout=20)
+        assert pool.submit(tasks.ident, 1).result(timeout=20) == 1
+        stats = pool.statistics()
+        assert stats.crashes == 0
+        assert stats.recycled >= 1
 
 
 @pytest.mark.timeout(60)

@@ -90,6 +90,7 @@ def _run(
         text=True,
         timeout=timeout,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
+        start_new_session=True,  # a signal to its process group (pid 0) must not reach pytest
     )
 
 
@@ -515,16 +516,26 @@ def test_pools_in_atexit_handlers_run_their_tasks_or_are_refused_clearly(
 # Tasks that take their worker's stdout and stderr away: the workers' exits (retired after a
 # task, then at shutdown) flush them.
 STREAMS_TAKEN = """
+class Refusing:
+    def write(self, text):
+        return len(text)
+
+    def flush(self):
+        raise RuntimeError("flush refused")
+
 def take_streams(which):
     if which == "none":
         sys.stdout = sys.stderr = None
+    elif which == "refusing":
+        sys.stdout = Refusing()
     else:
         sys.stdout.close()
     return which
 
 if __name__ == "__main__":
     with mpsched.Pool(2, start_method=sys.argv[1], max_tasks_per_worker=1) as pool:
-        print(sorted(pool.map(take_streams, ["none", "closed", "none", "closed"], chunksize=1)))
+        kinds = ["none", "closed", "refusing"] * 2
+        print(sorted(pool.map(take_streams, kinds, chunksize=1)))
         print(pool.statistics().crashes, flush=True)
 """
 
@@ -535,11 +546,59 @@ def test_a_task_that_takes_its_workers_streams_away_leaves_a_clean_exit(
     tmp_path: pathlib.Path, start_method: str
 ) -> None:
     """The worker's exit printed a traceback that blamed the zygote's code (``flush`` of a
-    ``None`` stdout) and exited with code 1."""
+    ``None`` stdout) and exited with code 1; a ``flush`` that raised took the worker on into
+    the zygote's code and multiprocessing's (three tracebacks)."""
     result = _run(tmp_path, STREAMS_TAKEN, start_method, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
-    assert result.stdout.splitlines() == ["['closed', 'closed', 'none', 'none']", "0"]
+    kinds = ["closed", "closed", "none", "none", "refusing", "refusing"]
+    assert result.stdout.splitlines() == [str(kinds), "0"]
+
+
+# Tasks that leave os._exit replaced (a mock.patch never stopped), in workers that then retire
+# (max_tasks_per_worker) or drain.
+EXIT_REPLACED = """
+import os
+
+def replace_exit(how):
+    if how == "returns":
+        os._exit = lambda code: None
+    else:
+        def refuse(code):
+            raise RuntimeError("no exit")
+        os._exit = refuse
+    return how
+
+if __name__ == "__main__":
+    with mpsched.Pool(1, start_method=sys.argv[1], max_tasks_per_worker=1) as pool:
+        print([pool.submit(replace_exit, how).result(timeout=20) for how in ("returns", "raises")])
+        print(pool.submit(abs, -1).result(timeout=20), pool.statistics().crashes)
+    for how in ("returns", "raises"):
+        with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+            print(pool.submit(replace_exit, how).result(timeout=20))
+    print("after", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_task_that_replaces_os_exit_leaves_its_worker_to_end(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    """The worker's end looked ``os._exit`` up when it ended: a replacement that returned led
+    the worker on into the zygote's code, which SIGKILLed pid 0, the pool's whole process group
+    (the program ended killed); one that raised, under fork, ran the user's program on in the
+    worker (its ``finally`` blocks and exit handlers)."""
+    result = _run(tmp_path, EXIT_REPLACED, start_method, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert result.stdout.splitlines() == [
+        "['returns', 'raises']",
+        "1 0",
+        "returns",
+        "raises",
+        "after",
+    ]
 
 
 # A user's fork child that outlives its parent; the parent is then SIGKILLed.

@@ -9,6 +9,8 @@ import contextlib
 import gc
 import os
 import pathlib
+import resource
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +18,8 @@ import time
 import psutil
 import pytest
 
-from mpsched import Pool, WorkerCrashedError
+from mpsched import Pool, WorkerCrashedError, _lifecycle
+from mpsched._shm import SELECT_FD_LIMIT
 
 from . import proc_tasks, tasks
 from .conditions import wait_until
@@ -248,6 +251,7 @@ SPAWN_FAILURE_PROGRAM = """
 import errno
 import os
 import resource
+import signal
 import sys
 import time
 import mpsched
@@ -367,3 +371,51 @@ def test_a_pool_none_of_whose_workers_can_start_breaks_saying_why(tmp_path: path
     assert result.stdout.startswith("broken: no worker could start for 1 s: [Errno 11]"), (
         result.stdout + result.stderr
     )
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_a_pool_in_a_process_with_over_1024_fds_open_works_and_ends(start_method: str) -> None:
+    """``select()`` refuses an fd from FD_SETSIZE (1024) on, and a program with many files or
+    sockets open gives its pool such fds: the pool broke at a timed task due within the loop's
+    fine wait ("filedescriptor out of range in select()"), and its end raised in the
+    coordinator thread (the wait for the release; under fork, the zygote's join)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2 * SELECT_FD_LIMIT
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        pytest.skip(f"the hard limit of open files ({hard}) is below {wanted}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+    fds: list[int] = []
+    try:
+        while not fds or fds[-1] < SELECT_FD_LIMIT:  # every lower number taken: the pool's fds
+            fds.append(os.open(os.devnull, os.O_RDONLY))  # come above
+        with Pool(1, start_method=start_method) as pool:
+            assert pool.submit(abs, -1).result(timeout=30) == 1
+            now = time.monotonic()
+            futures = [pool.schedule(k, now + k / 200, 0, abs, -k) for k in range(1, 9)]
+            assert [f.result(timeout=30) for f in futures] == list(range(1, 9))
+    finally:
+        for fd in fds:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.timeout(120)
+def test_a_spawn_pools_end_does_not_wait_for_a_process_its_task_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under spawn the zygote is multiprocessing's child, whose timed join watches a pipe that
+    the zygote's descendants inherit: a process that a task left running (``cmd &``) kept it
+    open, and the pool's end waited the whole ``ZYGOTE_JOIN_TIMEOUT`` (lengthened here) for a
+    zygote that had exited. The join watches the zygote's pid."""
+    monkeypatch.setattr(_lifecycle, "ZYGOTE_JOIN_TIMEOUT", 60.0)
+    pool = Pool(1, start_method="spawn")
+    left = pool.submit(proc_tasks.leave_a_process, proc_tasks.HELPER_MAX_S).result(timeout=30)
+    try:
+        began = time.monotonic()
+        pool.shutdown(wait=True)
+        assert time.monotonic() - began < 30.0  # a few ms; 60 s before
+    finally:
+        pool.shutdown(wait=False)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(left, signal.SIGKILL)
