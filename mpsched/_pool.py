@@ -502,18 +502,20 @@ class Pool(concurrent.futures.Executor):
         iterable, an empty iterator (as ``concurrent.futures.Executor.map``; the builtin
         ``map`` raises TypeError).
 
-        The work starts at the call, as ``ProcessPoolExecutor.map``'s. The input is read
-        lazily, at most a few chunks per worker ahead of the results (with a finite
-        ``timeout``, an input with a length goes on as chunks end, until the deadline, so
-        that a reader who pauses does not time out the results to come; they wait to be
-        read); at ``shutdown`` (also
-        the end of a ``with`` block) the rest of an input with a length (a list, a range, ...)
-        is sent, and its results come after the pool ended too. An iterator's rest cannot be
-        read then (it may be endless): its results come as far as it was read, then
-        PoolClosedError. To abandon a map, close its iterator once a result was read (or
-        drop it then; closed or dropped unread, a map of an input with a length runs to its
-        end, its rest sent at shutdown; not if the pool is dropped too: then only what went
-        at the call runs).
+        The work starts at the call, as ``ProcessPoolExecutor.map``'s. An input with a length
+        (a list, a range, ...) goes on as the workers finish its chunks until the iterator is
+        first read (its results wait to be read, as ``ProcessPoolExecutor.map``'s, which
+        submits the whole input at the call); from then on the input is read lazily, at most
+        a few chunks per worker ahead of the results (with a finite ``timeout``, an input with
+        a length goes on as chunks end, until the deadline, so that a reader who pauses does
+        not time out the results to come; they wait to be read). At ``shutdown`` (also the
+        end of a ``with`` block) the rest of an input with a length is sent, and its results
+        come after the pool ended too. An iterator's rest cannot be read then (it may be
+        endless): its results come as far as it was read, then PoolClosedError. To abandon a
+        map, close its iterator once a result was read (or drop it then). Closed or dropped
+        unread (called for its side effects), a map of an input with a length runs to its
+        end, and its results are dropped as they come (not if the pool is dropped too: then
+        only what went before runs).
         ``chunksize=None`` adapts: chunks of 64 items first (a chunk a worker; an input that
         ends sooner is split evenly over the workers), then chunks of about 2 ms of
         work each (at most 4096 items); every chunk holds about 512 KiB of pickled arguments

@@ -396,10 +396,11 @@ def test_map_of_an_input_with_a_length_yields_every_result_after_shutdown(consum
 def test_a_map_dropped_unread_runs_to_its_end_and_one_dropped_while_read_is_abandoned() -> None:
     """``pool.map(f, items)`` as a statement (for its side effects) runs every item, as with
     ProcessPoolExecutor (its first window ran, the rest never); a map whose reader dropped it
-    is abandoned: what was not sent never is."""
+    is abandoned: what was not sent never is (an iterator: one with a length, not read yet,
+    goes on as its chunks end, which a reader slow to call ``next()`` would count here)."""
     with Pool(1) as pool:
         pool.map(tasks.ident, range(1000), chunksize=10)  # dropped at once, unread
-        read = pool.map(tasks.ident, range(1000), chunksize=10)
+        read = pool.map(tasks.ident, iter(range(1000)), chunksize=10)
         assert next(read) == 0
         del read
     # the second sent no more than its read-ahead: the chunk read and those in flight
@@ -407,6 +408,38 @@ def test_a_map_dropped_unread_runs_to_its_end_and_one_dropped_while_read_is_aban
     with Pool(1) as pool:
         pool.map(tasks.ident, range(1000), chunksize=10)
     assert pool.statistics().completed == 100
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["dropped", "closed"])
+def test_a_map_left_unread_runs_on_before_the_shutdown_and_leaves_the_pool(
+    tmp_path: pathlib.Path, how: str
+) -> None:
+    """A map called for its side effects in a pool that lives on (a pipeline's) runs as its
+    workers finish its chunks, and once done the pool lets it go. It ran its first window at
+    the call and the rest only at the shutdown, keeping its input and results until then
+    (5,000 such maps of 1,000 items held 150 MB)."""
+    log = tmp_path / "log"
+    log.touch()
+    with Pool(2) as pool:
+        results = pool.map(tasks.record, [str(log)] * 500, range(500), chunksize=10)
+        if how == "closed":
+            results.close()
+        del results
+        wait_until(lambda: len(tasks.read_log(str(log))) == 500, "every item ran")
+        wait_until(lambda: not pool._unread_maps, "the pool let the map go")
+        assert sorted(tasks.read_log(str(log))) == list(range(500))
+
+
+@pytest.mark.timeout(60)
+def test_a_map_read_only_once_its_work_is_done_yields_every_result_in_order() -> None:
+    """Not read yet, a map runs on (as ProcessPoolExecutor.map's, which submits its whole
+    input at the call); its results wait for the reader, in order."""
+    with Pool(2) as pool:
+        results = pool.map(tasks.ident, range(2000), chunksize=10)
+        wait_until(lambda: pool.statistics().completed == 200, "every chunk ran")
+        assert list(results) == list(range(2000))
+        assert not pool._unread_maps
 
 
 @pytest.mark.timeout(60)
