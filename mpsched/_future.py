@@ -541,8 +541,9 @@ class CallbackRunner:
 
     def _start(self) -> bool:
         """Under ``_lock``: start the thread if it is not running yet; False if it cannot
-        start. Python 3.12 and later start no thread once the interpreter's exit began (nor
-        may one start at a thread limit): the first future with callbacks that a pool left
+        start. Python 3.12 and later start no thread once the interpreter's finalization began
+        (3.12.0-3.12.2 already in its atexit handlers), nor may one start at a thread limit:
+        the first future with callbacks that a pool left
         running at exit settled (a dropped pool's, or one shut down without waiting; an
         ``asyncio.wrap_future`` adds a callback) raised RuntimeError in the coordinator thread,
         which broke the pool: the tasks still running were killed, the rest failed (found in

@@ -373,7 +373,7 @@ def test_a_done_callback_re_enters_the_pool(
 def test_callbacks_run_when_the_callback_thread_cannot_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Python 3.12 and later start no thread once the interpreter's exit began: a pool left
+    """Python 3.12 and later start no thread once the interpreter's finalization began: a pool left
     running at exit (dropped, or shut down without waiting) whose first future with callbacks
     settled then broke, its tasks killed or failed (found in review). Here every start of the
     callback thread fails as it does then: the coordinator thread calls the callbacks itself
