@@ -21,9 +21,10 @@ Invariants: ``in_flight`` holds the chunks sent and not yet yielded, in input or
 a chunk that stopped at its budget goes in right behind it, once: ``settle``, by the iterator,
 by ``send_rest`` or by an eager run's ``fill``); new input is read only while fewer than
 ``MAP_PREFETCH_PER_WORKER`` chunks per worker are in flight (one a worker before a result was
-measured), or by ``send_rest``, or, for an ``eager`` run (a finite deadline and an input with a
-length), until the deadline while fewer than that many are unfinished (by its chunks'
-done-callbacks, ``_chunk_done``, in whichever thread settles them); every chunk still in flight
+measured), or by ``send_rest``, or, for an ``eager`` run (inputs that all have a length, until
+the first read, or with a finite deadline, until then), while fewer than that many are
+unfinished (by its chunks' done-callbacks, ``_chunk_done``, in whichever thread settles them);
+once its iterator is gone unread, what ended leaves ``in_flight``; every chunk still in flight
 when the iterator ends is cancelled: at once when it ends by its own error, timeout or Ctrl-C,
 by the coordinator thread (``cancel_later``) when it is closed. An error met ahead of the
 results (the input's, a chunk's submit) is raised only after every earlier result was yielded,
@@ -43,6 +44,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
+from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any
 
 from mpsched._chunks import run_chunk
@@ -125,6 +127,7 @@ class MapRun:
         chunksize: int | None,
         deadline: float | None,
         sized: bool,
+        lengths: bool,
     ) -> None:
         # Weak: the pool holds its unread maps (Pool._unread_maps), and a cycle would keep a
         # dropped pool alive until a garbage collection. The iterator holds the pool (as a
@@ -139,10 +142,10 @@ class MapRun:
         self.star = star
         self.chunksize = chunksize
         self.deadline = deadline
-        # An input with a length goes on as workers finish its chunks, not as the results are
-        # read (see ``_chunk_done``), until its iterator is first read (``ordered_results``),
-        # and, with a finite deadline, until then.
-        self.eager = sized
+        # Inputs that all have a length go on as workers finish the chunks, not as the results
+        # are read (see ``_chunk_done``), until the iterator is first read
+        # (``ordered_results``), and, with a finite deadline, until then.
+        self.eager = lengths
         # The iterator (``start``), to know whether it can still be read: dropped or closed
         # unread, nobody takes the results (see ``fill``).
         self.reader: weakref.ref[Generator[Any, None, None]] | None = None
@@ -180,9 +183,19 @@ class MapRun:
         pool = self.pool()
         assert pool is not None  # the caller's
         results = ordered_results(self, pool)
-        self.reader = weakref.ref(results)
+        if self.eager:  # dropped, it waits for the next map() (Pool._let_dropped_maps_go)
+            dropped = functools.partial(_dropped, pool._dropped_maps, weakref.ref(self))
+            self.reader = weakref.ref(results, dropped)
         self.fill()
         return results
+
+    def reader_gone(self) -> None:
+        """``Pool._let_dropped_maps_go``: the iterator was dropped; unless it had been read
+        (closed then) or the shutdown sent the rest, send on and drop what ended
+        (``fill``)."""
+        with self.lock:
+            if not self.closed and not self.final:
+                self.fill()
 
     def fill(self) -> None:
         """Send chunks while fewer than the window are in flight (the bounded read-ahead), or,
@@ -237,8 +250,9 @@ class MapRun:
         from the call, as ``ProcessPoolExecutor.map``'s, which submits the whole input at the
         call, the results still to be read came late and timed out while the workers idled;
         and a map not read yet, or never (dropped, see ``_forget_ended``), runs on.
-        An input with a length is read here too (as ``send_rest`` reads it from the shutdown's
-        thread); an iterator is read only by the reader (it may be bound to its thread)."""
+        Inputs that all have a length are read here too (as ``send_rest`` reads them from the
+        shutdown's thread); an iterator, even zipped with a list, is read only by the reader
+        (it may be bound to its thread): such a run is never eager."""
         with self.lock:
             self.unfinished -= 1
             if self.closed or self.final:  # ``send_rest`` settles what it sent before
@@ -513,6 +527,17 @@ def no_results() -> Generator[Any, None, None]:
     """``Pool.map`` of no iterable: no result (a generator, as every map's iterator, so that
     it has ``close()`` too)."""
     yield from ()
+
+
+def _dropped(
+    dropped: SimpleQueue[weakref.ref[MapRun]],
+    run: weakref.ref[MapRun],
+    _: weakref.ref[Generator[Any, None, None]],
+) -> None:
+    """The callback of ``MapRun.reader``: the map's iterator is gone. It may run in the
+    garbage collector, inside any call of any thread, so it only queues the run for
+    ``Pool._let_dropped_maps_go`` (a SimpleQueue's ``put`` takes no lock)."""
+    dropped.put(run)
 
 
 def _chunk_done(ref: weakref.ref[MapRun], future: Future[Any]) -> None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import CancelledError, wait
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from typing import Any
@@ -429,6 +430,98 @@ def test_a_map_left_unread_runs_on_before_the_shutdown_and_leaves_the_pool(
         wait_until(lambda: len(tasks.read_log(str(log))) == 500, "every item ran")
         wait_until(lambda: not pool._unread_maps, "the pool let the map go")
         assert sorted(tasks.read_log(str(log))) == list(range(500))
+
+
+@pytest.mark.timeout(60)
+def test_a_map_dropped_unread_after_its_chunks_ended_is_let_go_at_the_next_map() -> None:
+    """No chunk of it is left to find its iterator gone: the iterator's drop queues it for
+    the pool's next ``map()`` (it stayed, with its input and results, until the shutdown)."""
+    with Pool(1) as pool:
+        results = pool.map(tasks.ident, range(100), chunksize=10)
+        wait_until(lambda: pool.statistics().completed == 10, "every chunk ran")
+        (run,) = pool._maps.live()
+        wait_until(lambda run=run: run.unfinished == 0, "its chunks' callbacks ran")
+        del results
+        del run
+        assert len(pool._unread_maps) == 1
+        assert list(pool.map(tasks.ident, [1])) == [1]
+        assert not pool._unread_maps
+
+
+class _ThreadsReading:
+    """An iterator that notes the threads that read it (a database cursor may be bound to
+    the thread that made it)."""
+
+    def __init__(self, n: int) -> None:
+        self.items = iter(range(n))
+        self.threads: set[str] = set()
+
+    def __iter__(self) -> _ThreadsReading:
+        return self
+
+    def __next__(self) -> int:
+        self.threads.add(threading.current_thread().name)
+        return next(self.items)
+
+
+@pytest.mark.timeout(60)
+def test_an_iterator_zipped_with_an_input_with_a_length_is_read_by_the_reader_only() -> None:
+    """Not read yet, a map of inputs that all have a length goes on as its chunks end, read by
+    the thread that collects them; zipped with an iterator, it waits for its reader (the
+    iterator was read in the callback thread: a sqlite3 cursor raised ProgrammingError)."""
+    with Pool(2) as pool:
+        cursor = _ThreadsReading(1000)
+        results = pool.map(tasks.add, range(1000), cursor, chunksize=10)
+        (run,) = pool._maps.live()
+        assert not run.eager
+        window = 2 * _map.MAP_PREFETCH_PER_WORKER
+        wait_until(lambda: pool.statistics().completed == window, "the first window ran")
+        assert list(results) == [2 * k for k in range(1000)]
+        assert cursor.threads == {threading.current_thread().name}
+
+
+class _InterruptedAt:
+    """An input with a length whose reading is interrupted once (a Ctrl-C while the map's
+    first window is read), then goes on."""
+
+    def __init__(self, n: int, at: int) -> None:
+        self.n, self.at = n, at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return self._Items(self.n, self.at)
+
+    class _Items:
+        def __init__(self, n: int, at: int) -> None:
+            self.next, self.n, self.at = 0, n, at
+
+        def __iter__(self) -> _InterruptedAt._Items:
+            return self
+
+        def __next__(self) -> int:
+            if self.next == self.at:
+                self.at = -1
+                raise KeyboardInterrupt
+            if self.next == self.n:
+                raise StopIteration
+            self.next += 1
+            return self.next - 1
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_in_map_stops_the_map_even_while_its_frames_are_kept() -> None:
+    """A Ctrl-C while ``map()`` read its first window: the map is not read, and sends nothing
+    more, also while the exception (and so the run) is kept, as a REPL keeps the last one.
+    Its chunks' callbacks sent the whole input."""
+    with Pool(1) as pool:
+        with pytest.raises(KeyboardInterrupt) as excinfo:
+            pool.map(tasks.ident, _InterruptedAt(1000, 3), chunksize=1)
+        (run,) = pool._maps.live()
+        wait_until(lambda: run.unfinished == 0, "the chunks sent and their callbacks ran")
+        assert pool.statistics().completed == 3
+        assert excinfo.value is not None  # kept up to here
 
 
 @pytest.mark.timeout(60)
