@@ -494,10 +494,10 @@ class CallbackRunner:
 
     def __init__(self) -> None:
         # Items: a future (the coordinator's), a one-element list holding a user thread's list
-        # of futures (``hand_over``), or None (``close``: the end).
-        self._queue: queue.SimpleQueue[Future[Any] | list[list[Future[Any]]] | None] = (
-            queue.SimpleQueue()
-        )
+        # of futures (``hand_over``), a call (``poke``), or None (``close``: the end).
+        self._queue: queue.SimpleQueue[
+            Future[Any] | list[list[Future[Any]]] | Callable[[], None] | None
+        ] = queue.SimpleQueue()
         self._lock = threading.Lock()  # the thread's lazy start, and ``_closed``
         self._closed = False
         self.thread: threading.Thread | None = None
@@ -538,6 +538,23 @@ class CallbackRunner:
                 taken = _take(box)
                 if taken:
                     invoke_all(taken)
+
+    def start(self) -> None:
+        """Any thread but the garbage collector's: start the thread now, so that ``poke``
+        finds it (a pool's first map: see ``_map.MapRun.start``)."""
+        with self._lock:
+            if not self._closed:
+                self._start()
+
+    def poke(self, call: Callable[[], None]) -> bool:
+        """Have the thread make ``call`` (its exception logged); False if the thread is not
+        running. Takes no lock (a SimpleQueue's ``put`` takes none): callable from a weak
+        reference's callback, which the garbage collector may run inside any call of any
+        thread. A call put after ``close`` is never made: the caller has another way."""
+        if self.thread is None or self._closed:
+            return False
+        self._queue.put(call)
+        return True
 
     def _start(self) -> bool:
         """Under ``_lock``: start the thread if it is not running yet; False if it cannot
@@ -582,7 +599,15 @@ class CallbackRunner:
             item = get()
             if item is None:
                 return
-            call_logged((item,) if isinstance(item, Future) else _take(item))
+            if isinstance(item, Future):
+                call_logged((item,))
+            elif isinstance(item, list):
+                call_logged(_take(item))
+            else:
+                try:
+                    item()
+                except BaseException:
+                    LOGGER.exception("exception in %r", item)
             # Not kept while waiting: a future holds its callbacks, which may hold the pool (a
             # dropped pool must be collectable).
             item = None

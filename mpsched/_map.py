@@ -21,10 +21,11 @@ Invariants: ``in_flight`` holds the chunks sent and not yet yielded, in input or
 a chunk that stopped at its budget goes in right behind it, once: ``settle``, by the iterator,
 by ``send_rest`` or by an eager run's ``fill``); new input is read only while fewer than
 ``MAP_PREFETCH_PER_WORKER`` chunks per worker are in flight (one a worker before a result was
-measured), or by ``send_rest``, or, for an ``eager`` run (inputs that all have a length, until
-the first read, or with a finite deadline, until then), while fewer than that many are
-unfinished (by its chunks' done-callbacks, ``_chunk_done``, in whichever thread settles them);
-once its iterator is gone unread, what ended leaves ``in_flight``; every chunk still in flight
+measured), or by ``send_rest``, or, for an ``eager`` run (inputs that are all built-in
+containers, ``SHARED_INPUTS``, with a finite deadline, until then; or dropped unread, to the
+end), while fewer than that many are unfinished (by its chunks' done-callbacks,
+``_chunk_done``, in whichever thread settles them); once its iterator is gone unread, what
+ended leaves ``in_flight``; every chunk still in flight
 when the iterator ends is cancelled: at once when it ends by its own error, timeout or Ctrl-C,
 by the coordinator thread (``cancel_later``) when it is closed. An error met ahead of the
 results (the input's, a chunk's submit) is raised only after every earlier result was yielded,
@@ -44,17 +45,23 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
-from queue import SimpleQueue
+from queue import Empty, SimpleQueue
 from typing import TYPE_CHECKING, Any
 
 from mpsched._chunks import run_chunk
 from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
-from mpsched._future import Future
+from mpsched._future import CallbackRunner, Future
 from mpsched._protocol import PICKLE_PROTOCOL, load_exception, unpickling_failed
 from mpsched._serialize import TaskPicklingError, first_unpicklable
 
 if TYPE_CHECKING:
     from mpsched._pool import Pool
+
+# Inputs whose iteration no thread owns: a map of such inputs only may read them in the thread
+# that settles a chunk (``MapRun.eager``). A generator, a cursor, or any class of the user's,
+# with a length or not, may be bound to its thread (a sqlite3 cursor raises ProgrammingError in
+# another): read by the map's reader only.
+SHARED_INPUTS = (list, tuple, range, str, bytes, dict, set, frozenset)
 
 # The default chunking (docs/design.md, "Pool.map").
 MAP_TARGET_CHUNK_SECONDS = 0.002  # map: aim for chunks of about this much work
@@ -108,8 +115,10 @@ class MapRun:
         "out_per_item",
         "per_item",
         "pool",
+        "read",
         "reader",
         "sending",
+        "shared",
         "size",
         "sized",
         "star",
@@ -127,7 +136,7 @@ class MapRun:
         chunksize: int | None,
         deadline: float | None,
         sized: bool,
-        lengths: bool,
+        shared: bool,
     ) -> None:
         # Weak: the pool holds its unread maps (Pool._unread_maps), and a cycle would keep a
         # dropped pool alive until a garbage collection. The iterator holds the pool (as a
@@ -142,13 +151,15 @@ class MapRun:
         self.star = star
         self.chunksize = chunksize
         self.deadline = deadline
-        # Inputs that all have a length go on as workers finish the chunks, not as the results
-        # are read (see ``_chunk_done``), until the iterator is first read
-        # (``ordered_results``), and, with a finite deadline, until then.
-        self.eager = lengths
+        # Inputs that any thread may read (``SHARED_INPUTS``): with a finite deadline, the
+        # chunks go as workers finish them, not as the results are read (see ``_chunk_done``),
+        # until then; once its iterator is gone unread, until the input's end (``reader_gone``).
+        self.shared = shared
+        self.eager = shared and deadline is not None and deadline < math.inf
         # The iterator (``start``), to know whether it can still be read: dropped or closed
-        # unread, nobody takes the results (see ``fill``).
+        # unread, nobody takes the results (see ``fill``); ``read``: its first ``next()`` came.
         self.reader: weakref.ref[Generator[Any, None, None]] | None = None
+        self.read = False
         self.unfinished = 0  # chunks sent and not done (kept only if eager)
         self.ended: list[Future[Any]] = []  # eager: chunks that ended, their rest not yet settled
         self.sending = False  # the lock's holder is sending (see ``_chunk_done``)
@@ -183,19 +194,33 @@ class MapRun:
         pool = self.pool()
         assert pool is not None  # the caller's
         results = ordered_results(self, pool)
-        if self.eager:  # dropped, it waits for the next map() (Pool._let_dropped_maps_go)
-            dropped = functools.partial(_dropped, pool._dropped_maps, weakref.ref(self))
-            self.reader = weakref.ref(results, dropped)
+        if self.shared:  # dropped unread, it is taken up again (``reader_gone``)
+            runner = pool._coordinator.callbacks
+            if runner.thread is None:  # started here, so that the drop finds it (``_dropped``)
+                runner.start()
+            gone = functools.partial(_dropped, pool._dropped_maps, runner, weakref.ref(self))
+            self.reader = weakref.ref(results, gone)
         self.fill()
         return results
 
     def reader_gone(self) -> None:
-        """``Pool._let_dropped_maps_go``: the iterator was dropped; unless it had been read
-        (closed then) or the shutdown sent the rest, send on and drop what ended
-        (``fill``)."""
+        """The iterator was dropped (``let_dropped_maps_go``, in the pool's callback thread or
+        in a later ``Pool.map``): unless it had been read (closed then) or the shutdown sent
+        the rest, the map runs on to its end, its results dropped as they come (``fill``)."""
         with self.lock:
-            if not self.closed and not self.final:
-                self.fill()
+            if self.closed or self.final or self.read:
+                return
+            if not self.eager:  # the chunks in flight were sent without a done-callback:
+                self.eager = True  # each gets one now (one that ended is called back at once)
+                ref = weakref.ref(self)
+                self.sending = True  # (so that those calls only queue it in ``ended``)
+                try:
+                    for future, _ in list(self.in_flight):
+                        self.unfinished += 1
+                        future.add_done_callback(functools.partial(_chunk_done, ref))
+                finally:
+                    self.sending = False
+            self.fill()
 
     def fill(self) -> None:
         """Send chunks while fewer than the window are in flight (the bounded read-ahead), or,
@@ -207,25 +232,34 @@ class MapRun:
                 while True:
                     while self.ended:  # (each is in ``in_flight`` by now: it is no send's)
                         self.settle(self.ended.pop())
+                    gone = self._unread_and_gone()
+                    if gone:  # before the window's test: what ended frees its place
+                        self._forget_ended()
                     if self.exhausted or not (
                         len(self.in_flight) < self.window
                         or (
                             self.eager
                             and self.unfinished < self.window
-                            and (self.deadline is None or time.monotonic() < self.deadline)
+                            # Gone unread, it runs to its end, its deadline passed or not
+                            # (before, that one stopped, and was let go only at shutdown).
+                            and (gone or self.deadline is None or time.monotonic() < self.deadline)
                         )
                     ):
                         break
                     self._send_next()
             finally:
                 self.sending = False
-            if self.eager and self.reader is not None:  # (a generator closed: no frame)
-                reader = self.reader()
-                if reader is None or getattr(reader, "gi_frame", None) is None:
-                    self._forget_ended()
+
+    def _unread_and_gone(self) -> bool:
+        """Under ``lock``: the iterator was dropped, or closed (a generator closed has no
+        frame), before its first ``next()``."""
+        if self.read or self.reader is None:
+            return False
+        reader = self.reader()
+        return reader is None or getattr(reader, "gi_frame", None) is None
 
     def _forget_ended(self) -> None:
-        """Under ``lock``, for a map whose iterator was dropped or closed before its first
+        """Under ``lock``, for a map whose iterator was dropped (or closed) before its first
         ``next()`` (a ``pool.map(f, items)`` called for its side effects, as with
         ``ProcessPoolExecutor.map``): nobody will read its results, so the chunks that ended
         (and were settled: their rests went) leave ``in_flight``, and once the input is
@@ -249,14 +283,22 @@ class MapRun:
         reader who pauses between results does not stop the work: with a timeout counted
         from the call, as ``ProcessPoolExecutor.map``'s, which submits the whole input at the
         call, the results still to be read came late and timed out while the workers idled;
-        and a map not read yet, or never (dropped, see ``_forget_ended``), runs on.
-        Inputs that all have a length are read here too (as ``send_rest`` reads them from the
-        shutdown's thread); an iterator, even zipped with a list, is read only by the reader
-        (it may be bound to its thread): such a run is never eager."""
+        and a map dropped unread runs on (``reader_gone``). Built-in containers are read here
+        too (as ``send_rest`` reads an input with a length from the shutdown's thread); any
+        other input (an iterator, a class of the user's) is read only by the reader (it may be
+        bound to its thread): such a run is never eager."""
         with self.lock:
             self.unfinished -= 1
-            if self.closed or self.final:  # ``send_rest`` settles what it sent before
+            # ``send_rest`` settles what it sent before; and a run read from now on (no longer
+            # eager) is settled and sent on by its reader (``take_first``, ``fill``).
+            if self.closed or self.final or not self.eager:
                 return
+            if self.chunksize is None and not future.cancelled() and future.exception() is None:
+                # Sized here too: a map nobody reads (yet) went on in chunks of 64 items, one
+                # per worker, 20-40 times slower than one read at once (found in review).
+                pickled, seconds, error, done = future.result()
+                if error is None and done:
+                    self.measured(seconds, sum(map(len, pickled)), done)
             self.ended.append(future)
             # Called back at once by a send of this thread's (the chunk ended first), it is
             # not in ``in_flight`` yet, and settling it would lose its rest: the next ``fill``
@@ -469,11 +511,10 @@ def ordered_results(run: MapRun, pool: Pool) -> Generator[Any, None, None]:
     """The results of ``run``'s chunks in input order, sending more as they are consumed."""
     in_flight = run.in_flight
     deadline = run.deadline
-    if run in pool._unread_maps:  # read from now on: dropped, it is abandoned (see Pool.map)
+    run.read = True  # read from now on: dropped, it is abandoned (see Pool.map)
+    if run in pool._unread_maps:
         with pool._maps_lock:
             pool._unread_maps.discard(run)
-    with run.lock:  # read from now on: its input is read as its results are, or, with a
-        run.eager = run.eager and deadline is not None and deadline < math.inf  # deadline, eager
     try:
         while True:
             run.fill()
@@ -531,13 +572,30 @@ def no_results() -> Generator[Any, None, None]:
 
 def _dropped(
     dropped: SimpleQueue[weakref.ref[MapRun]],
+    runner: CallbackRunner,
     run: weakref.ref[MapRun],
     _: weakref.ref[Generator[Any, None, None]],
 ) -> None:
     """The callback of ``MapRun.reader``: the map's iterator is gone. It may run in the
-    garbage collector, inside any call of any thread, so it only queues the run for
-    ``Pool._let_dropped_maps_go`` (a SimpleQueue's ``put`` takes no lock)."""
+    garbage collector, inside any call of any thread, where a lock may be held that a send
+    takes: so it only queues the run, and has the pool's callback thread take it up
+    (``let_dropped_maps_go``; neither ``put`` takes a lock). If that thread has ended, the
+    pool's next ``map()`` does, or its shutdown sends the rest."""
     dropped.put(run)
+    runner.poke(functools.partial(let_dropped_maps_go, dropped))
+
+
+def let_dropped_maps_go(dropped: SimpleQueue[weakref.ref[MapRun]]) -> None:
+    """The pool's callback thread (poked by ``_dropped``) or ``Pool.map``: each map whose
+    iterator was dropped unread runs on to its end and is let go (``MapRun.reader_gone``)."""
+    while True:
+        try:  # (no empty() first: another thread may take the last one between)
+            ref = dropped.get_nowait()
+        except Empty:
+            return
+        run = ref()
+        if run is not None:
+            run.reader_gone()
 
 
 def _chunk_done(ref: weakref.ref[MapRun], future: Future[Any]) -> None:

@@ -38,7 +38,7 @@ from mpsched._function_cache import FunctionCache
 from mpsched._future import Future
 from mpsched._layout import SegmentViews
 from mpsched._lifecycle import PoolResources, interrupted_pool_call, live_pools
-from mpsched._map import MapRun, no_results
+from mpsched._map import SHARED_INPUTS, MapRun, let_dropped_maps_go, no_results
 from mpsched._options import MisfirePolicy, OverlapPolicy, TaskOptions, check_seconds
 from mpsched._payloads import CHAIN_BYTES_MAX
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
@@ -264,9 +264,9 @@ class Pool(concurrent.futures.Executor):
         # dropped unread is fire-and-forget: it runs to its end, as ProcessPoolExecutor's).
         self._maps: QuietWeakSet[MapRun] = QuietWeakSet()  # not a WeakSet: see _weakset
         self._unread_maps: set[MapRun] = set()
-        # Maps whose iterator was dropped (MapRun.start's weak reference's callback, which may
-        # run in the garbage collector, anywhere: a SimpleQueue's put takes no lock there),
-        # for the next map() to finish letting go of (MapRun.reader_gone).
+        # Maps whose iterator was dropped unread (the callback of MapRun.start's weak
+        # reference, which may run in the garbage collector, anywhere: a SimpleQueue's put
+        # takes no lock there), for the callback thread or the next map() to take up.
         self._dropped_maps: queue.SimpleQueue[weakref.ref[MapRun]] = queue.SimpleQueue()
         self._maps_lock = threading.Lock()
         self._maps_closed = False  # shutdown took the list of maps: no map joins it now
@@ -508,21 +508,19 @@ class Pool(concurrent.futures.Executor):
         iterable, an empty iterator (as ``concurrent.futures.Executor.map``; the builtin
         ``map`` raises TypeError).
 
-        The work starts at the call, as ``ProcessPoolExecutor.map``'s. Inputs that all have a
-        length (lists, ranges, ...) go on as the workers finish the chunks until the iterator
-        is first read (its results wait to be read, as ``ProcessPoolExecutor.map``'s, which
-        submits the whole input at the call); from then on the input is read lazily, at most
-        a few chunks per worker ahead of the results (with a finite ``timeout``, inputs with
-        a length go on as chunks end, until the deadline, so that a reader who pauses does
-        not time out the results to come; they wait to be read). At ``shutdown`` (also the
+        The work starts at the call, as ``ProcessPoolExecutor.map``'s. The input is read
+        lazily, at most a few chunks per worker ahead of the results (with a finite
+        ``timeout``, inputs that are all built-in containers, such as lists and ranges, go on
+        as chunks end, until the deadline, so that a reader who pauses does not time out the
+        results to come; they wait to be read). At ``shutdown`` (also the
         end of a ``with`` block) the rest of an input with a length is sent, and its results
         come after the pool ended too. An iterator's rest cannot be read then (it may be
         endless): its results come as far as it was read, then PoolClosedError. To abandon a
-        map, close its iterator once a result was read (or drop it then). Closed or dropped
-        unread (called for its side effects), a map of inputs that all have a length runs to
-        its end, and its results are dropped as they come; the pool lets it go at its end, or,
-        if it was dropped after its last chunk ended, at the next ``map()`` (not if the pool
-        is dropped too: then only what went before runs).
+        map, close its iterator once a result was read (or drop it then). Dropped unread
+        (called for its side effects), a map of built-in containers runs to its end, its
+        results dropped as they come, as ``ProcessPoolExecutor.map``'s, which submits it all
+        at the call; one of other inputs runs its first chunks, and the rest at ``shutdown``
+        (not if the pool is dropped too: then only what went before runs).
         ``chunksize=None`` adapts: chunks of 64 items first (a chunk a worker; an input that
         ends sooner is split evenly over the workers), then chunks of about 2 ms of
         work each (at most 4096 items); every chunk holds about 512 KiB of pickled arguments
@@ -568,16 +566,16 @@ class Pool(concurrent.futures.Executor):
             raise PoolClosedError(self._closed_message)
         if self._workers_deferred:
             self._release_workers(fn)
-        self._let_dropped_maps_go()
+        let_dropped_maps_go(self._dropped_maps)  # those the callback thread did not take up
         deadline = None if timeout is None else time.monotonic() + timeout
         # An input with a length is finite (zip stops at the shortest): shutdown sends the
-        # rest of it (see shutdown). Only inputs that all have a length may be read in another
-        # thread than the reader's, as chunks end (an iterator may be bound to its thread).
+        # rest of it (see shutdown). Only built-in containers may be read in another thread
+        # than the reader's, as chunks end (an iterator may be bound to its thread).
         sized = any(isinstance(it, Sized) for it in iterables)
-        lengths = all(isinstance(it, Sized) for it in iterables)
+        shared = all(isinstance(it, SHARED_INPUTS) for it in iterables)
         star = len(iterables) > 1  # else the items go as they are (see _chunks)
         items = zip(*iterables, strict=False) if star else iter(iterables[0])
-        run = MapRun(self, fn, items, star, chunksize, deadline, sized, lengths)
+        run = MapRun(self, fn, items, star, chunksize, deadline, sized, shared)
         # Known to shutdown before its first chunk goes: a map started while a shutdown had
         # taken its list of maps sent its first window and lost the rest (PoolClosedError
         # after 128 of 1,000 results).
@@ -590,21 +588,10 @@ class Pool(concurrent.futures.Executor):
         try:
             return run.start()
         except BaseException:  # a Ctrl-C while the first window went: the map is not read,
-            run.closed = True  # and sends no more (its chunks' callbacks sent the whole input)
+            run.closed = True  # and sends no more (its iterator dropped, it ran the whole input)
             with self._maps_lock:
                 self._unread_maps.discard(run)
             raise
-
-    def _let_dropped_maps_go(self) -> None:
-        """The user's thread, in ``map``: each map whose iterator was dropped unread since,
-        once its chunks ended, drops their results and leaves ``_unread_maps``
-        (``MapRun.reader_gone``): a map dropped after its last chunk ended has no chunk left
-        to do that (it kept its input and results until the shutdown)."""
-        dropped = self._dropped_maps
-        while not dropped.empty():
-            run = dropped.get_nowait()()
-            if run is not None:
-                run.reader_gone()
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import CancelledError, wait
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from typing import Any
@@ -29,7 +28,7 @@ from mpsched import (
 )
 from mpsched._coordinator import Coordinator
 from mpsched._errors import InternalError, ProtocolError
-from mpsched._future import Future
+from mpsched._future import CallbackRunner, Future
 from mpsched._protocol import Tag
 from mpsched._slot_region import MAX_NESTING
 from mpsched._zygote import FDS_PER_MESSAGE
@@ -412,18 +411,23 @@ def test_a_map_dropped_unread_runs_to_its_end_and_one_dropped_while_read_is_aban
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunks", ["of 10", "stopping at their budget"])
 @pytest.mark.parametrize("how", ["dropped", "closed"])
 def test_a_map_left_unread_runs_on_before_the_shutdown_and_leaves_the_pool(
-    tmp_path: pathlib.Path, how: str
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, how: str, chunks: str
 ) -> None:
-    """A map called for its side effects in a pool that lives on (a pipeline's) runs as its
+    """A map called for its side effects in a pool that lives on (a pipeline's) runs on as
     workers finish its chunks, and once done the pool lets it go. It ran its first window at
     the call and the rest only at the shutdown, keeping its input and results until then
-    (5,000 such maps of 1,000 items held 150 MB)."""
+    (5,000 such maps of 1,000 items held 150 MB). Default chunks that stop at their budget
+    (here after each item) leave rests that go too."""
+    chunksize = 10 if chunks == "of 10" else None
+    if chunksize is None:
+        monkeypatch.setattr(_map, "MAP_CHUNK_BUDGET", 0.0)
     log = tmp_path / "log"
     log.touch()
     with Pool(2) as pool:
-        results = pool.map(tasks.record, [str(log)] * 500, range(500), chunksize=10)
+        results = pool.map(tasks.record, [str(log)] * 500, range(500), chunksize=chunksize)
         if how == "closed":
             results.close()
         del results
@@ -433,19 +437,24 @@ def test_a_map_left_unread_runs_on_before_the_shutdown_and_leaves_the_pool(
 
 
 @pytest.mark.timeout(60)
-def test_a_map_dropped_unread_after_its_chunks_ended_is_let_go_at_the_next_map() -> None:
-    """No chunk of it is left to find its iterator gone: the iterator's drop queues it for
-    the pool's next ``map()`` (it stayed, with its input and results, until the shutdown)."""
+@pytest.mark.parametrize("taken_up_by", ["callback thread", "next map"])
+def test_a_map_dropped_unread_after_its_chunks_ended_is_let_go(
+    monkeypatch: pytest.MonkeyPatch, taken_up_by: str
+) -> None:
+    """No chunk of it is left to find its iterator gone: the iterator's drop has the pool's
+    callback thread take it up, or, if that thread does not run, the pool's next ``map()``
+    (it stayed, with its input and results, until the shutdown)."""
+    if taken_up_by == "next map":
+        monkeypatch.setattr(CallbackRunner, "poke", lambda self, call: False)
     with Pool(1) as pool:
         results = pool.map(tasks.ident, range(100), chunksize=10)
-        wait_until(lambda: pool.statistics().completed == 10, "every chunk ran")
-        (run,) = pool._maps.live()
-        wait_until(lambda run=run: run.unfinished == 0, "its chunks' callbacks ran")
+        wait_until(lambda: pool.statistics().completed == 4, "the first window ran")
         del results
-        del run
-        assert len(pool._unread_maps) == 1
-        assert list(pool.map(tasks.ident, [1])) == [1]
-        assert not pool._unread_maps
+        if taken_up_by == "next map":
+            assert len(pool._unread_maps) == 1
+            assert list(pool.map(tasks.ident, [1])) == [1]
+        wait_until(lambda: not pool._unread_maps, "the pool let the map go")
+        assert pool.statistics().completed == 10 + (taken_up_by == "next map")
 
 
 class _ThreadsReading:
@@ -464,75 +473,113 @@ class _ThreadsReading:
         return next(self.items)
 
 
-@pytest.mark.timeout(60)
-def test_an_iterator_zipped_with_an_input_with_a_length_is_read_by_the_reader_only() -> None:
-    """Not read yet, a map of inputs that all have a length goes on as its chunks end, read by
-    the thread that collects them; zipped with an iterator, it waits for its reader (the
-    iterator was read in the callback thread: a sqlite3 cursor raised ProgrammingError)."""
-    with Pool(2) as pool:
-        cursor = _ThreadsReading(1000)
-        results = pool.map(tasks.add, range(1000), cursor, chunksize=10)
-        (run,) = pool._maps.live()
-        assert not run.eager
-        window = 2 * _map.MAP_PREFETCH_PER_WORKER
-        wait_until(lambda: pool.statistics().completed == window, "the first window ran")
-        assert list(results) == [2 * k for k in range(1000)]
-        assert cursor.threads == {threading.current_thread().name}
+class _Table:
+    """An input with a length whose iterator is one of the user's (a query's rows)."""
 
-
-class _InterruptedAt:
-    """An input with a length whose reading is interrupted once (a Ctrl-C while the map's
-    first window is read), then goes on."""
-
-    def __init__(self, n: int, at: int) -> None:
-        self.n, self.at = n, at
+    def __init__(self, n: int) -> None:
+        self.rows = _ThreadsReading(n)
+        self.n = n
 
     def __len__(self) -> int:
         return self.n
 
-    def __iter__(self) -> Iterator[int]:
-        return self._Items(self.n, self.at)
-
-    class _Items:
-        def __init__(self, n: int, at: int) -> None:
-            self.next, self.n, self.at = 0, n, at
-
-        def __iter__(self) -> _InterruptedAt._Items:
-            return self
-
-        def __next__(self) -> int:
-            if self.next == self.at:
-                self.at = -1
-                raise KeyboardInterrupt
-            if self.next == self.n:
-                raise StopIteration
-            self.next += 1
-            return self.next - 1
+    def __iter__(self) -> _ThreadsReading:
+        return self.rows
 
 
 @pytest.mark.timeout(60)
-def test_a_ctrl_c_in_map_stops_the_map_even_while_its_frames_are_kept() -> None:
-    """A Ctrl-C while ``map()`` read its first window: the map is not read, and sends nothing
-    more, also while the exception (and so the run) is kept, as a REPL keeps the last one.
-    Its chunks' callbacks sent the whole input."""
+@pytest.mark.parametrize("timeout", [None, 60.0])
+@pytest.mark.parametrize("shape", ["zipped", "sized"])
+def test_an_input_of_the_users_is_read_by_the_maps_reader_only(
+    shape: str, timeout: float | None
+) -> None:
+    """A map of built-in containers goes on as its chunks end (read by the thread that
+    settles them) until its first read, or its deadline; an input of the user's, with a
+    length or not, zipped with a range or not, is read by the reader only: it may be bound to
+    its thread (read in the callback thread, a sqlite3 cursor raised ProgrammingError)."""
+    with Pool(2) as pool:
+        cursor = _ThreadsReading(1000)
+        if shape == "zipped":
+            results = pool.map(tasks.add, range(1000), cursor, chunksize=10, timeout=timeout)
+        else:
+            table = _Table(1000)
+            cursor = table.rows
+            results = pool.map(tasks.add, table, table, chunksize=10, timeout=timeout)
+        (run,) = pool._maps.live()
+        assert not run.eager
+        window = 2 * _map.MAP_PREFETCH_PER_WORKER
+        wait_until(lambda: pool.statistics().completed == window, "the first window ran")
+        assert list(results) == (
+            [2 * k for k in range(1000)]
+            if shape == "zipped"
+            else [k + k + 1 for k in range(0, 1000, 2)]
+        )
+        assert cursor.threads == {threading.current_thread().name}
+
+
+@pytest.mark.timeout(60)
+def test_a_dropped_maps_chunks_are_sized_from_their_results() -> None:
+    """Default chunks are sized from the results' times, which the reader measured: a map
+    nobody read went on in chunks of 64 items, one per worker, 20-40 times slower than one
+    read at once."""
+    with Pool(2) as pool:
+        results = pool.map(tasks.ident, range(100_000))
+        (run,) = pool._maps.live()
+        del results
+        wait_until(lambda: run.per_item is not None, "a chunk was measured")
+        assert run.size > _map.MAP_FIRST_CHUNK
+        wait_until(lambda: not pool._unread_maps, "the pool let the map go")
+
+
+@pytest.mark.timeout(60)
+def test_a_map_dropped_unread_past_its_deadline_runs_to_its_end(tmp_path: pathlib.Path) -> None:
+    """Past its deadline a map sends only as it is read; dropped unread then, it stopped and
+    stayed, with its input, until the shutdown sent the rest."""
+    log = tmp_path / "log"
+    log.touch()
+    with Pool(2) as pool:
+        results = pool.map(tasks.record, [str(log)] * 300, range(300), chunksize=1, timeout=0.0)
+        (run,) = pool._maps.live()
+        wait_until(lambda run=run: run.unfinished == 0, "the first window and its callbacks")
+        del results
+        del run
+        wait_until(lambda: len(tasks.read_log(str(log))) == 300, "every item ran")
+        wait_until(lambda: not pool._unread_maps, "the pool let the map go")
+
+
+class _CtrlCWhenPickled:
+    """An item whose first pickling is interrupted (a Ctrl-C while the map's first window
+    is sent); pickled again, it is its number."""
+
+    interrupted = False
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def __reduce__(self) -> tuple[type[int], tuple[int]]:
+        if not _CtrlCWhenPickled.interrupted:
+            _CtrlCWhenPickled.interrupted = True
+            raise KeyboardInterrupt
+        return int, (self.k,)
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_in_map_stops_the_map() -> None:
+    """A Ctrl-C while ``map()`` sent its first window: the map is not read, and sends nothing
+    more, also once its iterator, kept by the exception's frames (a REPL keeps the last one),
+    is dropped: taken up as one dropped unread, it sent the whole input."""
+    _CtrlCWhenPickled.interrupted = False
+    items: list[Any] = [0, 1, 2, _CtrlCWhenPickled(3), *range(4, 1000)]
     with Pool(1) as pool:
         with pytest.raises(KeyboardInterrupt) as excinfo:
-            pool.map(tasks.ident, _InterruptedAt(1000, 3), chunksize=1)
+            pool.map(tasks.ident, items, chunksize=1)
         (run,) = pool._maps.live()
-        wait_until(lambda: run.unfinished == 0, "the chunks sent and their callbacks ran")
-        assert pool.statistics().completed == 3
-        assert excinfo.value is not None  # kept up to here
-
-
-@pytest.mark.timeout(60)
-def test_a_map_read_only_once_its_work_is_done_yields_every_result_in_order() -> None:
-    """Not read yet, a map runs on (as ProcessPoolExecutor.map's, which submits its whole
-    input at the call); its results wait for the reader, in order."""
-    with Pool(2) as pool:
-        results = pool.map(tasks.ident, range(2000), chunksize=10)
-        wait_until(lambda: pool.statistics().completed == 200, "every chunk ran")
-        assert list(results) == list(range(2000))
-        assert not pool._unread_maps
+        del excinfo  # and with it the iterator
+        taken_up = threading.Event()
+        assert pool._coordinator.callbacks.poke(taken_up.set)  # after the drop's own call
+        assert taken_up.wait(timeout=20)
+        assert run.closed
+        assert pool.statistics().submitted == 3
 
 
 @pytest.mark.timeout(60)

@@ -320,55 +320,23 @@ def test_a_map_with_a_timeout_works_on_while_its_reader_pauses(
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("timeout", [0.0, None])
-def test_a_map_works_ahead_of_its_reader_only_until_its_deadline_or_its_first_read(
+def test_a_map_works_ahead_of_its_reader_only_until_its_deadline(
     pool2: Pool, timeout: float | None
 ) -> None:
-    """Past the deadline, chunks go only as the reader takes results: the results the reader
-    can no longer get are not worked on. With no deadline, a map not read yet works through
-    its input (as ``ProcessPoolExecutor.map``, which submits it all at the call)."""
+    """Past the deadline, or with none, chunks go only as the reader takes results: the
+    results the reader can no longer get (or has not asked for) are not worked on."""
     results = pool2.map(tasks.ident, range(60), chunksize=1, timeout=timeout)
     (run,) = pool2._maps.live()
-    assert run.eager
+    assert run.eager is (timeout is not None)
     window = _map.MAP_PREFETCH_PER_WORKER * 2
-    if timeout is None:
-        wait_until(
-            lambda: len(run.in_flight) == 60 and all(f.done() for f, _ in list(run.in_flight)),
-            "the whole input ran",
-        )
-        assert list(results) == list(range(60))
-        return
     wait_until(lambda: all(f.done() for f, _ in list(run.in_flight)), "the first window ran")
     wait_until(lambda: run.unfinished == 0, "its chunks' callbacks ran")
     assert len(run.in_flight) == window
-    with pytest.raises(concurrent.futures.TimeoutError):
-        list(results)
-
-
-@pytest.mark.timeout(60)
-def test_a_maps_first_read_bounds_its_read_ahead(fifos: Fifos) -> None:
-    """From its first ``next()`` on, a map (of an input with a length, no timeout) sends
-    chunks only to keep its window ahead of the reader. Its chunks wait behind a gated task
-    until the reader's first ``next()`` has begun."""
-    with Pool(1) as pool:
-        blocker = pool.submit(tasks.gated_ident, fifos.gate, None)
-        results = pool.map(tasks.ident, range(60), chunksize=1)
-        (run,) = pool._maps.live()
-        first: list[int] = []
-        reader = threading.Thread(target=lambda: first.append(next(results)))
-        reader.start()
-        wait_until(lambda: not run.eager, "the first read began")
-        tasks.open_gate(fifos.gate)
-        reader.join()
-        assert blocker.result(timeout=20) is None
-        assert first == [0]
-        window = _map.MAP_PREFETCH_PER_WORKER
-        wait_until(
-            lambda: len(run.in_flight) == window and all(f.done() for f, _ in list(run.in_flight)),
-            "the window ran",
-        )
-        assert [items for _, items in run.in_flight] == [[k] for k in range(1, window + 1)]
-        assert pool.statistics().completed == 1 + 1 + window  # the blocker, the read, the rest
-        results.close()
+    if timeout is None:
+        assert list(results) == list(range(60))
+    else:
+        with pytest.raises(concurrent.futures.TimeoutError):
+            list(results)
 
 
 @pytest.mark.timeout(60)
