@@ -155,7 +155,7 @@ def tree_lists(draw: Any) -> list[nt.Node]:
     return [draw(trees(str(k))) for k in range(n)]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)  # 76 s in one of ten loaded runs of the suite
 def test_random_task_trees_match_a_sequential_run() -> None:
     with Pool(1) as pool1, Pool(2) as pool2:
         pools = {1: pool1, 2: pool2}
