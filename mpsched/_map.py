@@ -57,10 +57,10 @@ from mpsched._serialize import TaskPicklingError, first_unpicklable
 if TYPE_CHECKING:
     from mpsched._pool import Pool
 
-# Inputs whose iteration no thread owns: a map of such inputs only may read them in the thread
-# that settles a chunk (``MapRun.eager``). A generator, a cursor, or any class of the user's,
-# with a length or not, may be bound to its thread (a sqlite3 cursor raises ProgrammingError in
-# another): read by the map's reader only.
+# Inputs whose iteration no thread owns (these types exactly): a map of such inputs only may
+# read them in the thread that settles a chunk (``MapRun.eager``). A generator, a cursor, or any
+# class of the user's, with a length or not (a subclass of list too), may be bound to its thread
+# (a sqlite3 cursor raises ProgrammingError in another): read by the map's reader only.
 SHARED_INPUTS = (list, tuple, range, str, bytes, dict, set, frozenset)
 
 # The default chunking (docs/design.md, "Pool.map").
@@ -289,11 +289,16 @@ class MapRun:
         bound to its thread): such a run is never eager."""
         with self.lock:
             self.unfinished -= 1
-            # ``send_rest`` settles what it sent before; and a run read from now on (no longer
-            # eager) is settled and sent on by its reader (``take_first``, ``fill``).
+            # ``send_rest`` settles what it sent before; a run that is not eager is settled and
+            # sent on by its reader (``take_first``, ``fill``).
             if self.closed or self.final or not self.eager:
                 return
-            if self.chunksize is None and not future.cancelled() and future.exception() is None:
+            if (
+                self.chunksize is None
+                and self._unread_and_gone()  # else the reader measures it, once
+                and not future.cancelled()
+                and future.exception() is None
+            ):
                 # Sized here too: a map nobody reads (yet) went on in chunks of 64 items, one
                 # per worker, 20-40 times slower than one read at once (found in review).
                 pickled, seconds, error, done = future.result()

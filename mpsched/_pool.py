@@ -519,7 +519,8 @@ class Pool(concurrent.futures.Executor):
         map, close its iterator once a result was read (or drop it then). Dropped unread
         (called for its side effects), a map of built-in containers runs to its end, its
         results dropped as they come, as ``ProcessPoolExecutor.map``'s, which submits it all
-        at the call; one of other inputs runs its first chunks, and the rest at ``shutdown``
+        at the call (but for the items after one that raised in its chunk); one of other
+        inputs runs its first chunks, and, if an input has a length, the rest at ``shutdown``
         (not if the pool is dropped too: then only what went before runs).
         ``chunksize=None`` adapts: chunks of 64 items first (a chunk a worker; an input that
         ends sooner is split evenly over the workers), then chunks of about 2 ms of
@@ -572,7 +573,7 @@ class Pool(concurrent.futures.Executor):
         # rest of it (see shutdown). Only built-in containers may be read in another thread
         # than the reader's, as chunks end (an iterator may be bound to its thread).
         sized = any(isinstance(it, Sized) for it in iterables)
-        shared = all(isinstance(it, SHARED_INPUTS) for it in iterables)
+        shared = all(type(it) in SHARED_INPUTS for it in iterables)  # (a subclass: its own)
         star = len(iterables) > 1  # else the items go as they are (see _chunks)
         items = zip(*iterables, strict=False) if star else iter(iterables[0])
         run = MapRun(self, fn, items, star, chunksize, deadline, sized, shared)

@@ -487,9 +487,20 @@ class _Table:
         return self.rows
 
 
+class _Rows(list[int]):
+    """A list of the user's whose iterator is a cursor's."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(range(n))
+        self.rows = _ThreadsReading(n)
+
+    def __iter__(self) -> _ThreadsReading:  # type: ignore[override]
+        return self.rows
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("timeout", [None, 60.0])
-@pytest.mark.parametrize("shape", ["zipped", "sized"])
+@pytest.mark.parametrize("shape", ["zipped", "sized", "list subclass"])
 def test_an_input_of_the_users_is_read_by_the_maps_reader_only(
     shape: str, timeout: float | None
 ) -> None:
@@ -502,7 +513,7 @@ def test_an_input_of_the_users_is_read_by_the_maps_reader_only(
         if shape == "zipped":
             results = pool.map(tasks.add, range(1000), cursor, chunksize=10, timeout=timeout)
         else:
-            table = _Table(1000)
+            table: _Table | _Rows = _Table(1000) if shape == "sized" else _Rows(1000)
             cursor = table.rows
             results = pool.map(tasks.add, table, table, chunksize=10, timeout=timeout)
         (run,) = pool._maps.live()
