@@ -567,7 +567,8 @@ class Pool(concurrent.futures.Executor):
             raise PoolClosedError(self._closed_message)
         if self._workers_deferred:
             self._release_workers(fn)
-        let_dropped_maps_go(self._dropped_maps)  # those the callback thread did not take up
+        if not self._dropped_maps.empty():  # those the callback thread did not take up
+            let_dropped_maps_go(self._dropped_maps)
         deadline = None if timeout is None else time.monotonic() + timeout
         # An input with a length is finite (zip stops at the shortest): shutdown sends the
         # rest of it (see shutdown). Only built-in containers may be read in another thread
