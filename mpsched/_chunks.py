@@ -47,7 +47,8 @@ def run_chunk(
     by it); None, or the pickled error (``dump_exception``) of the item that raised after
     the ones in the prefix; and how many items ran (with no error, how many results the
     pieces hold: ``Pool.shutdown`` sends the rest of a chunk that stopped again, without
-    unpickling its results).
+    unpickling its results; with one, the item that raised too: a map dropped unread sends
+    the items after it again, ``MapRun._forget_ended``).
 
     An item that raises ends the chunk. If it is the first, the chunk's task fails with its
     error; otherwise the results before it are returned with the error, so that ``map``
@@ -73,6 +74,7 @@ def _run(
     by_run = max_bytes != math.inf
     done = 0  # items run
     error = None
+    raised = 0  # 1 once an item raised: it ran, and has no result
     append = results.append
     while True:
         try:
@@ -90,8 +92,9 @@ def _run(
             if not results and not pieces:
                 raise
             error = dump_exception(exc)
+            raised = 1
         seconds = time.perf_counter() - start
-        done = in_pieces + len(results)
+        done = in_pieces + len(results) + raised
         if by_run and error is None:
             piece, unpicklable = _dump_results(results, first=not pieces)
             pieces.append(piece)

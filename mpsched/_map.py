@@ -270,8 +270,25 @@ class MapRun:
         in_flight = self.in_flight
         kept = [entry for entry in in_flight if not entry[0].done() or entry[0] in self.stoppable]
         if len(kept) < len(in_flight):
+            # A chunk ends at an item that raised (a read map raises there): nobody reads
+            # this one, so the items after it go on, as ProcessPoolExecutor.map's would (they
+            # never ran: some dozens, as the chunking went, and nothing said so).
+            rests = []
+            for future, items in in_flight:
+                if (
+                    future.done()
+                    and future not in self.stoppable
+                    and not future.cancelled()
+                    and future.exception() is None
+                ):
+                    _, _, error, done = future.result()
+                    if error is not None and done < len(items):
+                        rests.append(items[done:])
             in_flight.clear()
             in_flight.extend(kept)
+            for rest in rests:
+                self._send_at(len(in_flight), rest)
+            kept = list(in_flight)
         if self.exhausted and not kept:
             pool = self.pool()
             if pool is not None:

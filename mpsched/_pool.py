@@ -519,7 +519,8 @@ class Pool(concurrent.futures.Executor):
         map, close its iterator once a result was read (or drop it then). Dropped unread
         (called for its side effects), a map of built-in containers runs to its end, its
         results dropped as they come, as ``ProcessPoolExecutor.map``'s, which submits it all
-        at the call (but for the items after one that raised in its chunk); one of other
+        at the call (but for a chunk whose first item raised: its other items do not run;
+        nobody sees the errors, as nobody sees a dropped future's); one of other
         inputs runs its first chunks, and, if an input has a length, the rest at ``shutdown``
         (not if the pool is dropped too: then only what went before runs).
         ``chunksize=None`` adapts: chunks of 64 items first (a chunk a worker; an input that

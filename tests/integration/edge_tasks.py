@@ -445,3 +445,12 @@ def block_stdout_flush() -> int:
     """Leave the worker a ``sys.stdout`` whose ``flush`` blocks."""
     sys.stdout = _BlockingStream()
     return os.getpid()
+
+
+def record_then_raise_at(path: str, k: int, bad: int) -> int:
+    """Log ``k`` (``record``), then raise if ``k`` is ``bad``: a map item with a side effect
+    that fails."""
+    record(path, k)
+    if k == bad:
+        raise ValueError(f"item {k}")
+    return k

@@ -543,6 +543,21 @@ def test_a_dropped_maps_chunks_are_sized_from_their_results() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_map_dropped_unread_runs_the_items_after_one_that_raised(tmp_path: pathlib.Path) -> None:
+    """A chunk ends at an item that raises (a read map raises there). Nobody reads a dropped
+    one: the items after it in its chunk never ran (some dozens, as the chunking went), where
+    ProcessPoolExecutor.map's would all run."""
+    log = tmp_path / "log"
+    log.touch()
+    with Pool(1) as pool:
+        results = pool.map(et.record_then_raise_at, [str(log)] * 300, range(300), [5] * 300)
+        del results
+        wait_until(lambda: len(tasks.read_log(str(log))) == 300, "every item ran")
+        wait_until(lambda: not pool._unread_maps, "the pool let the map go")
+        assert sorted(tasks.read_log(str(log))) == list(range(300))
+
+
+@pytest.mark.timeout(60)
 def test_a_map_dropped_unread_past_its_deadline_runs_to_its_end(tmp_path: pathlib.Path) -> None:
     """Past its deadline a map sends only as it is read; dropped unread then, it stopped and
     stayed, with its input, until the shutdown sent the rest."""
