@@ -212,12 +212,10 @@ class MapRun:
                 return
             if not self.eager:  # the chunks in flight were sent without a done-callback:
                 self.eager = True  # each gets one now (one that ended is called back at once)
-                ref = weakref.ref(self)
                 self.sending = True  # (so that those calls only queue it in ``ended``)
                 try:
                     for future, _ in list(self.in_flight):
-                        self.unfinished += 1
-                        future.add_done_callback(functools.partial(_chunk_done, ref))
+                        self._call_back_at_end(future)
                 finally:
                     self.sending = False
             self.fill()
@@ -268,28 +266,24 @@ class MapRun:
         shutdown, and each one held its input and results until then (found by a soak
         review: 5,000 of them grew the pool's process by 150 MB)."""
         in_flight = self.in_flight
-        kept = [entry for entry in in_flight if not entry[0].done() or entry[0] in self.stoppable]
+        kept: list[tuple[Future[Any], list[Any]]] = []
+        rests: list[list[Any]] = []
+        for future, items in in_flight:
+            if not future.done() or future in self.stoppable:
+                kept.append((future, items))
+            elif not future.cancelled() and future.exception() is None:
+                # A chunk ends at an item that raised (a read map raises there): nobody reads
+                # this one, so the items after it go on, as ProcessPoolExecutor.map's would
+                # (they never ran: some dozens, as the chunking went, and nothing said so).
+                _, _, error, done = future.result()
+                if error is not None and done < len(items):
+                    rests.append(items[done:])
         if len(kept) < len(in_flight):
-            # A chunk ends at an item that raised (a read map raises there): nobody reads
-            # this one, so the items after it go on, as ProcessPoolExecutor.map's would (they
-            # never ran: some dozens, as the chunking went, and nothing said so).
-            rests = []
-            for future, items in in_flight:
-                if (
-                    future.done()
-                    and future not in self.stoppable
-                    and not future.cancelled()
-                    and future.exception() is None
-                ):
-                    _, _, error, done = future.result()
-                    if error is not None and done < len(items):
-                        rests.append(items[done:])
             in_flight.clear()
             in_flight.extend(kept)
             for rest in rests:
                 self._send_at(len(in_flight), rest)
-            kept = list(in_flight)
-        if self.exhausted and not kept:
+        if self.exhausted and not in_flight:
             pool = self.pool()
             if pool is not None:
                 pool._unread_maps.discard(self)  # (one C call: no lock needed to drop it)
@@ -488,8 +482,7 @@ class MapRun:
             if budget != math.inf or max_bytes != math.inf:
                 self.stoppable.add(future)
             if self.eager:
-                self.unfinished += 1
-                future.add_done_callback(functools.partial(_chunk_done, weakref.ref(self)))
+                self._call_back_at_end(future)
             return [(future, piece)], True
         except Exception as exc:  # a BaseException (Ctrl-C) goes on at once
             found = first_unpicklable([fn, *piece]) if isinstance(exc, TaskPicklingError) else None
@@ -498,6 +491,12 @@ class MapRun:
             index, error = found
             before = self._send(piece[: index - 1])[0] if index > 1 else []
             return [*before, (_failed(error), [])], False
+
+    def _call_back_at_end(self, future: Future[Any]) -> None:
+        """Under ``lock``, for an eager run: count ``future``'s chunk unfinished until its
+        done-callback (``_chunk_done``) comes."""
+        self.unfinished += 1
+        future.add_done_callback(functools.partial(_chunk_done, weakref.ref(self)))
 
     def measured(self, seconds: float, nbytes: int, done: int) -> None:
         """A default chunk's results came (``done`` items in ``seconds``, ``nbytes`` pickled):
