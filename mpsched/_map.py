@@ -45,11 +45,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
+from concurrent.futures.process import BrokenProcessPool
 from queue import Empty, SimpleQueue
 from typing import TYPE_CHECKING, Any
 
 from mpsched._chunks import run_chunk
-from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
+from mpsched._errors import POOL_CLOSED_MESSAGE, MpschedError, PoolClosedError
 from mpsched._future import CallbackRunner, Future
 from mpsched._protocol import PICKLE_PROTOCOL, load_exception, unpickling_failed
 from mpsched._serialize import TaskPicklingError, first_unpicklable
@@ -271,13 +272,17 @@ class MapRun:
         for future, items in in_flight:
             if not future.done() or future in self.stoppable:
                 kept.append((future, items))
-            elif not future.cancelled() and future.exception() is None:
+            elif not future.cancelled():
                 # A chunk ends at an item that raised (a read map raises there): nobody reads
                 # this one, so the items after it go on, as ProcessPoolExecutor.map's would
                 # (they never ran: some dozens, as the chunking went, and nothing said so).
-                _, _, error, done = future.result()
-                if error is not None and done < len(items):
-                    rests.append(items[done:])
+                exc = future.exception()
+                if exc is None:
+                    _, _, error, done = future.result()
+                    if error is not None and done < len(items):
+                        rests.append(items[done:])
+                elif len(items) > 1 and not isinstance(exc, _NOT_AN_ITEMS_ERROR):
+                    rests.append(items[1:])  # its first item raised: the task failed with it
         if len(kept) < len(in_flight):
             in_flight.clear()
             in_flight.extend(kept)
@@ -675,6 +680,11 @@ def _load(pieces: list[bytes]) -> list[Any]:
     except (Exception, SystemExit) as exc:
         raise unpickling_failed(exc) from exc
     return results
+
+
+# A chunk's task that failed with one of these did not fail at its first item: its worker died
+# (its items may have run) or the pool failed. Nothing of it goes again.
+_NOT_AN_ITEMS_ERROR = (BrokenProcessPool, MpschedError)
 
 
 def _failed(error: Exception) -> Future[Any]:

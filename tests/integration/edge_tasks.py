@@ -447,6 +447,15 @@ def block_stdout_flush() -> int:
     return os.getpid()
 
 
+def record_then_exit_at(path: str, k: int, bad: int) -> int:
+    """Log ``k`` (``record``), then end the worker if ``k`` is ``bad``: a map item that
+    crashes its worker after a side effect."""
+    record(path, k)
+    if k == bad:
+        os._exit(3)
+    return k
+
+
 def record_then_raise_at(path: str, k: int, bad: int) -> int:
     """Log ``k`` (``record``), then raise if ``k`` is ``bad``: a map item with a side effect
     that fails."""

@@ -558,6 +558,38 @@ def test_a_map_dropped_unread_runs_the_items_after_one_that_raised(tmp_path: pat
 
 
 @pytest.mark.timeout(60)
+def test_a_map_dropped_unread_runs_the_rest_of_a_chunk_whose_first_item_raised(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A chunk whose first item raises fails as a task, with that item's error: the other
+    items of a dropped map's chunk never ran (9 of every 10 here)."""
+    log = tmp_path / "log"
+    log.touch()
+    ks = range(300)
+    bad = [k if k % 10 == 0 else -1 for k in ks]
+    with Pool(1) as pool:
+        results = pool.map(et.record_then_raise_at, [str(log)] * 300, ks, bad, chunksize=10)
+        del results
+        wait_until(lambda: not pool._unread_maps, "the pool let the map go")
+    assert sorted(tasks.read_log(str(log))) == list(ks)
+
+
+@pytest.mark.timeout(60)
+def test_a_map_dropped_unread_sends_nothing_again_after_a_crash(tmp_path: pathlib.Path) -> None:
+    """A chunk whose worker died fails as a task too, but its items may have run: nothing of
+    it goes again (here its first item ran and ended the worker); the rest of the map runs."""
+    log = tmp_path / "log"
+    log.touch()
+    with Pool(1) as pool:
+        results = pool.map(
+            et.record_then_exit_at, [str(log)] * 300, range(300), [10] * 300, chunksize=10
+        )
+        del results
+        wait_until(lambda: not pool._unread_maps, "the pool let the map go")
+    assert sorted(tasks.read_log(str(log))) == [*range(11), *range(20, 300)]
+
+
+@pytest.mark.timeout(60)
 def test_a_map_dropped_unread_past_its_deadline_runs_to_its_end(tmp_path: pathlib.Path) -> None:
     """Past its deadline a map sends only as it is read; dropped unread then, it stopped and
     stayed, with its input, until the shutdown sent the rest."""
