@@ -154,7 +154,7 @@ class Future(concurrent.futures.Future[_T]):
         self._run: Any = None  # per-task options and their state (_coordinator.TaskRun)
 
     @property
-    def _condition(self) -> threading.Condition:  # type: ignore[override]
+    def _condition(self) -> threading.Condition:
         cond = self._cond
         if cond is None:
             with _CONDITION_LOCK:
@@ -163,12 +163,20 @@ class Future(concurrent.futures.Future[_T]):
                     cond = self._cond = _Sync()
         return cond
 
+    @_condition.setter
+    def _condition(self, value: threading.Condition) -> None:  # typeshed's protocols: settable
+        raise AttributeError("a pool future's condition is its own")
+
     # The stdlib reads and appends to these only while holding the condition (so after
     # ``_condition`` created it); without one there is no waiter and no callback.
     @property
-    def _waiters(self) -> Any:  # type: ignore[override]
+    def _waiters(self) -> Any:
         cond = self._cond
         return () if cond is None else cond.waiters
+
+    @_waiters.setter
+    def _waiters(self, value: Any) -> None:  # typeshed's _AsCompletedFuture: settable
+        raise AttributeError("a pool future's waiters are its condition's")
 
     @property
     def _done_callbacks(self) -> Any:

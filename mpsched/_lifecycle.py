@@ -95,7 +95,9 @@ _CALLBACK_CALLERS = frozenset(
 )
 
 
-def interrupted_pool_call(frame: types.FrameType | None) -> bool:
+def interrupted_pool_call(
+    frame: types.FrameType | None, ordinary: frozenset[types.CodeType] = frozenset()
+) -> bool:
     """Whether ``frame``, the caller of a public call of the pool, is user code that a call
     of the pool's in the same thread called back, other than a done-callback: a signal
     handler that interrupted that call (Python runs handlers between two bytecodes of the
@@ -104,13 +106,16 @@ def interrupted_pool_call(frame: types.FrameType | None) -> bool:
     state each guards may be half-changed), so the callback must not wait for one.
 
     Called by ``Pool.shutdown`` only (a walk up the stack: ~0.25 us a frame); the pool's
-    own calls of it (a ``with`` block's exit, the exit hook) are not callbacks."""
+    own calls of it (a ``with`` block's exit, the exit hook) are not callbacks, nor is a
+    subclass's ``shutdown`` that they call: the walk stops at the frames of ``ordinary``
+    (before, such an override, calling ``super().shutdown()``, was taken for a callback, and
+    the end of a ``with`` block did not wait; found by a review)."""
     if frame is None or frame.f_code.co_filename.startswith(PACKAGE_DIR):
         return False
     frame = frame.f_back
     while frame is not None:
         code = frame.f_code
-        if code in _CALLBACK_CALLERS:
+        if code in _CALLBACK_CALLERS or code in ordinary:
             return False
         if code.co_filename.startswith(PACKAGE_DIR):
             return True

@@ -380,10 +380,13 @@ class MapRun:
             if index is None or future.cancelled() or future.exception() is not None:
                 return  # (not in flight: dropped when the iterator was closed)
             _, _, error, done = future.result()
-            chunk = in_flight[index][1]
-            if error is not None or done >= len(chunk):
+            try:
+                chunk = in_flight[index][1]
+                if error is not None or done >= len(chunk):
+                    return
+                in_flight[index] = (future, chunk[:done])
+            except IndexError:  # cleared meanwhile: see _unlist
                 return
-            in_flight[index] = (future, chunk[:done])
             self._send_at(index + 1, chunk[done:])
 
     def _send_whole(self, future: Future[Any]) -> None:
@@ -391,16 +394,27 @@ class MapRun:
         claimed it) goes again in its place, to its end. The iterator, if it waits for it,
         finds its place taken (see ``ordered_results``)."""
         index = self._unlist(future)
-        if index is not None:
+        if index is None:
+            return
+        try:
             chunk = self.in_flight[index][1]
             del self.in_flight[index]
-            self._send_at(index, chunk)
+        except IndexError:  # cleared meanwhile: see _unlist
+            return
+        self._send_at(index, chunk)
 
     def _unlist(self, future: Future[Any]) -> int | None:
         """Under ``lock``: ``future``'s chunk is settled from now on (out of ``stoppable``);
-        its index in ``in_flight``, or None if it left (its iterator was closed)."""
+        its index in ``in_flight``, or None if it left (its iterator was closed).
+
+        The iterator's close clears ``in_flight`` without the lock, from any thread, at any
+        point (``ordered_results``: it may run inside the garbage collector), so this scans a
+        copy (``list()``, one C call), and the callers find the index gone (IndexError) if it
+        came in between; scanning the deque itself, a shutdown raised "deque mutated during
+        iteration" and left the pool open (found by a review, with a delay injected)."""
         self.stoppable.discard(future)
-        return next((i for i, (f, _) in enumerate(self.in_flight) if f is future), None)
+        entries = list(self.in_flight)
+        return next((i for i, (f, _) in enumerate(entries) if f is future), None)
 
     def _send_at(self, index: int, items: list[Any]) -> None:
         """Under ``lock``: send ``items`` again, in chunks of ``size``, at ``index`` of
@@ -429,29 +443,25 @@ class MapRun:
         idled (2 items of 0.5 s took 1 s on 2 workers, where ProcessPoolExecutor.map takes
         0.5 s). Once the pool is closed, nothing is read: read and then refused, a window of
         the caller's items (4,096) was gone from its iterator."""
-        pool = self.pool()
-        if pool is None or pool._closed:  # read nothing that cannot go: the caller's input
-            closed = PoolClosedError(POOL_CLOSED_MESSAGE if pool is None else pool._closed_message)
-            self.in_flight.append((_failed(closed), []))
-            self.exhausted = True
+        if self._refused():  # read nothing that cannot go: the caller's input
             return
-        del pool
-        items = self.items
         chunk: list[Any] = []
         error: Exception | None = None
         parts = 1
         try:
             if not self.cap and self.chunksize is None:
                 parts = self.window
-                chunk.extend(itertools.islice(items, MAP_SAMPLE_ITEMS))
+                self._read(chunk, MAP_SAMPLE_ITEMS)
                 if chunk:
                     self.cap = _max_chunk(chunk)
                     self.size = min(self.size, self.cap)
             wanted = parts * self.size
-            chunk.extend(itertools.islice(items, max(0, wanted - len(chunk))))
+            self._read(chunk, max(0, wanted - len(chunk)))
         except Exception as exc:  # keeps what came before the input's error
             error = exc
             wanted = parts * self.size
+        if not self.sized and self._refused():  # closed while it was read (see _read)
+            return
         per = max(1, -(-len(chunk) // parts))  # ``size``, unless the input ended sooner
         for start in range(0, len(chunk), per):
             entries, sent = self._send(chunk[start : start + per])
@@ -462,6 +472,34 @@ class MapRun:
         if error is not None:
             self.in_flight.append((_failed(error), []))
         self.exhausted = error is not None or len(chunk) < wanted
+
+    def _refused(self) -> bool:
+        """Under ``lock``: whether the pool is closed (or gone); then the map ends there, with
+        PoolClosedError in place of its next chunk."""
+        pool = self.pool()
+        if pool is not None and not pool._closed:
+            return False
+        closed = PoolClosedError(POOL_CLOSED_MESSAGE if pool is None else pool._closed_message)
+        self.in_flight.append((_failed(closed), []))
+        self.exhausted = True
+        return True
+
+    def _read(self, chunk: list[Any], n: int) -> None:
+        """Under ``lock``: add up to ``n`` items of the input to ``chunk`` (those read before
+        an error too). An input without a length is read by its iterator's thread only
+        (``fill``, from ``start`` or the iterator), with ``lock`` released meanwhile: it may
+        wait as long as it likes (a queue, a socket), and ``Pool.shutdown`` takes ``lock``
+        (``send_rest``). It waited for it: a shutdown, ``wait=False`` too, in a signal handler
+        or at the interpreter's exit, hung until the stream gave its next item (found by two
+        reviews)."""
+        if self.sized:
+            chunk.extend(itertools.islice(self.items, n))
+            return
+        self.lock.release()  # held once: fill took it, in the iterator's thread
+        try:
+            chunk.extend(itertools.islice(self.items, n))
+        finally:
+            self.lock.acquire()
 
     def _send(self, piece: list[Any]) -> tuple[list[tuple[Future[Any], list[Any]]], bool]:
         """``in_flight``'s entries for ``piece``, and whether all of it went. An error met

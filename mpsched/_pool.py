@@ -37,7 +37,12 @@ from mpsched._errors import POOL_CLOSED_MESSAGE, POOL_NOT_PICKLABLE_MESSAGE, Poo
 from mpsched._function_cache import FunctionCache
 from mpsched._future import Future
 from mpsched._layout import SegmentViews
-from mpsched._lifecycle import PoolResources, interrupted_pool_call, live_pools
+from mpsched._lifecycle import (
+    PoolResources,
+    interrupted_pool_call,
+    live_pools,
+    shutdown_all_pools,
+)
 from mpsched._map import SHARED_INPUTS, MapRun, let_dropped_maps_go, no_results
 from mpsched._options import MisfirePolicy, OverlapPolicy, TaskOptions, check_seconds
 from mpsched._payloads import CHAIN_BYTES_MAX
@@ -611,7 +616,11 @@ class Pool(concurrent.futures.Executor):
         locks a shutdown takes, and goes on once the handler returned. The rest of the input
         of a ``map`` is not sent then (its iterator raises PoolClosedError where it is
         needed). A later ``shutdown(wait=True)`` (the end of a ``with`` block) waits."""
-        if interrupted_pool_call(sys._getframe(1)):
+        try:
+            caller = sys._getframe(1)
+        except ValueError:  # called straight from C (atexit, _thread.start_new_thread)
+            caller = None
+        if interrupted_pool_call(caller, _SHUTDOWN_CALLERS):
             # Such a shutdown waited for ever for a lock its own thread held (a SIGTERM
             # handler's, in one of three runs of a loop of submits). No lock, no wait here.
             self._closed = True
@@ -805,6 +814,11 @@ def _cancel_by_id() -> types.FunctionType:
 
 
 _CANCEL_BY_ID = _cancel_by_id()
+# The pool's own callers of ``shutdown``, none of them inside another call of the pool's (see
+# ``interrupted_pool_call``).
+_SHUTDOWN_CALLERS = frozenset(
+    (Pool.__exit__.__code__, Pool._stop_now.__code__, shutdown_all_pools.__code__)
+)
 
 
 class TaskSubmitter:

@@ -55,6 +55,9 @@ def uses_a_pool() -> None:
         results.close()  # to abandon a map (its docstring)
         names: list[str] = list(pool.map(fib, range(10)))  # type: ignore[arg-type]
         concurrent.futures.wait([future, timed, with_timeout])
+        for done in concurrent.futures.as_completed([future, with_timeout]):
+            first: int = done.result()
+            print(first)
         print(same, n, s, squares, names)
 
 

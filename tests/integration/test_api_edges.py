@@ -241,6 +241,40 @@ def test_statistics_from_many_threads_across_shutdown() -> None:
 
 
 # ---------------------------------------------------------------- await_termination()
+@pytest.mark.timeout(60)
+def test_a_shutdown_called_straight_from_c_shuts_the_pool_down() -> None:
+    """``atexit.register(pool.shutdown)`` or ``_thread.start_new_thread(pool.shutdown, ())``:
+    no Python frame calls it, and its look at its caller raised ValueError ("call stack is not
+    deep enough"): the pool stayed open."""
+    import _thread
+
+    pool = Pool(1)
+    assert pool.submit(abs, -1).result() == 1
+    _thread.start_new_thread(pool.shutdown, ())
+    assert pool.await_termination(30)
+
+
+class _ShutdownLogged(Pool):
+    calls: typing.ClassVar[list[bool]] = []
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.calls.append(wait)
+        super().shutdown(wait, cancel_futures=cancel_futures)
+
+
+@pytest.mark.timeout(60)
+def test_a_subclass_that_overrides_shutdown_waits_at_the_end_of_a_with_block() -> None:
+    """``Pool.__exit__`` calls the override, which calls ``Pool.shutdown``: that took its
+    caller, code of the user's called from the package, for a signal handler interrupting a
+    call of the pool's, and only asked for the shutdown (the block did not wait)."""
+    with _ShutdownLogged(1) as pool:
+        future = pool.submit(tasks.spin, 0.5)
+    assert _ShutdownLogged.calls == [True]
+    assert future.done()
+    assert future.result() == 0.5
+    assert pool.await_termination(0)
+
+
 def test_await_termination_before_shutdown_waits_for_anothers_shutdown() -> None:
     """Before shutdown, await_termination waits for one (Java's awaitTermination): a timeout
     returns False and changes nothing; waiters in several threads all return True once

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import queue
 import signal
 import subprocess
 import sys
@@ -587,6 +588,96 @@ def test_a_map_dropped_unread_sends_nothing_again_after_a_crash(tmp_path: pathli
         del results
         wait_until(lambda: not pool._unread_maps, "the pool let the map go")
     assert sorted(tasks.read_log(str(log))) == [*range(11), *range(20, 300)]
+
+
+@pytest.mark.timeout(60)
+def test_a_map_closed_while_the_shutdown_sends_its_chunks_again_leaves_the_shutdown_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The iterator's close clears the chunks in flight without the run's lock (it may run
+    inside the garbage collector); a shutdown sending a withdrawn chunk again met the cleared
+    deque (a review saw "deque mutated during iteration", with a delay injected) and raised,
+    leaving the pool open. Here the close comes right after the chunk's place was found."""
+    found = _map.MapRun._unlist
+    closes: list[int | None] = []
+
+    def unlist_then_close(run: _map.MapRun, future: Any) -> int | None:
+        index = found(run, future)
+        if not closes:
+            closes.append(index)
+            results.close()
+        return index
+
+    pool = Pool(2)
+    try:
+        results = pool.map(tasks.spin, [0.005] * 400)
+        assert next(results) == 0.005
+        monkeypatch.setattr(_map.MapRun, "_unlist", unlist_then_close)
+        pool.shutdown(wait=True)
+    finally:
+        monkeypatch.undo()
+        pool.shutdown(wait=True, cancel_futures=True)
+    assert closes, "no chunk was sent again"
+    assert closes[0] is not None
+    assert pool.await_termination(0)
+
+
+class _Stream:
+    """A map's input that waits for each item (a queue's ``get``): ``waiting`` is set while it
+    waits with nothing queued."""
+
+    def __init__(self, items: list[int]) -> None:
+        self.queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        for item in items:
+            self.queue.put(item)
+        self.waiting = threading.Event()
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> int:
+        if self.queue.empty():
+            self.waiting.set()
+        item = self.queue.get()
+        if item is None:
+            raise StopIteration
+        return item
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("wait", [False, True])
+def test_a_shutdown_does_not_wait_for_a_maps_input_that_waits(wait: bool) -> None:
+    """The map's thread read its input holding the run's lock, which the shutdown takes: a
+    shutdown (``wait=False`` too, in a SIGTERM handler, at the interpreter's exit) hung until
+    the stream gave its next item, for ever if it never came."""
+    stream = _Stream(list(range(10)))
+    got: list[Any] = []
+    with Pool(2) as pool:
+        reader = threading.Thread(
+            target=lambda: got.append(_read_all(pool.map(tasks.ident, stream)))
+        )
+        reader.start()
+        assert stream.waiting.wait(30)
+        stopper = threading.Thread(target=pool.shutdown, kwargs={"wait": wait})
+        stopper.start()
+        stopper.join(10 if not wait else 30)
+        returned = not stopper.is_alive()
+        stream.queue.put(None)  # (so that a hung shutdown and the reader end, for the report)
+        stopper.join()
+        reader.join()
+    assert returned, "the shutdown waited for the map's input"
+    ((results, error),) = got
+    assert results == []  # the first window waited for its 11th item: none of it went
+    assert isinstance(error, PoolClosedError)
+
+
+def _read_all(results: Any) -> tuple[list[Any], BaseException | None]:
+    out: list[Any] = []
+    try:
+        out.extend(results)
+    except Exception as exc:
+        return out, exc
+    return out, None
 
 
 @pytest.mark.timeout(60)
