@@ -200,7 +200,10 @@ class Cancelling(CoordinatorState):
                     if candidate is not None and self.withdraw(candidate):
                         handed = candidate
                         timetable.end(handed, None, cancelled=True)
-                    elif candidate is not None:  # claimed: running (or finished, not collected)
+                    elif candidate is not None and recurrence is self:
+                        # Claimed: running (or finished, not collected). Not from the
+                        # recurrence's future: its cancel() stops the recurrence and lets the
+                        # run end (TaskSubmitter.schedule; it asked the run to stop too).
                         if candidate._run is not None:  # if its worker dies, it is not retried
                             candidate._run.cancel_requested = True
                         self.requests.append((candidate, force))

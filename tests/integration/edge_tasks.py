@@ -447,6 +447,15 @@ def block_stdout_flush() -> int:
     return os.getpid()
 
 
+def report_cancel_requested(started: str, gate_path: str, log: str) -> None:
+    """Announce the run (FIFO ``started``), wait at the gate, then log whether a cancel was
+    asked of it (1) or not (0)."""
+    with open(started, "wb") as fifo:
+        fifo.write(b"s")
+    gate(gate_path)
+    record(log, int(mpsched.current_task().cancel_requested))
+
+
 def record_then_exit_at(path: str, k: int, bad: int) -> int:
     """Log ``k`` (``record``), then end the worker if ``k`` is ``bad``: a map item that
     crashes its worker after a side effect."""

@@ -14,6 +14,7 @@ import itertools
 import math
 import multiprocessing
 import os
+import pathlib
 import pickle
 import signal
 import threading
@@ -241,6 +242,25 @@ def test_statistics_from_many_threads_across_shutdown() -> None:
 
 
 # ---------------------------------------------------------------- await_termination()
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["future", "by_id"])
+def test_a_recurrences_future_cancel_lets_its_running_run_end(fifos: Fifos, how: str) -> None:
+    """The recurrence's future's ``cancel()`` stops the recurrence, and the run in progress
+    goes on to its end (its docstring); ``Pool.cancel(id)`` also asks that run to stop. Both
+    asked it."""
+    pathlib.Path(fifos.log).touch()
+    with Pool(1) as pool:
+        recurrence = pool.with_options(every=60.0).schedule(
+            "tick", 0.0, 0, edge_tasks.report_cancel_requested, fifos.started, fifos.gate, fifos.log
+        )
+        tasks.wait_started(fifos.started)
+        assert recurrence.cancel() if how == "future" else pool.cancel("tick")
+        tasks.open_gate(fifos.gate)
+        wait_until(lambda: tasks.read_log(fifos.log), "the run ended")
+    assert tasks.read_log(fifos.log) == [0 if how == "future" else 1]
+    assert recurrence.cancelled()
+
+
 @pytest.mark.timeout(60)
 def test_a_shutdown_called_straight_from_c_shuts_the_pool_down() -> None:
     """``atexit.register(pool.shutdown)`` or ``_thread.start_new_thread(pool.shutdown, ())``:
