@@ -68,12 +68,14 @@ from mpsched._future import Future, defer_callbacks, release_if_left
 from mpsched._pool_errors import BrokenPoolError
 from mpsched._protocol import (
     Tag,
+    block_sigpipe,
     decode,
     encode,
     frame_watch,
     load_exception,
     recv_message,
     send_data,
+    unblock_sigpipe,
 )
 from mpsched._shm import SELECT_FD_LIMIT
 
@@ -207,9 +209,14 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         with self.zygote_send_lock:
             if self.workers_released:
                 return
-            # EPIPE: the zygote died; the loop reads its EOF and breaks the pool.
-            with contextlib.suppress(OSError):
-                self.zygote.send_bytes(encode(Tag.START, modules, process_state()))
+            # EPIPE: the zygote died; the loop reads its EOF and breaks the pool. A user's
+            # thread: its SIGPIPE is blocked for the write only (see block_sigpipe).
+            before = block_sigpipe()
+            try:
+                with contextlib.suppress(OSError):
+                    self.zygote.send_bytes(encode(Tag.START, modules, process_state()))
+            finally:
+                unblock_sigpipe(before)
             self.workers_released = True
 
     def send_to_zygote(self, tag: int, *fields: Any) -> None:

@@ -49,6 +49,7 @@ import functools
 import os
 import pickle
 import select
+import signal
 import struct
 
 from mpsched._constants import Constants
@@ -155,6 +156,27 @@ _RAW_MARK = 0  # a pickled frame starts with PROTO (0x80)
 # a stash's, whose data is longer than a slab chain's ~60 KiB unless the slab ran short.
 _SMALL_FRAME = 1 << 14
 SKIP_CHUNK = 1 << 20  # bytes read at a time past a frame that does not fit in memory
+
+
+def block_sigpipe() -> frozenset[int]:
+    """Block SIGPIPE in this thread; returns the mask before. A write to the socket of a
+    child that died raises SIGPIPE in the writing thread: ignored by Python's default, it
+    killed a program that had set its default action back (as command-line tools do, for
+    ``| head``), silently, where the pool meant to fail one task or break (found by a review).
+    Blocked, the write fails with EPIPE and the signal stays pending in the thread: the
+    coordinator thread blocks it for good (``run_coordinator``); a user's thread takes it
+    (``unblock_sigpipe``)."""
+    return frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE}))
+
+
+def unblock_sigpipe(before: frozenset[int]) -> None:
+    """Undo ``block_sigpipe``, taking a SIGPIPE that a write raised meanwhile (unblocked, it
+    would be delivered at once)."""
+    if signal.SIGPIPE in before:
+        return
+    while signal.sigtimedwait({signal.SIGPIPE}, 0) is not None:
+        pass
+    signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def send_data(conn: Connection, tag: int, key: int, data: Buffer) -> None:

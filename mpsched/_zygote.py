@@ -211,7 +211,8 @@ def send_wake_fds(conn: Connection, wake_fds: Sequence[SharedFd]) -> None:
     sock = _socket_of(conn)
     try:
         for i in range(0, len(wake_fds), FDS_PER_MESSAGE):
-            socket.send_fds(sock, [b"W"], [f.fd for f in wake_fds[i : i + FDS_PER_MESSAGE]])
+            fds = [f.fd for f in wake_fds[i : i + FDS_PER_MESSAGE]]
+            socket.send_fds(sock, [b"W"], fds, socket.MSG_NOSIGNAL)  # see block_sigpipe
     finally:
         sock.detach()
 

@@ -419,3 +419,61 @@ def test_a_spawn_pools_end_does_not_wait_for_a_process_its_task_left(
         pool.shutdown(wait=False)
         with contextlib.suppress(ProcessLookupError):
             os.kill(left, signal.SIGKILL)
+
+
+# A program that set SIGPIPE's default action back (command-line tools do, for ``| head``):
+# a write of the pool's to the socket of a child that just died killed it, silently (-13).
+SIGPIPE_DEFAULT = """
+import os, signal, sys
+import mpsched
+from mpsched import _protocol, _worker
+
+def fetch_then_die(self, key):  # the worker dies (the OOM killer, say) as its arguments come
+    self.conn.send_bytes(_protocol.encode(_protocol.Tag.FETCH, key))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def size(data):
+    return len(data)
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    if sys.argv[1] == "payload":  # the coordinator thread answers FETCH to a dead worker
+        _worker.Worker.fetch = fetch_then_die  # (fork: the workers have it)
+        with mpsched.Pool(1, start_method="fork") as pool:
+            assert pool.submit(abs, -1).result() == 1
+            try:
+                pool.submit(size, b"z" * (8 << 20)).result(timeout=60)
+            except mpsched.WorkerCrashedError:
+                print("crashed", flush=True)
+    else:  # a user's thread sends START to a dead zygote (forkserver: at the first submit)
+        pool = mpsched.Pool(1, start_method="forkserver")
+        zygote = pool._resources.zygote
+        os.kill(zygote.pid, signal.SIGKILL)
+        zygote.join()
+        try:
+            pool.submit(abs, -1).result(timeout=60)
+        except mpsched.BrokenPoolError:
+            print("broken", flush=True)
+        pool.shutdown()
+    print("end", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("case", "said"), [("payload", "crashed"), ("start", "broken")])
+def test_a_program_with_sigpipes_default_action_survives_a_dead_child(
+    tmp_path: pathlib.Path, case: str, said: str
+) -> None:
+    script = tmp_path / "prog.py"
+    script.write_text(SIGPIPE_DEFAULT)
+    result = subprocess.run(
+        [sys.executable, str(script), case],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        start_new_session=True,
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.split() == [said, "end"]
