@@ -28,6 +28,7 @@ from mpsched._coord_state import _NBYTES, _NO_LOW, _UID_PID_SHIFT, CoordinatorSt
 from mpsched._future import Future
 from mpsched._payloads import BlockField
 from mpsched._pool_errors import BrokenPoolError
+from mpsched._ready import NO_LEVEL
 from mpsched._serialize import with_version
 from mpsched._slot_region import INBOX_BACK, INBOX_FRONT
 
@@ -86,8 +87,10 @@ class Dispatching(CoordinatorState):
                 # ahead of it, though it became due before them.
                 self.release_due_locked(now)
             top = self.ready.top_priority()
+            highs = None
             if top is not None:
                 self.take_back_lower(top)
+                highs = self.waiting_highs(top)
             for i in range(n):
                 k = (self.next_slot + i) % n
                 if self.workers[k] is None or not self.ready:
@@ -97,13 +100,55 @@ class Dispatching(CoordinatorState):
                     self.inbox_low[k] = _NO_LOW
                 room = min(self.window - depth, self.max_inflight - len(self.by_handle))
                 if room > 0:
-                    batch, lowest = self.take_ready(room)
+                    floor = NO_LEVEL
+                    if highs is not None:
+                        floor = max((h for j, h in enumerate(highs) if j != k), default=NO_LEVEL)
+                    batch, lowest = self.take_ready(room, floor)
                     taken = self.inject(k, batch, lowest)
+                    if taken:  # waiting there now, unclaimed: the next inboxes get no lower
+                        high = batch[0]._priority
+                        rest = self.ready.top_priority()
+                        if highs is None and rest is not None and rest < high:
+                            highs = [NO_LEVEL] * n
+                        if highs is not None:
+                            highs[k] = max(highs[k], high)
                     if taken < len(batch):  # slab full: the rest waits for results
                         self.ready.putback(batch[taken:])
                         break
             self.next_slot = (self.next_slot + 1) % n
             self.dispatches += 1
+
+    def waiting_highs(self, top: int) -> list[int] | None:
+        """Under ``self.lock``: for each inbox, the priority of the tasks above ``top`` that
+        wait in it unclaimed (``NO_LEVEL`` if none); None if no inbox holds any (one priority
+        in use: no scan). ``dispatch`` gives the other inboxes nothing lower: the workers take
+        from their own inbox before they steal, so a high task handed with lower ones to a
+        worker busy with a long task waited there while its peer ran the lower ones, handed
+        to it after (seconds, with hundreds of them: found by a review). Its peer, with
+        nothing in its inbox, steals it instead. Known by the last task injected at the
+        inbox's highest priority (``inbox_high``; an inbox is taken from its front, so the
+        ones before it went first): a cancel that withdrew that one leaves the others of its
+        priority unguarded. Base priorities (``_priority``): with aging, a promoted task is
+        held back by its base priority."""
+        inbox_high = self.inbox_high
+        if not any(high is not None and high[0] > top for high in inbox_high):
+            return None
+        highs = []
+        for k, high in enumerate(inbox_high):
+            level = NO_LEVEL
+            if high is not None:
+                future = high[1]
+                handle = future._handle
+                if (
+                    future._slot == k
+                    and self.by_handle.get(handle) is future
+                    and self.slots[k].in_inbox(handle)
+                ):
+                    level = high[0]
+                else:
+                    inbox_high[k] = None
+            highs.append(level)
+        return highs
 
     def take_back_lower(self, top: int) -> None:
         """Under ``self.lock``: a due task of priority ``top`` must not wait behind lower ones
@@ -114,13 +159,15 @@ class Dispatching(CoordinatorState):
             if low >= top:
                 continue
             self.inbox_low[k] = _NO_LOW
+            self.inbox_high[k] = None
             futures = [self.by_handle[h] for h in self.slots[k].drain(include_deque=False)]
             # (which marks them queued: out of the inbox), at their aged levels
             self.ready.putback(futures, time.monotonic(), self.aging)
 
-    def take_ready(self, n: int) -> tuple[list[Future[Any]], int]:
-        """Under ``self.lock``: up to ``n`` due tasks, minus recurring runs that misfired."""
-        batch, lowest = self.ready.take(n)
+    def take_ready(self, n: int, floor: int = NO_LEVEL) -> tuple[list[Future[Any]], int]:
+        """Under ``self.lock``: up to ``n`` due tasks of priority ``floor`` and above, minus
+        recurring runs that misfired."""
+        batch, lowest = self.ready.take(n, floor)
         if self.timetable.recurring:
             batch = [f for f in batch if not self.misfired(f)]
         return batch, lowest
@@ -183,6 +230,13 @@ class Dispatching(CoordinatorState):
             if injected != len(queued):
                 raise BrokenPoolError("inbox overflow: the dispatch window is broken")
             self.inbox_low[k] = min(self.inbox_low[k], lowest)
+            top = batch[0]._priority
+            last = len(batch) - 1
+            while batch[last]._priority != top:  # one step with one priority in use
+                last -= 1
+            high = self.inbox_high[k]
+            if high is None or top >= high[0]:
+                self.inbox_high[k] = (top, batch[last])
         except BaseException:
             self.inject_interrupted(k, new, handles, back)
             raise

@@ -155,15 +155,15 @@ class ReadyQueue:
             order.pop()
         return None
 
-    def take(self, n: int) -> tuple[list[Future[Any]], int]:
-        """Up to ``n`` live (not withdrawn) items, highest priority first, and the lowest level
-        they came from (``NO_LEVEL`` if none)."""
+    def take(self, n: int, floor: int = NO_LEVEL) -> tuple[list[Future[Any]], int]:
+        """Up to ``n`` live (not withdrawn) items of levels ``floor`` and above, highest
+        priority first, and the lowest level they came from (``NO_LEVEL`` if none)."""
         out: list[Future[Any]] = []
         lowest = NO_LEVEL
         levels = self._levels
         while len(out) < n:
             top = self.top_priority()
-            if top is None:
+            if top is None or top < floor:
                 break
             level = levels[top]
             while level and len(out) < n:

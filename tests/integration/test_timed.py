@@ -120,6 +120,42 @@ def test_a_newly_due_high_priority_task_overtakes_the_inboxes(fifos: Fifos) -> N
     assert order.index("urgent") < ran_before + 32, (ran_before, order[:60])
 
 
+def _wait_for_more_tags(path: str, more: int) -> None:
+    target = len(tt.read_tags(path)) + more
+    wait_until(lambda: len(tt.read_tags(path)) >= target, "the backlog runs")
+
+
+@pytest.mark.timeout(60)
+def test_a_newly_due_high_priority_task_waits_for_no_worker_busy_with_another(
+    fifos: Fifos,
+) -> None:
+    """Two workers, one held by a long task: the backlog taken back went out again in
+    rotation, the high task with lower ones into the held worker's inbox, and the free
+    worker, which takes from its own inbox before it steals, ran up to a window of lower
+    ones first (seconds of them: found by a review). Now the other inboxes get nothing lower
+    while it waits there, and the free worker steals it."""
+    with Pool(2) as pool:
+        holder = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
+        tasks.wait_started(fifos.started)
+        try:
+            for round_ in range(4):  # the high task lands in either inbox: each, in turn
+                background = [
+                    pool.schedule(("low", round_, i), 0.0, 0, tt.spin_then_log, fifos.log, i, 0.002)
+                    for i in range(400)
+                ]
+                _wait_for_more_tags(fifos.log, 5)
+                ran_before = len(tt.read_tags(fifos.log))
+                urgent = pool.schedule(("urgent", round_), 0.0, 10, tt.log, fifos.log, "urgent")
+                urgent.result(timeout=20)
+                wait(background, timeout=30)
+                order = tt.read_tags(fifos.log)
+                # Behind a window it would run after ~128 more (see the test above for the few).
+                assert order.index("urgent", ran_before) < ran_before + 32, (round_, ran_before)
+        finally:
+            tasks.open_gate(fifos.gate)
+        assert holder.result(timeout=20) == 0
+
+
 @pytest.mark.timeout(60)
 def test_never_started_before_run_at() -> None:
     rng = random.Random(7)
