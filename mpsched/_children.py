@@ -314,6 +314,13 @@ class TaskContext:
         )
 
 
+_NOT_WAITABLE = (
+    "a child task's future cannot be waited on by concurrent.futures.wait, as_completed or "
+    "asyncio (such a wait runs no other child meanwhile: a pool of one worker would wait for "
+    "ever); join it with result() or exception(), which run other children while they wait"
+)
+
+
 class ChildFuture(_Generic[_T]):
     """The future of a child task (``mpsched.submit``); lives in the spawning worker only.
 
@@ -342,6 +349,12 @@ class ChildFuture(_Generic[_T]):
         self._error: BaseException | None = None  # what exception() returns; never raised
         # The child's pickled error: result() raises a fresh copy of it (see result()).
         self._error_data: bytes | None = None
+
+    @property
+    def _condition(self) -> NoReturn:
+        """What ``concurrent.futures.wait``, ``as_completed`` and ``asyncio.wrap_future`` take
+        first: say why a child's future is not for them (they failed on a missing attribute)."""
+        raise TypeError(_NOT_WAITABLE)
 
     @classmethod
     def settled(cls, worker: Children, value: Any, error: bytes | None) -> ChildFuture[Any]:
@@ -425,6 +438,8 @@ class ChildFuture(_Generic[_T]):
         """RuntimeError unless called in the thread that runs the tasks (``_OFF_THREAD``)."""
         if get_ident() != self._worker.thread:
             raise RuntimeError(_OFF_THREAD.format(what))
+        if self._worker.forked_child:  # a process forked by a task: not the deque's owner
+            raise RuntimeError(f"{what} does not work in a process forked by a task")
 
     def _settle(self, where: str) -> None:
         """Read the done child's outcome and free its block."""

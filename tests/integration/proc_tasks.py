@@ -98,3 +98,44 @@ def leave_a_process(seconds: float) -> int:
     """Start a process that outlives the task and inherits the worker's fds (as a shell's
     ``cmd &`` does); return its pid."""
     return subprocess.Popen(["sleep", str(seconds)], close_fds=False).pid
+
+
+def _double(x: int) -> int:
+    return 2 * x
+
+
+def fork_then_touch_a_child_future(how: str) -> tuple[int, int, int]:
+    """Spawn two children, fork, and in the fork's child call ``how`` (``result`` on a child
+    still queued, ``done`` on one that ran and is not collected) on one; that process's exit
+    code is 3 if the call raised RuntimeError, 4 if it returned. Then join both here."""
+    first = mpsched.submit(_double, 1)
+    second = mpsched.submit(_double, 21)
+    if how == "done":
+        first.result()  # the join runs second (the deque's back) first: done, not collected
+    pid = os.fork()
+    if pid == 0:
+        code = 4
+        try:
+            second.result() if how == "result" else second.done()
+        except RuntimeError:
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), second.result(), first.result()
+
+
+def wait_on_a_child_future(how: str) -> str:
+    """Hand a child's future to ``concurrent.futures`` (``how``: wait, as_completed); the
+    TypeError's message, after the child is joined."""
+    import concurrent.futures
+
+    child = mpsched.submit(_double, 1)
+    try:
+        if how == "wait":
+            concurrent.futures.wait([child])  # type: ignore[list-item]
+        else:
+            list(concurrent.futures.as_completed([child]))  # type: ignore[list-item]
+    except TypeError as exc:
+        assert child.result() == 2
+        return str(exc)
+    return "no error"

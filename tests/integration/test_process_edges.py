@@ -477,3 +477,23 @@ def test_a_program_with_sigpipes_default_action_survives_a_dead_child(
     )
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert result.stdout.split() == [said, "end"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["result", "done"])
+def test_a_child_future_in_a_process_forked_by_its_task_refuses(how: str) -> None:
+    """The fork's child shares the worker's deque, run stack and slab: its join popped a child
+    off the worker's deque and ran it there (then the task's completion broke the pool), and
+    its ``done()`` freed a child's block (then the task's join waited for ever)."""
+    with Pool(1) as pool:
+        assert pool.submit(proc_tasks.fork_then_touch_a_child_future, how).result(30) == (3, 42, 2)
+        assert pool.submit(pow, 2, 5).result(30) == 32
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["wait", "as_completed"])
+def test_a_child_future_given_to_concurrent_futures_says_why_it_cannot_be(how: str) -> None:
+    """They failed with "'ChildFuture' object has no attribute '_condition'"."""
+    with Pool(1) as pool:
+        message = pool.submit(proc_tasks.wait_on_a_child_future, how).result(30)
+    assert "join it with result()" in message
