@@ -17,7 +17,8 @@ A level emptied by ``take`` or ``age`` is dropped at once, so a quiet pool holds
 Called from the coordinator thread and from user threads (``Pool.submit``), always under the
 coordinator's lock. Items are futures (``_priority`` is the base priority, ``_due_at`` when the
 task became due); a future withdrawn (cancelled) while queued stays in its deque and is skipped
-by ``take``, so cancel is O(1).
+by ``take``, so cancel is O(1); once the withdrawn ones outnumber the live ones (``_compact``),
+they are dropped at once (amortized O(1) a cancel).
 
 Membership is written on the future: ``_slot`` is ``QUEUED`` from ``append``/``putback`` until
 ``take``/``drain`` pops it (then -1), and ``QUEUED_WITHDRAWN`` once the coordinator withdrew it
@@ -56,6 +57,11 @@ QUEUED = -2
 QUEUED_WITHDRAWN = -3  # ... and withdrawn while queued (see the module doc)
 _ELSEWHERE = -1
 
+
+# The ready queue drops its withdrawn items once they outnumber COMPACT_FACTOR times the live
+# ones plus COMPACT_SLACK (items): the heap's rebuild bound (``_heap``), for the same reason.
+COMPACT_FACTOR = 2
+COMPACT_SLACK = 64
 
 # The most levels a wait promotes a task by: a tiny ``aging`` (a subnormal float) made the
 # ratio infinite, and int() of it raised OverflowError in the loop, which broke the pool (found
@@ -140,10 +146,30 @@ class ReadyQueue:
 
     def note_withdrawn(self, item: Future[Any]) -> None:
         """The coordinator withdrew ``item`` (set ``_withdrawn``): if it is queued here, count
-        it out of ``live()`` until ``take`` or ``drain`` pops it."""
+        it out of ``live()`` until ``take`` or ``drain`` pops it, or a compaction drops it."""
         if item._slot == QUEUED:
             item._slot = QUEUED_WITHDRAWN
-            self._withdrawn_queued += 1
+            withdrawn = self._withdrawn_queued = self._withdrawn_queued + 1
+            # withdrawn > COMPACT_FACTOR * live() + COMPACT_SLACK, without the call
+            if withdrawn * (COMPACT_FACTOR + 1) > COMPACT_FACTOR * self.size + COMPACT_SLACK:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Drop the withdrawn items: while no inbox has room (busy workers), nothing pops
+        them, and a loop of submits and cancels grew the queue without bound (500,000 cancelled
+        futures held, 100 MiB: found by a review). Costs O(size) once per ``live() +
+        COMPACT_SLACK`` withdrawals at least: O(1) a cancel, amortized. The dropped items keep
+        ``_slot`` QUEUED_WITHDRAWN (read as "not in an inbox" elsewhere; nothing here reads
+        it again). The new levels are built first and put in place by stores only, so that a
+        Ctrl-C raised in the building leaves the queue as it was."""
+        levels = {
+            priority: collections.deque(item for item in level if item._slot != QUEUED_WITHDRAWN)
+            for priority, level in self._levels.items()
+        }
+        size = sum(map(len, levels.values()))
+        self._levels = levels
+        self.size = size
+        self._withdrawn_queued = 0
 
     def top_priority(self) -> int | None:
         order = self._order
