@@ -400,6 +400,25 @@ def _disown_pools_in_forked_child() -> None:
         pool._started = False
     disown_all()  # every pool's, referenced or dropped: sockets, zygote processes
     live_pools.clear()
+    _forget_the_parents_forkserver()
+
+
+def _forget_the_parents_forkserver() -> None:
+    """The parent's forkserver is not this process's child: ``multiprocessing`` asks
+    ``waitpid`` whether it still runs, which raised ChildProcessError at the child's first
+    forkserver ``Process`` (a new ``Pool()``, which the error of the parent's pool here tells
+    the user to make; ProcessPoolExecutor fails the same way). Forgotten, as if none had
+    started here: the child starts its own. Its copy of the server's alive fd is closed (it
+    kept the parent's server alive as long as the child lived). Found by a review."""
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None or getattr(server, "_forkserver_pid", None) is None:
+        return
+    alive = server._forkserver_alive_fd
+    server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
 
 
 os.register_at_fork(after_in_child=_disown_pools_in_forked_child)

@@ -92,3 +92,18 @@ def test_a_fork_childs_look_at_the_pool_does_not_wait_for_a_lock_the_fork_copied
         finally:
             lock.release()
         assert code == 3
+
+
+def _a_new_forkserver_pool_works() -> bool:
+    with Pool(1, start_method="forkserver") as pool:
+        return bool(pool.submit(tasks.ident, 4).result(30) == 4)
+
+
+@pytest.mark.timeout(60)
+def test_a_fork_child_of_a_forkserver_pools_process_makes_a_pool_of_its_own() -> None:
+    """The parent's pool refuses in the child, saying to make a new pool there; under
+    forkserver that failed with ChildProcessError: multiprocessing asked ``waitpid`` about the
+    parent's forkserver, which is no child of this process."""
+    with Pool(1, start_method="forkserver") as pool:
+        assert pool.submit(tasks.ident, 3).result(30) == 3
+        assert _in_fork_child(_a_new_forkserver_pool_works) == 3
