@@ -53,7 +53,7 @@ from mpsched._chunks import run_chunk
 from mpsched._errors import POOL_CLOSED_MESSAGE, MpschedError, PoolClosedError
 from mpsched._future import CallbackRunner, Future
 from mpsched._protocol import PICKLE_PROTOCOL, load_exception, unpickling_failed
-from mpsched._serialize import TaskPicklingError, first_unpicklable
+from mpsched._serialize import TaskPicklingError, dumps, first_unpicklable
 
 if TYPE_CHECKING:
     from mpsched._pool import Pool
@@ -88,6 +88,15 @@ MAP_FIRST_CHUNK = 64  # items per chunk before any chunk was measured (bounded b
 # items again: a first guess or a mis-measured chunk of slow items costs at most this much
 # imbalance. 5x the target, so that a chunk sized by the target does not stop early.
 MAP_CHUNK_BUDGET = 0.01
+# ``fn`` travels pickled in every chunk (see ``MapRun.fn``): one that pickles to at least
+# MAP_BIG_FN_BYTES (a partial over a big table, a bound method of a big object) makes the
+# chunks long enough that it costs at most 1/MAP_FN_SHARE of their time, taken as
+# MAP_FN_SECONDS_PER_BYTE a byte (pickled, sent, unpickled: ~48 ms for 10 MB measured here).
+# Sized by the items alone, 5,000 items of 0.1 ms with a 10 MB partial took 23.5 s, where
+# multiprocessing.Pool.map (which sends fn with each of its few chunks) took 0.49 s.
+MAP_BIG_FN_BYTES = 64 * 1024
+MAP_FN_SECONDS_PER_BYTE = 5e-9
+MAP_FN_SHARE = 10
 
 
 class MapRun:
@@ -100,6 +109,7 @@ class MapRun:
 
     __slots__ = (
         "__weakref__",
+        "budget",
         "cap",
         "chunksize",
         "closed",
@@ -124,6 +134,7 @@ class MapRun:
         "sized",
         "star",
         "stoppable",
+        "target",
         "unfinished",
         "window",
     )
@@ -147,6 +158,16 @@ class MapRun:
         # function needs its copy by value there too (see _serialize.portable), the one the
         # pool's function cache keeps current (by value only once a global it read was rebound).
         self.fn = pool._functions.portable(fn)
+        # Seconds of work a default chunk aims at, and after which it stops (see above).
+        self.target, self.budget = MAP_TARGET_CHUNK_SECONDS, MAP_CHUNK_BUDGET
+        if chunksize is None:
+            try:
+                fn_bytes = len(dumps(self.fn))  # once, at the call (a plain function: ~2 us)
+            except Exception:  # reported where its first chunk is sent (``_send``)
+                fn_bytes = 0
+            if fn_bytes >= MAP_BIG_FN_BYTES:
+                self.target = max(self.target, MAP_FN_SHARE * MAP_FN_SECONDS_PER_BYTE * fn_bytes)
+                self.budget = self.target * (MAP_CHUNK_BUDGET / MAP_TARGET_CHUNK_SECONDS)
         self.items = items
         self.sized = sized  # an input with a length: finite, so shutdown sends all of it
         self.star = star
@@ -513,7 +534,7 @@ class MapRun:
             if self.chunksize or self.final:  # no budget either
                 budget = max_bytes = math.inf
             else:
-                budget, max_bytes = MAP_CHUNK_BUDGET, _stop_bytes(len(piece), self.out_per_item)
+                budget, max_bytes = self.budget, _stop_bytes(len(piece), self.out_per_item)
             pool = self.pool()
             if pool is None:  # unreachable while the iterator or a shutdown holds the pool
                 raise PoolClosedError(POOL_CLOSED_MESSAGE)
@@ -555,7 +576,7 @@ class MapRun:
             out = self.out_per_item
             self.out_per_item = out = sample if out is None else 0.5 * out + 0.5 * sample
             self.window = self.limit
-            self.size = _next_chunksize(per_item, done, _bytes_cap(self.cap, out))
+            self.size = _next_chunksize(per_item, done, _bytes_cap(self.cap, out), self.target)
 
     def first_in_flight(self) -> Future[Any] | None:
         with self.lock:
@@ -682,10 +703,10 @@ def _handed_out(results: list[Any], nbytes: int) -> Iterator[Any]:
     return itertools.starmap(results.pop, itertools.repeat((), len(results)))
 
 
-def _next_chunksize(per_item: float, measured: int, cap: int) -> int:
-    """Items in the next default chunk, from the mean ``per_item`` seconds and the items of the
-    last measured chunk; at most ``cap`` (``_max_chunk``)."""
-    target = int(MAP_TARGET_CHUNK_SECONDS / per_item) if per_item > 0 else cap
+def _next_chunksize(per_item: float, measured: int, cap: int, seconds: float) -> int:
+    """Items in the next default chunk, of about ``seconds`` of work, from the mean ``per_item``
+    seconds and the items of the last measured chunk; at most ``cap`` (``_max_chunk``)."""
+    target = int(seconds / per_item) if per_item > 0 else cap
     # Bounded growth, so one mis-measured fast chunk cannot make a huge slow one; 64x reaches
     # the largest chunk from the first one in one result, so a map of tiny tasks ramps up fast.
     return max(1, min(target, MAP_GROWTH * measured, cap))

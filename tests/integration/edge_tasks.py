@@ -472,3 +472,12 @@ def record_then_raise_at(path: str, k: int, bad: int) -> int:
     if k == bad:
         raise ValueError(f"item {k}")
     return k
+
+
+def spin_plus_len(table: bytes, x: int) -> int:
+    """~0.1 ms of work, then ``x`` plus the length of ``table`` (a big argument bound by a
+    ``functools.partial``: a map's fn that carries data)."""
+    end = time.perf_counter() + 0.0001
+    while time.perf_counter() < end:
+        pass
+    return x + len(table)

@@ -622,6 +622,19 @@ def test_a_map_closed_while_the_shutdown_sends_its_chunks_again_leaves_the_shutd
     assert pool.await_termination(0)
 
 
+@pytest.mark.timeout(120)
+def test_a_maps_big_fn_goes_in_few_chunks() -> None:
+    """``fn`` travels pickled in every chunk; sized by the items alone, a partial over 10 MB
+    went with each of ~500 chunks of 2 ms (23.5 s for 0.5 s of work, a review's case)."""
+    table = b"q" * (4 << 20)
+    with Pool(2) as pool:
+        before = pool.statistics().submitted
+        results = list(pool.map(functools.partial(et.spin_plus_len, table), range(2000)))
+        chunks = pool.statistics().submitted - before
+    assert results == [k + len(table) for k in range(2000)]
+    assert chunks <= 20, chunks
+
+
 class _Stream:
     """A map's input that waits for each item (a queue's ``get``): ``waiting`` is set while it
     waits with nothing queued."""

@@ -68,11 +68,14 @@ def test_a_chunk_stops_by_bytes_while_its_results_size_is_unknown_or_large() -> 
 
 
 def test_chunk_size_grows_boundedly_up_to_the_cap() -> None:
-    assert _map._next_chunksize(1e-9, 64, 4096) == 4096
-    assert _map._next_chunksize(1e-9, 1, 4096) == _map.MAP_GROWTH
-    assert _map._next_chunksize(1e-9, 64, 100) == 100
-    assert _map._next_chunksize(1.0, 64, 4096) == 1  # slow items: one per chunk
-    assert _map._next_chunksize(0.0, 64, 4096) == 4096
+    target = _map.MAP_TARGET_CHUNK_SECONDS
+    assert _map._next_chunksize(1e-9, 64, 4096, target) == 4096
+    assert _map._next_chunksize(1e-9, 1, 4096, target) == _map.MAP_GROWTH
+    assert _map._next_chunksize(1e-9, 64, 100, target) == 100
+    assert _map._next_chunksize(1.0, 64, 4096, target) == 1  # slow items: one per chunk
+    assert _map._next_chunksize(0.0, 64, 4096, target) == 4096
+    assert _map._next_chunksize(1e-4, 64, 4096, target) == 20
+    assert _map._next_chunksize(1e-4, 64, 4096, 0.1) == 1000  # a big fn's longer target
 
 
 def test_the_bytes_of_the_results_lower_the_cap() -> None:
