@@ -214,22 +214,31 @@ if __name__ == "__main__":
 """
 
 
+def _run_program(
+    tmp_path: pathlib.Path, text: str, *args: str, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run the program ``text`` with ``args`` to its end, in a session of its own (a signal to
+    its process group must not reach pytest)."""
+    script = tmp_path / "prog.py"
+    script.write_text(text)
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        start_new_session=True,
+    )
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
 @pytest.mark.parametrize("sigchld", ["ignored", "reap"])
 def test_a_program_that_ignores_or_reaps_sigchld_keeps_its_pool_through_a_worker_crash(
     tmp_path: pathlib.Path, start_method: str, sigchld: str
 ) -> None:
-    script = tmp_path / "prog.py"
-    script.write_text(SIGCHLD_PROGRAM)
-    result = subprocess.run(
-        [sys.executable, str(script), start_method, sigchld],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=50,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    result = _run_program(tmp_path, SIGCHLD_PROGRAM, start_method, sigchld, timeout=50)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert "crash reported" in result.stdout, result.stdout
@@ -464,17 +473,7 @@ if __name__ == "__main__":
 def test_a_program_with_sigpipes_default_action_survives_a_dead_child(
     tmp_path: pathlib.Path, case: str, said: str
 ) -> None:
-    script = tmp_path / "prog.py"
-    script.write_text(SIGPIPE_DEFAULT)
-    result = subprocess.run(
-        [sys.executable, str(script), case],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        start_new_session=True,
-    )
+    result = _run_program(tmp_path, SIGPIPE_DEFAULT, case, timeout=100)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert result.stdout.split() == [said, "end"]
 
