@@ -315,9 +315,9 @@ class TaskContext:
 
 
 _NOT_WAITABLE = (
-    "a child task's future cannot be waited on by concurrent.futures.wait, as_completed or "
-    "asyncio (such a wait runs no other child meanwhile: a pool of one worker would wait for "
-    "ever); join it with result() or exception(), which run other children while they wait"
+    "a child task's future cannot be waited on by concurrent.futures.wait or as_completed "
+    "(such a wait runs no other child meanwhile: a pool of one worker would wait for ever); "
+    "join it with result() or exception(), which run other children while they wait"
 )
 
 
@@ -352,8 +352,8 @@ class ChildFuture(_Generic[_T]):
 
     @property
     def _condition(self) -> NoReturn:
-        """What ``concurrent.futures.wait``, ``as_completed`` and ``asyncio.wrap_future`` take
-        first: say why a child's future is not for them (they failed on a missing attribute)."""
+        """What ``concurrent.futures.wait`` and ``as_completed`` take first: say why a child's
+        future is not for them (they failed on a missing attribute)."""
         raise TypeError(_NOT_WAITABLE)
 
     @classmethod

@@ -34,6 +34,7 @@ from itertools import islice
 from typing import Any
 
 from mpsched._children import announce_result
+from mpsched._errors import TaskCancelled
 from mpsched._protocol import dump_exception
 from mpsched._serialize import dumps_result, first_unpicklable
 
@@ -50,12 +51,14 @@ def run_chunk(
     unpickling its results; with one, the item that raised too: a map dropped unread sends
     the items after it again, ``MapRun._forget_ended``).
 
-    An item that raises ends the chunk. If it is the first, the chunk's task fails with its
-    error; otherwise the results before it are returned with the error, so that ``map``
-    yields them before it raises, as the builtin ``map`` does (the task failing would drop
-    them, and how many items precede the error in the same chunk depends on default chunking,
-    i.e. on timing). A result that does not pickle is that item's error in the same way (the
-    chunk's task failing with it dropped the results before it)."""
+    An item that raises ends the chunk: the results before it are returned with its error, so
+    that ``map`` yields them before it raises, as the builtin ``map`` does (the task failing
+    would drop them, and how many items precede the error in the same chunk depends on default
+    chunking, i.e. on timing); the first item too, so that a chunk's task fails only when it
+    ran no item to its end or its worker died (a map dropped unread sends the rest of a chunk
+    again only on a returned error: ``MapRun._forget_ended``). A result that does not pickle
+    is that item's error in the same way. The chunk's own cancel (``TaskCancelled``) ends it
+    as a task's does."""
     try:
         return _run(fn, items, star, budget, max_bytes)
     finally:
@@ -89,14 +92,14 @@ def _run(
                 for item in islice(it, done or 1):
                     append(fn(item))
         except BaseException as exc:  # user code: as the worker reports a task's error
-            if not results and not pieces:
+            if isinstance(exc, TaskCancelled):  # the chunk's own cancel: it ends cancelled
                 raise
             error = dump_exception(exc)
             raised = 1
         seconds = time.perf_counter() - start
         done = in_pieces + len(results) + raised
         if by_run and error is None:
-            piece, unpicklable = _dump_results(results, first=not pieces)
+            piece, unpicklable = _dump_results(results)
             pieces.append(piece)
             nbytes += len(piece)
             in_pieces, results = done, []
@@ -104,18 +107,17 @@ def _run(
             error = unpicklable or error
         if error is not None or done == len(items) or seconds >= budget or nbytes >= max_bytes:
             if results:
-                piece, unpicklable = _dump_results(results, first=not pieces)
+                piece, unpicklable = _dump_results(results)
                 pieces.append(piece)
                 error = unpicklable or error  # it came before the item that raised
             return pieces, seconds, error, done
 
 
-def _dump_results(results: list[Any], *, first: bool) -> tuple[bytes, bytes | None]:
+def _dump_results(results: list[Any]) -> tuple[bytes, bytes | None]:
     """``dumps_result(results)`` and None; if a result does not pickle, the results before it
     pickled and that one's pickling error (``dump_exception``), for ``map`` to raise after
-    yielding them. Raises the error if it is the chunk's first result (``first``: nothing
-    before it in ``pieces``), as for an item that raised. One ``dumps_result`` per result, on
-    that path only."""
+    yielding them, as for an item that raised. One ``dumps_result`` per result, on that path
+    only."""
     try:
         return dumps_result(results), None
     except Exception as whole:
@@ -124,6 +126,4 @@ def _dump_results(results: list[Any], *, first: bool) -> tuple[bytes, bytes | No
     if found is None:
         raise error  # each pickles alone, not together (state shared between them): as before
     index, exc = found
-    if first and index == 0:
-        raise exc
     return dumps_result(results[:index]), dump_exception(exc)

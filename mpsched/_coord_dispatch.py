@@ -90,7 +90,7 @@ class Dispatching(CoordinatorState):
             highs = None
             if top is not None:
                 self.take_back_lower(top)
-                highs = self.waiting_highs(top)
+                highs = self.waiting_highs(self.ready.bottom_priority())
             for i in range(n):
                 k = (self.next_slot + i) % n
                 if self.workers[k] is None or not self.ready:
@@ -98,6 +98,7 @@ class Dispatching(CoordinatorState):
                 depth = self.slots[k].inbox_depth()
                 if depth == 0:
                     self.inbox_low[k] = _NO_LOW
+                    self.inbox_high[k] = []
                 room = min(self.window - depth, self.max_inflight - len(self.by_handle))
                 if room > 0:
                     floor = NO_LEVEL
@@ -118,36 +119,35 @@ class Dispatching(CoordinatorState):
             self.next_slot = (self.next_slot + 1) % n
             self.dispatches += 1
 
-    def waiting_highs(self, top: int) -> list[int] | None:
-        """Under ``self.lock``: for each inbox, the priority of the tasks above ``top`` that
-        wait in it unclaimed (``NO_LEVEL`` if none); None if no inbox holds any (one priority
-        in use: no scan). ``dispatch`` gives the other inboxes nothing lower: the workers take
-        from their own inbox before they steal, so a high task handed with lower ones to a
-        worker busy with a long task waited there while its peer ran the lower ones, handed
-        to it after (seconds, with hundreds of them: found by a review). Its peer, with
-        nothing in its inbox, steals it instead. Known by the last task injected at the
-        inbox's highest priority (``inbox_high``; an inbox is taken from its front, so the
-        ones before it went first): a cancel that withdrew that one leaves the others of its
-        priority unguarded. Base priorities (``_priority``): with aging, a promoted task is
-        held back by its base priority."""
+    def waiting_highs(self, bottom: int) -> list[int] | None:
+        """Under ``self.lock``: for each inbox, the highest priority of the tasks that wait in
+        it unclaimed (``NO_LEVEL`` if none); None if no inbox holds one above ``bottom``, the
+        lowest level of the ready queue (one priority in use: no scan). ``dispatch`` gives
+        the other inboxes nothing lower: the workers take from their own inbox before they
+        steal, so a high task handed with lower ones to a worker busy with a long task waited
+        there while its peer ran the lower ones, handed to it after (seconds, with hundreds of
+        them: found by a review). Its peer, with nothing in its inbox, steals it instead.
+        Known by the last task injected at each priority (``inbox_high``, highest first: an
+        inbox is taken from its front, so once that task left, every task injected before it
+        did): a cancel that withdrew that one leaves the others of its priority unguarded.
+        Base priorities (``_priority``): with aging, a promoted task is held back by its base
+        priority."""
         inbox_high = self.inbox_high
-        if not any(high is not None and high[0] > top for high in inbox_high):
+        if not any(levels and levels[0][0] > bottom for levels in inbox_high):
             return None
         highs = []
-        for k, high in enumerate(inbox_high):
-            level = NO_LEVEL
-            if high is not None:
-                future = high[1]
+        for k, levels in enumerate(inbox_high):
+            while levels:
+                future = levels[0][1]
                 handle = future._handle
                 if (
                     future._slot == k
                     and self.by_handle.get(handle) is future
                     and self.slots[k].in_inbox(handle)
                 ):
-                    level = high[0]
-                else:
-                    inbox_high[k] = None
-            highs.append(level)
+                    break
+                levels.pop(0)  # (a few levels: priorities in use)
+            highs.append(levels[0][0] if levels else NO_LEVEL)
         return highs
 
     def take_back_lower(self, top: int) -> None:
@@ -159,10 +159,30 @@ class Dispatching(CoordinatorState):
             if low >= top:
                 continue
             self.inbox_low[k] = _NO_LOW
-            self.inbox_high[k] = None
+            self.inbox_high[k] = []
             futures = [self.by_handle[h] for h in self.slots[k].drain(include_deque=False)]
             # (which marks them queued: out of the inbox), at their aged levels
             self.ready.putback(futures, time.monotonic(), self.aging)
+
+    def note_levels(self, k: int, batch: list[Future[Any]]) -> None:
+        """Under ``self.lock``, as ``batch`` went into inbox ``k`` (in priority order, behind
+        what waits there, which is no lower: ``take_back_lower``): note the last task of each
+        of its priorities (``inbox_high``, see ``waiting_highs``)."""
+        levels = self.inbox_high[k]
+        if batch[0]._priority == batch[-1]._priority:  # one priority: one step
+            runs = [(batch[-1]._priority, batch[-1])]
+        else:
+            runs = []
+            for future in batch:
+                if runs and runs[-1][0] == future._priority:
+                    runs[-1] = (future._priority, future)
+                else:
+                    runs.append((future._priority, future))
+        for priority, future in runs:
+            if levels and levels[-1][0] == priority:
+                levels[-1] = (priority, future)
+            else:
+                levels.append((priority, future))
 
     def take_ready(self, n: int, floor: int = NO_LEVEL) -> tuple[list[Future[Any]], int]:
         """Under ``self.lock``: up to ``n`` due tasks of priority ``floor`` and above, minus
@@ -230,13 +250,7 @@ class Dispatching(CoordinatorState):
             if injected != len(queued):
                 raise BrokenPoolError("inbox overflow: the dispatch window is broken")
             self.inbox_low[k] = min(self.inbox_low[k], lowest)
-            top = batch[0]._priority
-            last = len(batch) - 1
-            while batch[last]._priority != top:  # one step with one priority in use
-                last -= 1
-            high = self.inbox_high[k]
-            if high is None or top >= high[0]:
-                self.inbox_high[k] = (top, batch[last])
+            self.note_levels(k, batch)
         except BaseException:
             self.inject_interrupted(k, new, handles, back)
             raise

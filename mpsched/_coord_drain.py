@@ -38,6 +38,7 @@ from mpsched._pool_errors import BrokenPoolError
 from mpsched._protocol import (
     Tag,
     encode,
+    sigpipe_blocked,
 )
 
 _DRAIN = encode(Tag.DRAIN)
@@ -256,7 +257,7 @@ class Draining(CoordinatorState):
             for worker in self.workers:
                 if worker is not None and not any(worker is w for w in live):
                     live.append(worker)
-                    with contextlib.suppress(OSError):
+                    with sigpipe_blocked(), contextlib.suppress(OSError):
                         worker.conn.send_bytes(_DRAIN)
                     if self.aborted:  # it may be running (or about to steal) a child for long
                         worker.drained = True  # its EOF is no crash: nothing to recover

@@ -68,14 +68,13 @@ from mpsched._future import Future, defer_callbacks, release_if_left
 from mpsched._pool_errors import BrokenPoolError
 from mpsched._protocol import (
     Tag,
-    block_sigpipe,
     decode,
     encode,
     frame_watch,
     load_exception,
     recv_message,
     send_data,
-    unblock_sigpipe,
+    sigpipe_blocked,
 )
 from mpsched._shm import SELECT_FD_LIMIT
 
@@ -209,20 +208,15 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         with self.zygote_send_lock:
             if self.workers_released:
                 return
-            # EPIPE: the zygote died; the loop reads its EOF and breaks the pool. A user's
-            # thread: its SIGPIPE is blocked for the write only (see block_sigpipe).
-            before = block_sigpipe()
-            try:
-                with contextlib.suppress(OSError):
-                    self.zygote.send_bytes(encode(Tag.START, modules, process_state()))
-            finally:
-                unblock_sigpipe(before)
+            # EPIPE: the zygote died; the loop reads its EOF and breaks the pool.
+            with sigpipe_blocked(), contextlib.suppress(OSError):
+                self.zygote.send_bytes(encode(Tag.START, modules, process_state()))
             self.workers_released = True
 
     def send_to_zygote(self, tag: int, *fields: Any) -> None:
         """Coordinator thread: one command to the zygote, never in the middle of a submitting
         thread's START. Raises OSError if the zygote is gone."""
-        with self.zygote_send_lock:
+        with self.zygote_send_lock, sigpipe_blocked():
             self.zygote.send_bytes(encode(tag, *fields))
 
     def wait_ready(self, timeout: float) -> tuple[str, ...]:
@@ -532,7 +526,8 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         # these bytes (note_unwanted), whether or not the send reached it.
         data = self.stash.pop(key)
         self.fetched[fetcher.pid] = key
-        send_data(fetcher.conn, Tag.PAYLOAD, key, data)
+        with sigpipe_blocked():
+            send_data(fetcher.conn, Tag.PAYLOAD, key, data)
 
     def on_zygote_message(self, block: bool) -> None:
         if not block and not self.zygote.poll():

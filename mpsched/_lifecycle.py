@@ -52,7 +52,6 @@ from mpsched._coordinator import Coordinator
 from mpsched._errors import PACKAGE_DIR
 from mpsched._function_cache import FunctionCache
 from mpsched._future import call_logged
-from mpsched._protocol import block_sigpipe
 from mpsched._shm import AnonSegment, SharedFd, disown_inherited_process, wait_readable
 from mpsched._wakeup import Wakeup
 from mpsched._zygote import EXIT_STATUS_LOST, ForkedZygote
@@ -306,7 +305,6 @@ def run_coordinator(resources: PoolResources) -> None:
     """The coordinator thread's main: the loop, then (once release is asked) the teardown."""
     coordinator = resources.coordinator
     assert coordinator is not None
-    block_sigpipe()  # for this thread's life: it writes to the children's sockets
     try:
         try:
             coordinator.run()

@@ -45,12 +45,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
-from concurrent.futures.process import BrokenProcessPool
 from queue import Empty, SimpleQueue
 from typing import TYPE_CHECKING, Any
 
 from mpsched._chunks import run_chunk
-from mpsched._errors import POOL_CLOSED_MESSAGE, MpschedError, PoolClosedError
+from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
 from mpsched._future import CallbackRunner, Future
 from mpsched._protocol import PICKLE_PROTOCOL, load_exception, unpickling_failed
 from mpsched._serialize import TaskPicklingError, dumps, first_unpicklable
@@ -293,17 +292,15 @@ class MapRun:
         for future, items in in_flight:
             if not future.done() or future in self.stoppable:
                 kept.append((future, items))
-            elif not future.cancelled():
+            elif not future.cancelled() and future.exception() is None:
                 # A chunk ends at an item that raised (a read map raises there): nobody reads
                 # this one, so the items after it go on, as ProcessPoolExecutor.map's would
                 # (they never ran: some dozens, as the chunking went, and nothing said so).
-                exc = future.exception()
-                if exc is None:
-                    _, _, error, done = future.result()
-                    if error is not None and done < len(items):
-                        rests.append(items[done:])
-                elif len(items) > 1 and not isinstance(exc, _NOT_AN_ITEMS_ERROR):
-                    rests.append(items[1:])  # its first item raised: the task failed with it
+                # A chunk's task that failed ran no item to its end, or died with its worker
+                # (its items may have run): nothing of it goes again.
+                _, _, error, done = future.result()
+                if error is not None and done < len(items):
+                    rests.append(items[done:])
         if len(kept) < len(in_flight):
             in_flight.clear()
             in_flight.extend(kept)
@@ -450,6 +447,11 @@ class MapRun:
             self.sending = sending
         for offset, entry in enumerate(entries):
             self.in_flight.insert(index + offset, entry)
+        if self.closed:
+            # The iterator was closed while these went (its close cancels what it finds in
+            # ``in_flight``, then clears it, without the lock): they would run unread.
+            for future, _ in entries:
+                future.cancel()
 
     def _send_next(self) -> None:
         """Read the next chunk of the input and send it (under ``lock``); ``exhausted`` once
@@ -516,11 +518,12 @@ class MapRun:
         if self.sized:
             chunk.extend(itertools.islice(self.items, n))
             return
-        self.lock.release()  # held once: fill took it, in the iterator's thread
+        lock = self.lock
         try:
+            lock.release()  # held once: fill took it, in the iterator's thread
             chunk.extend(itertools.islice(self.items, n))
         finally:
-            self.lock.acquire()
+            _hold_again(lock)
 
     def _send(self, piece: list[Any]) -> tuple[list[tuple[Future[Any], list[Any]]], bool]:
         """``in_flight``'s entries for ``piece``, and whether all of it went. An error met
@@ -741,9 +744,23 @@ def _load(pieces: list[bytes]) -> list[Any]:
     return results
 
 
-# A chunk's task that failed with one of these did not fail at its first item: its worker died
-# (its items may have run) or the pool failed. Nothing of it goes again.
-_NOT_AN_ITEMS_ERROR = (BrokenProcessPool, MpschedError)
+def _hold_again(lock: Any) -> None:
+    """Hold ``lock`` again, an RLock this thread held once and released (``MapRun._read``),
+    whatever comes meanwhile: a Ctrl-C's KeyboardInterrupt, raised in ``acquire()`` without
+    the lock, or just after it, is raised once the lock is held. (Raised from the plain
+    ``acquire()``, the caller's ``with`` then failed to release a lock it did not hold: a
+    RuntimeError in its place, and the ``with`` block of the pool waited for its tasks, as for
+    any error, instead of stopping them. Found by a review, with a delay injected.)"""
+    pending: BaseException | None = None
+    while True:
+        try:
+            if not lock._is_owned():  # (RLock's, as threading.Condition asks it)
+                lock.acquire()
+            break
+        except BaseException as exc:
+            pending = exc
+    if pending is not None:
+        raise pending
 
 
 def _failed(error: Exception) -> Future[Any]:

@@ -45,12 +45,14 @@ cannot be unpickled is replaced by a RuntimeError with that same cause.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pickle
 import select
 import signal
 import struct
+from collections.abc import Iterator
 
 from mpsched._constants import Constants
 from mpsched._errors import ProtocolError
@@ -158,25 +160,26 @@ _SMALL_FRAME = 1 << 14
 SKIP_CHUNK = 1 << 20  # bytes read at a time past a frame that does not fit in memory
 
 
-def block_sigpipe() -> frozenset[int]:
-    """Block SIGPIPE in this thread; returns the mask before. A write to the socket of a
-    child that died raises SIGPIPE in the writing thread: ignored by Python's default, it
-    killed a program that had set its default action back (as command-line tools do, for
-    ``| head``), silently, where the pool meant to fail one task or break (found by a review).
-    Blocked, the write fails with EPIPE and the signal stays pending in the thread: the
-    coordinator thread blocks it for good (``run_coordinator``); a user's thread takes it
-    (``unblock_sigpipe``)."""
-    return frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE}))
-
-
-def unblock_sigpipe(before: frozenset[int]) -> None:
-    """Undo ``block_sigpipe``, taking a SIGPIPE that a write raised meanwhile (unblocked, it
-    would be delivered at once)."""
-    if signal.SIGPIPE in before:
-        return
-    while signal.sigtimedwait({signal.SIGPIPE}, 0) is not None:
-        pass
-    signal.pthread_sigmask(signal.SIG_SETMASK, before)
+@contextlib.contextmanager
+def sigpipe_blocked() -> Iterator[None]:
+    """SIGPIPE blocked in this thread around a write of the pool's process to a child's
+    socket. A write to the socket of a child that died raises SIGPIPE in the writing thread:
+    ignored by Python's default, it killed a program that had set its default action back (as
+    command-line tools do, for ``| head``), silently, where the pool meant to fail one task or
+    break (found by a review). Blocked, the write fails with EPIPE; the signal then pending in
+    the thread is taken before the mask is put back (unblocked, it would be delivered at once).
+    Around each write, not for the coordinator thread's life: a thread it starts (the
+    callbacks' runner) inherited the mask, and programs those threads started inherited it
+    through exec (``yes | head`` then ended with an error, not SIGPIPE). Three system calls a
+    write; the writes are rare (a worker's spawn, a big argument, the drain, START)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE})
+    try:
+        yield
+    finally:
+        if signal.SIGPIPE not in before:
+            while signal.sigtimedwait({signal.SIGPIPE}, 0) is not None:
+                pass
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def send_data(conn: Connection, tag: int, key: int, data: Buffer) -> None:

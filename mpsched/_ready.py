@@ -171,6 +171,11 @@ class ReadyQueue:
         self.size = size
         self._withdrawn_queued = 0
 
+    def bottom_priority(self) -> int:
+        """The lowest level with a deque (``NO_LEVEL`` if none); it may be one emptied since,
+        which only ``take`` drops (from the top)."""
+        return self._order[0] if self._order else NO_LEVEL
+
     def top_priority(self) -> int | None:
         order = self._order
         while order:

@@ -212,7 +212,7 @@ def send_wake_fds(conn: Connection, wake_fds: Sequence[SharedFd]) -> None:
     try:
         for i in range(0, len(wake_fds), FDS_PER_MESSAGE):
             fds = [f.fd for f in wake_fds[i : i + FDS_PER_MESSAGE]]
-            socket.send_fds(sock, [b"W"], fds, socket.MSG_NOSIGNAL)  # see block_sigpipe
+            socket.send_fds(sock, [b"W"], fds, socket.MSG_NOSIGNAL)  # see sigpipe_blocked
     finally:
         sock.detach()
 

@@ -34,8 +34,8 @@ from mpsched._protocol import Tag
 from mpsched._slot_region import MAX_NESTING
 from mpsched._zygote import FDS_PER_MESSAGE
 
+from . import bad_tasks, tasks
 from . import edge_tasks as et
-from . import tasks
 from .conditions import Fifos, wait_until
 
 
@@ -573,6 +573,24 @@ def test_a_map_dropped_unread_runs_the_rest_of_a_chunk_whose_first_item_raised(
         del results
         wait_until(lambda: not pool._unread_maps, "the pool let the map go")
     assert sorted(tasks.read_log(str(log))) == list(ks)
+
+
+@pytest.mark.timeout(60)
+def test_a_map_dropped_unread_sends_nothing_again_of_a_chunk_that_did_not_load(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A chunk's task that fails ran no item to its end: an argument that does not unpickle
+    in the worker fails it before any runs. Taken for its first item's error, the items
+    after that one went again (and a fn that does not load went again item by item)."""
+    log = tmp_path / "log"
+    log.touch()
+    items: list[Any] = [0, 1, 2, bad_tasks.ErrorAtUnpickle(), *range(4, 10)]
+    with Pool(1) as pool:
+        results = pool.map(tasks.record, [str(log)] * 10, items, chunksize=10)
+        del results
+        wait_until(lambda: not pool._unread_maps, "the pool let the map go")
+        assert pool.statistics().submitted == 1
+    assert tasks.read_log(str(log)) == []
 
 
 @pytest.mark.timeout(60)

@@ -496,3 +496,18 @@ def test_a_child_future_given_to_concurrent_futures_says_why_it_cannot_be(how: s
     with Pool(1) as pool:
         message = pool.submit(proc_tasks.wait_on_a_child_future, how).result(30)
     assert "join it with result()" in message
+
+
+@pytest.mark.timeout(60)
+def test_a_done_callback_runs_with_sigpipe_unblocked() -> None:
+    """SIGPIPE blocked for the coordinator thread's life went to the callbacks' thread it
+    starts, and through exec to what callbacks ran (``yes | head`` ended with an error)."""
+    masks: list[set[int]] = []
+    with Pool(1) as pool:
+        future = pool.submit(tasks.ident, 1)
+        future.add_done_callback(
+            lambda _: masks.append(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+        )
+        assert future.result(30) == 1
+    assert len(masks) == 1
+    assert signal.SIGPIPE not in masks[0]

@@ -156,6 +156,41 @@ def test_a_newly_due_high_priority_task_waits_for_no_worker_busy_with_another(
         assert holder.result(timeout=20) == 0
 
 
+@pytest.mark.timeout(120)
+def test_a_high_task_in_a_held_workers_inbox_goes_before_lower_ones_due_with_its_equal(
+    tmp_path: Path,
+) -> None:
+    """One worker held, the other busy: a high task waits in an inbox; another of its
+    priority and a backlog of lower ones come due. The guard looked only for priorities
+    above the ready queue's top, so the free worker got the second high task and the lower
+    ones behind it, and ran them all while the first waited (found by a review)."""
+    (tmp_path / "held").mkdir()
+    (tmp_path / "busy").mkdir()
+    held, busy = Fifos(tmp_path / "held"), Fifos(tmp_path / "busy")
+    with Pool(2) as pool:
+        holder = pool.submit(tasks.started_then_gated, held.started, held.gate, 0)
+        tasks.wait_started(held.started)
+        try:
+            for round_ in range(6):  # the first high task lands in either inbox: each, in turn
+                log = str(tmp_path / f"log{round_}")
+                other = pool.submit(tasks.started_then_gated, busy.started, busy.gate, 1)
+                tasks.wait_started(busy.started)
+                first = pool.schedule(("first", round_), 0.0, 10, tt.log, log, "first")
+                wait_until(lambda f=first: f._slot >= 0, "the first high task is handed out")
+                second = pool.schedule(("second", round_), 0.0, 10, tt.log, log, "second")
+                lows = [
+                    pool.schedule(("low", round_, i), 0.0, 0, tt.log, log, i) for i in range(300)
+                ]
+                tasks.open_gate(busy.gate)
+                assert other.result(timeout=20) == 1
+                wait([first, second, *lows], timeout=60)
+                order = tt.read_tags(log)
+                assert order.index("first") < 2, (round_, order[:10])
+        finally:
+            tasks.open_gate(held.gate)
+        assert holder.result(timeout=20) == 0
+
+
 @pytest.mark.timeout(60)
 def test_never_started_before_run_at() -> None:
     rng = random.Random(7)

@@ -105,16 +105,24 @@ def test_run_chunk_returns_the_results_before_an_error_with_the_error() -> None:
     assert error is not None
     with pytest.raises(ValueError, match="three"):
         raise load_exception(error)
-    with pytest.raises(ValueError, match="three"):  # the first item: the chunk's task fails
-        run_chunk(_fail_at_3, [3, 4], False, math.inf, math.inf)
+    # The first item: its error the same way (the chunk's task fails only when no item ran
+    # to its end, or its worker died: a dropped map sends nothing of it again then).
+    pieces, _, error, done = run_chunk(_fail_at_3, [3, 4], False, math.inf, math.inf)
+    assert _load(pieces) == []
+    assert done == 1
+    assert error is not None
+    with pytest.raises(ValueError, match="three"):
+        raise load_exception(error)
 
 
 def test_run_chunk_by_pieces_returns_the_results_before_an_error_with_the_error() -> None:
     pieces, _, error, _ = run_chunk(_fail_at_3, [1, 2, 3, 4], False, math.inf, 10**6)
     assert _load(pieces) == [1, 2]
     assert error is not None
+    pieces, _, error, done = run_chunk(_fail_at_3, [3, 4], False, math.inf, 10**6)
+    assert (_load(pieces), done) == ([], 1)
     with pytest.raises(ValueError, match="three"):
-        run_chunk(_fail_at_3, [3, 4], False, math.inf, 10**6)
+        raise load_exception(error)  # type: ignore[arg-type]
 
 
 def _lock_at_3(x: int) -> Any:
@@ -125,14 +133,17 @@ def _lock_at_3(x: int) -> Any:
 @pytest.mark.parametrize("max_bytes", [math.inf, 10**6])  # pickled at the end, or by runs
 def test_a_result_that_does_not_pickle_is_its_items_error(max_bytes: float) -> None:
     """The results before it come back, with its pickling error for ``map`` to raise after
-    them (the chunk's task failing dropped them); at the chunk's first item, the task fails."""
+    them (the chunk's task failing dropped them); at the chunk's first item too."""
     pieces, _, error, _ = run_chunk(_lock_at_3, [1, 2, 3, 4], False, math.inf, max_bytes)
     assert _load(pieces) == [1, 2]
     assert error is not None
     with pytest.raises(TypeError, match="pickle"):
         raise load_exception(error)
+    pieces, _, error, done = run_chunk(_lock_at_3, [3, 4], False, math.inf, max_bytes)
+    # Items run: both, if pickled at the end (the one after it ran too, its result dropped).
+    assert (_load(pieces), done) == ([], 2 if max_bytes == math.inf else 1)
     with pytest.raises(TypeError, match="pickle"):
-        run_chunk(_lock_at_3, [3, 4], False, math.inf, max_bytes)
+        raise load_exception(error)  # type: ignore[arg-type]
 
 
 def test_a_result_that_does_not_pickle_comes_before_a_later_items_error() -> None:
@@ -147,3 +158,34 @@ def _lock_or_fail(x: int) -> Any:
     if x == 5:
         raise ValueError("five")
     return _lock_at_3(x)
+
+
+class _InterruptedLock:
+    """An RLock stand-in whose next ``acquire()`` raises KeyboardInterrupt (a Ctrl-C), before
+    taking it or just after (``after``)."""
+
+    def __init__(self, after: bool) -> None:
+        self.after = after
+        self.owned = False
+        self.interrupts = 1
+
+    def _is_owned(self) -> bool:
+        return self.owned
+
+    def acquire(self) -> None:
+        if self.interrupts:
+            self.interrupts -= 1
+            self.owned = self.after
+            raise KeyboardInterrupt
+        self.owned = True
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_a_map_reader_holds_its_lock_again_through_a_ctrl_c(after: bool) -> None:
+    """Raised from a plain ``acquire()``, the caller's ``with`` then failed to release a lock
+    it did not hold (a RuntimeError in place of the Ctrl-C); taken twice, it stayed held."""
+    lock = _InterruptedLock(after)
+    with pytest.raises(KeyboardInterrupt):
+        _map._hold_again(lock)
+    assert lock.owned
+    assert lock.interrupts == 0
