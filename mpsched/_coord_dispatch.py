@@ -107,6 +107,7 @@ class Dispatching(CoordinatorState):
                     batch, lowest = self.take_ready(room, floor)
                     taken = self.inject(k, batch, lowest)
                     if taken:  # waiting there now, unclaimed: the next inboxes get no lower
+                        self.note_levels(k, batch[:taken])
                         high = batch[0]._priority
                         rest = self.ready.top_priority()
                         if highs is None and rest is not None and rest < high:
@@ -136,13 +137,15 @@ class Dispatching(CoordinatorState):
         if not any(levels and levels[0][0] > bottom for levels in inbox_high):
             return None
         highs = []
+        by_handle = self.by_handle
         for k, levels in enumerate(inbox_high):
             while levels:
-                future = levels[0][1]
-                handle = future._handle
+                priority, handle = levels[0]
+                future = by_handle.get(handle)
                 if (
-                    future._slot == k
-                    and self.by_handle.get(handle) is future
+                    future is not None
+                    and future._slot == k
+                    and future._priority == priority
                     and self.slots[k].in_inbox(handle)
                 ):
                     break
@@ -165,24 +168,27 @@ class Dispatching(CoordinatorState):
             self.ready.putback(futures, time.monotonic(), self.aging)
 
     def note_levels(self, k: int, batch: list[Future[Any]]) -> None:
-        """Under ``self.lock``, as ``batch`` went into inbox ``k`` (in priority order, behind
-        what waits there, which is no lower: ``take_back_lower``): note the last task of each
-        of its priorities (``inbox_high``, see ``waiting_highs``)."""
+        """Under ``self.lock``, as ``dispatch`` put ``batch`` into inbox ``k`` (in priority
+        order, behind what waits there, which is no lower: ``take_back_lower``): note the last
+        task of each of its priorities (``inbox_high``, see ``waiting_highs``). Not for
+        ``dispatch_one``'s task: it goes to an idle pool, with nothing in flight to wait
+        behind (noted there, the round trip of one task took ~3x as long in the benchmark's
+        median, 150-240 us against 60-70: the cost was not found, the path kept bare)."""
         levels = self.inbox_high[k]
         if batch[0]._priority == batch[-1]._priority:  # one priority: one step
-            runs = [(batch[-1]._priority, batch[-1])]
+            runs = [(batch[-1]._priority, batch[-1]._handle)]
         else:
             runs = []
             for future in batch:
                 if runs and runs[-1][0] == future._priority:
-                    runs[-1] = (future._priority, future)
+                    runs[-1] = (future._priority, future._handle)
                 else:
-                    runs.append((future._priority, future))
-        for priority, future in runs:
+                    runs.append((future._priority, future._handle))
+        for priority, handle in runs:
             if levels and levels[-1][0] == priority:
-                levels[-1] = (priority, future)
+                levels[-1] = (priority, handle)
             else:
-                levels.append((priority, future))
+                levels.append((priority, handle))
 
     def take_ready(self, n: int, floor: int = NO_LEVEL) -> tuple[list[Future[Any]], int]:
         """Under ``self.lock``: up to ``n`` due tasks of priority ``floor`` and above, minus
@@ -250,7 +256,6 @@ class Dispatching(CoordinatorState):
             if injected != len(queued):
                 raise BrokenPoolError("inbox overflow: the dispatch window is broken")
             self.inbox_low[k] = min(self.inbox_low[k], lowest)
-            self.note_levels(k, batch)
         except BaseException:
             self.inject_interrupted(k, new, handles, back)
             raise

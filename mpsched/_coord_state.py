@@ -148,9 +148,10 @@ class CoordinatorState:
         self.watched: dict[int, Future[Any]] = {}  # handle -> in-flight task with a timeout
         self.inbox_low = [_NO_LOW] * n_workers  # lowest priority injected since inbox emptied
         # Per inbox, highest first: each priority injected since it was last taken back, with
-        # the last task injected at it: while one waits there unclaimed, no other inbox gets
-        # a lower task (Dispatching.waiting_highs).
-        self.inbox_high: list[list[tuple[int, Future[Any]]]] = [[] for _ in range(n_workers)]
+        # the handle of the last task injected at it (not the task: its future would be kept
+        # alive): while one waits there unclaimed, no other inbox gets a lower task
+        # (Dispatching.waiting_highs).
+        self.inbox_high: list[list[tuple[int, int]]] = [[] for _ in range(n_workers)]
         self.by_handle: dict[int, Future[Any]] = {}  # dispatched, unfinished
         # Bytes too big for a block chain, by key (STASH; taken by FETCH or a collector).
         # Written by: the coordinator thread. A user-thread collector pops its results.
