@@ -175,20 +175,13 @@ class Dispatching(CoordinatorState):
         behind (noted there, the round trip of one task took ~3x as long in the benchmark's
         median, 150-240 us against 60-70: the cost was not found, the path kept bare)."""
         levels = self.inbox_high[k]
-        if batch[0]._priority == batch[-1]._priority:  # one priority: one step
-            runs = [(batch[-1]._priority, batch[-1]._handle)]
-        else:
-            runs = []
-            for future in batch:
-                if runs and runs[-1][0] == future._priority:
-                    runs[-1] = (future._priority, future._handle)
-                else:
-                    runs.append((future._priority, future._handle))
-        for priority, handle in runs:
+        one_priority = batch[0]._priority == batch[-1]._priority
+        for future in batch[-1:] if one_priority else batch:  # (one priority: one step)
+            priority = future._priority
             if levels and levels[-1][0] == priority:
-                levels[-1] = (priority, handle)
+                levels[-1] = (priority, future._handle)
             else:
-                levels.append((priority, handle))
+                levels.append((priority, future._handle))
 
     def take_ready(self, n: int, floor: int = NO_LEVEL) -> tuple[list[Future[Any]], int]:
         """Under ``self.lock``: up to ``n`` due tasks of priority ``floor`` and above, minus
