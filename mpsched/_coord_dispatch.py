@@ -107,11 +107,12 @@ class Dispatching(CoordinatorState):
                     batch, lowest = self.take_ready(room, floor)
                     taken = self.inject(k, batch, lowest)
                     if taken:  # waiting there now, unclaimed: the next inboxes get no lower
-                        self.note_levels(k, batch[:taken])
+                        self.note_levels(k, batch, taken)
                         high = batch[0]._priority
-                        rest = self.ready.top_priority()
-                        if highs is None and rest is not None and rest < high:
-                            highs = [NO_LEVEL] * n
+                        if highs is None:
+                            rest = self.ready.top_priority()
+                            if rest is not None and rest < high:
+                                highs = [NO_LEVEL] * n
                         if highs is not None:
                             highs[k] = max(highs[k], high)
                     if taken < len(batch):  # slab full: the rest waits for results
@@ -167,16 +168,18 @@ class Dispatching(CoordinatorState):
             # (which marks them queued: out of the inbox), at their aged levels
             self.ready.putback(futures, time.monotonic(), self.aging)
 
-    def note_levels(self, k: int, batch: list[Future[Any]]) -> None:
-        """Under ``self.lock``, as ``dispatch`` put ``batch`` into inbox ``k`` (in priority
+    def note_levels(self, k: int, batch: list[Future[Any]], taken: int) -> None:
+        """Under ``self.lock``, as ``dispatch`` put ``batch[:taken]`` into inbox ``k`` (in priority
         order, behind what waits there, which is no lower: ``take_back_lower``): note the last
         task of each of its priorities (``inbox_high``, see ``waiting_highs``). Not for
         ``dispatch_one``'s task: it goes to an idle pool, with nothing in flight to wait
         behind (noted there, the round trip of one task took ~3x as long in the benchmark's
         median, 150-240 us against 60-70: the cost was not found, the path kept bare)."""
         levels = self.inbox_high[k]
-        one_priority = batch[0]._priority == batch[-1]._priority
-        for future in batch[-1:] if one_priority else batch:  # (one priority: one step)
+        last = taken - 1
+        one_priority = batch[0]._priority == batch[last]._priority
+        for i in range(last if one_priority else 0, taken):  # (one priority: one step)
+            future = batch[i]
             priority = future._priority
             if levels and levels[-1][0] == priority:
                 levels[-1] = (priority, future._handle)
