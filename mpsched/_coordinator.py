@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import math
+import multiprocessing.process
 import os
 import select
 import sys
@@ -584,12 +585,23 @@ def process_state() -> tuple[str | None, list[str], dict[str, str]]:
     ProcessPoolExecutor's workers see those of the moment they start (multiprocessing's
     preparation data; the environment at their start). The zygote takes them before it forks
     the workers (``_zygote._take_state``): a path added to ``sys.path`` after ``Pool()``, and a
-    module imported from it, failed in the workers (ModuleNotFoundError; found in review)."""
+    module imported from it, failed in the workers (ModuleNotFoundError; found in review).
+
+    ``''`` in ``sys.path`` (``python -c``, the REPL, a notebook) stands for the directory that
+    the program started in, as in multiprocessing's preparation data, followed by the current
+    one: the workers enter the current directory, where ``''`` lost the modules that the
+    program imported before an ``os.chdir`` (found in review)."""
     try:
         cwd: str | None = os.getcwd()
     except OSError:
         cwd = None
-    return cwd, list(sys.path), dict(os.environ)
+    path = list(sys.path)
+    if "" in path:
+        i = path.index("")
+        started_in = getattr(multiprocessing.process, "ORIGINAL_DIR", None)  # (untyped)
+        dirs = dict.fromkeys(d for d in (started_in, cwd) if d)
+        path[i : i + 1] = list(dirs) or [""]
+    return cwd, path, dict(os.environ)
 
 
 def _fds_short(fd: int, count: int) -> OSError | None:

@@ -419,6 +419,22 @@ def _forget_the_parents_forkserver() -> None:
             os.close(alive)
 
 
+def forget_a_foreign_forkserver() -> None:
+    """Before a forkserver ``Pool()`` starts its zygote: a server that is not this process's
+    child is a parent's, inherited through an ``os.fork()`` that came before this module's
+    at-fork hook existed (``import mpsched`` imports this module only with the first pool):
+    forgotten, as that hook would have (``_forget_the_parents_forkserver``). ``WNOWAIT``: the
+    check reaps no child of ours. Found by a review."""
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        _forget_the_parents_forkserver()
+
+
 os.register_at_fork(after_in_child=_disown_pools_in_forked_child)
 
 

@@ -36,6 +36,7 @@ from mpsched._coordinator import Coordinator
 from mpsched._errors import POOL_CLOSED_MESSAGE, POOL_NOT_PICKLABLE_MESSAGE, PoolClosedError
 from mpsched._function_cache import FunctionCache
 from mpsched._future import Future
+from mpsched._initializer import pickled_initializer
 from mpsched._layout import SegmentViews
 from mpsched._lifecycle import (
     PoolResources,
@@ -47,7 +48,7 @@ from mpsched._map import SHARED_INPUTS, MapRun, let_dropped_maps_go, no_results
 from mpsched._options import MisfirePolicy, OverlapPolicy, TaskOptions, check_seconds
 from mpsched._payloads import CHAIN_BYTES_MAX
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
-from mpsched._serialize import dumps_for_workers, module_by_name, portable
+from mpsched._serialize import module_by_name
 from mpsched._startup import DISPATCH_WINDOW, DISPATCH_WINDOW_MAX, start
 from mpsched._statistics import PoolStatistics, snapshot
 from mpsched._task import TaskState
@@ -150,7 +151,14 @@ class Pool(concurrent.futures.Executor):
         initializer, initargs: ``initializer(*initargs)`` runs once in each worker (and each
             replacement) before it takes a task. If it raises, the pool breaks: every future and
             later ``submit`` fail with ``BrokenPoolError``, whose cause is the initializer's
-            exception (no respawn loop).
+            exception (no respawn loop). ``initargs`` may hold multiprocessing's ``Lock``,
+            ``Value``, ``Queue`` and pipe ends: they go to the workers as they start, as
+            ProcessPoolExecutor's do (a ``Connection`` cannot go in a task's arguments). The
+            globals that the initializer sets are its module's in the worker: a task reads
+            them if it is a function of a module; a lambda, or under forkserver and spawn a
+            function of the main script's ``if __name__ == "__main__":`` block, goes as a copy
+            with the caller's globals and reads the caller's values (reach the worker's state
+            through a module's function).
 
     A pool that is neither shut down nor used in a ``with`` block, once nothing references it,
     is garbage-collected and shut down like ``shutdown(wait=False)``: its pending tasks still
@@ -254,7 +262,7 @@ class Pool(concurrent.futures.Executor):
         self._worker_options = WorkerOptions(
             max_tasks=max_tasks_per_worker or 0,
             initializer=(
-                b"" if initializer is None else dumps_for_workers((portable(initializer), args))
+                b"" if initializer is None else pickled_initializer(initializer, args, method)
             ),
         )
         self._workers = workers

@@ -58,6 +58,7 @@ from mpsched._lifecycle import (
     PoolResources,
     coordinator_fds,
     exit_began,
+    forget_a_foreign_forkserver,
     inherited_by_a_fork,
     live_pools,
     run_coordinator,
@@ -297,6 +298,7 @@ def _start_zygote(
             res.zygote = ForkedZygote(cfg)
         else:
             if pool._start_method == "forkserver":
+                forget_a_foreign_forkserver()
                 preload_in_forkserver(zygote_main.__module__)
             res.zygote = ctx.Process(target=zygote_main, args=(cfg,), name=ZYGOTE_NAME, daemon=True)
             res.zygote.start()

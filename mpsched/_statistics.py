@@ -36,8 +36,9 @@ class WorkerStatistics:
     the slot is dormant (no worker forked yet: the pool has not had that many tasks at once,
     nor a child for a peer to steal; docs/design.md, "Dormant workers") and after the pool
     ended.
-    ``inbox_depth`` counts the entries a cancel left (tombstones) until the worker's claims
-    reach them; ``deque_depth``, the children queued in its deque.
+    ``inbox_depth`` counts the entries in its inbox: tasks handed to it and not claimed yet,
+    and the entries a cancel left (tombstones) until the worker's claims reach them;
+    ``deque_depth``, the children queued in its deque.
     """
 
     slot: int
@@ -69,7 +70,8 @@ class PoolStatistics:
     respawns: int  # replacements for those (none for a death once the drain's work is done)
     retried: int  # runs queued again after their worker died (the retries option; a retry
     # cancelled before it started counts too)
-    recycled: int  # workers replaced after max_tasks_per_worker tasks
+    recycled: int  # workers retired after max_tasks_per_worker tasks (replaced unless the
+    # pool was draining with nothing left to run)
     misfires: int  # recurring runs skipped by the misfire policy
     # Recurring due times dropped: by the overlap policy "skip"/"coalesce" (times that passed
     # during a run), and after a run skipped as a misfire, whatever the overlap policy (the

@@ -94,7 +94,7 @@ from mpsched._protocol import (
     recv_message,
     send_data,
 )
-from mpsched._serialize import INLINE, decode_call, dumps_result
+from mpsched._serialize import INLINE, TaskPicklingError, decode_call, dumps_result
 from mpsched._shm import SharedFd
 from mpsched._shm_deque import StealResult
 
@@ -102,6 +102,8 @@ from mpsched._shm_deque import StealResult
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
+
+    from mpsched._initializer import InheritedInitializer
 
 STEAL_RETRY_ROUNDS = 64  # full rounds over the peers while some answered RETRY, then sleep
 # Before sleeping, watch the own queues this long (s): a caller that waits for each result
@@ -138,14 +140,19 @@ class WorkerOptions:
     __slots__ = ("initializer", "max_tasks", "result_batch")
 
     def __init__(
-        self, *, result_batch: int = 32, max_tasks: int = 0, initializer: bytes = b""
+        self,
+        *,
+        result_batch: int = 32,
+        max_tasks: int = 0,
+        initializer: bytes | InheritedInitializer = b"",
     ) -> None:
         # Results: poke the coordinator after this many unannounced ones (and whenever idle);
         # the coordinator also sweeps done rings on a timer, which bounds any result's wait.
         self.result_batch = result_batch
         # Top-level tasks a worker runs before it retires and is replaced (0: no limit).
         self.max_tasks = max_tasks
-        # The pool's initializer and its arguments, pickled (b"": none); run once per worker.
+        # The pool's initializer and its arguments, pickled (b"": none; or their arguments
+        # as objects: ``_initializer``); run once per worker.
         self.initializer = initializer
 
 
@@ -531,6 +538,7 @@ def worker_main(
     """Entry point of a worker process (called in the child of the zygote's fork).
     ``peers_dormant``: the other slots have no worker yet (see ``Worker.want_peers``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the coordinator
+    _refuse_copied_connections()
     worker = Worker(slot, views, wake_fds, conn, options, peers_dormant)
     _serialize.table_loader = worker.load_function  # for the arguments' stand-ins
     os.register_at_fork(after_in_child=lambda: _forked_by_a_task(worker))
@@ -618,11 +626,37 @@ def _forked_by_a_task(worker: Worker) -> None:
             signal.set_wakeup_fd(previous)
 
 
-def run_initializer(worker: Worker, initializer: bytes) -> bool:
+def _refuse_copied_connections() -> None:
+    """In this worker, a multiprocessing ``Connection`` neither loads nor goes from plain
+    pickle, which copies it as the bare number of its fd: in a task's arguments it named
+    another file here, or none (found in review: under spawn the pool's own shared memory,
+    which the task's ``send`` wrote into), and as a result or a child's argument a file of
+    another process. Multiprocessing's own pickler (``ForkingPickler``, which passes the fd
+    itself) has its own reduction, which this does not touch; nor are the user's processes
+    touched. The way to give workers a pipe's end is the pool's ``initargs``."""
+
+    def refuse(connection: Connection, *_: object) -> None:
+        raise TaskPicklingError(_COPIED_CONNECTION)
+
+    Connection.__setstate__ = refuse  # type: ignore[attr-defined]
+    Connection.__reduce_ex__ = refuse  # type: ignore[assignment,method-assign]
+
+
+_COPIED_CONNECTION = (
+    "a multiprocessing Connection cannot go between a pool's processes in a task's arguments "
+    "or result: pickled, it is the number of its file descriptor, which names another file "
+    "there. Give it to the workers in the pool's initargs (inherited, as ProcessPoolExecutor "
+    "does), or use a multiprocessing.Manager's queue."
+)
+
+
+def run_initializer(worker: Worker, initializer: bytes | InheritedInitializer) -> bool:
     """Run the pool's initializer; on error, report it (INIT_FAILED) and return False."""
     conn = worker.conn
     try:
-        fn, args = pickle.loads(initializer)
+        fn, args = (
+            pickle.loads(initializer) if isinstance(initializer, bytes) else initializer.load()
+        )
         fn(*args)
         if worker.forked_child:
             end_forked_child(None)

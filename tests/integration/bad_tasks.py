@@ -316,3 +316,15 @@ def fib_under_alarm(n: int, seconds: float) -> int:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def send_on(conn: Any, value: Any) -> None:
+    """Send ``value`` on ``conn``, a multiprocessing ``Connection`` given as an argument."""
+    conn.send(value)
+
+
+def pipe_end() -> Any:
+    """Return one end of a pipe made here (a ``Connection`` as a task's result)."""
+    import multiprocessing
+
+    return multiprocessing.Pipe()[0]

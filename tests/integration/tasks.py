@@ -232,6 +232,17 @@ def initialized() -> list[Any]:
     return list(_initialized)
 
 
+def count_and_report(n: int) -> int:
+    """With ``remember``'s arguments (a multiprocessing ``Value``, its ``Lock``, a ``Queue``
+    and a pipe's sending end): add 1 to the counter, put ``n`` in the queue and send it."""
+    counter, lock, queue, conn = _initialized[0]
+    with lock:
+        counter.value += 1
+    queue.put(n)
+    conn.send(n)
+    return n
+
+
 def failing_initializer(message: str) -> None:
     raise OSError(message)
 

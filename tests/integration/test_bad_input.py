@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import multiprocessing
 import os
 import random
 import re
@@ -402,6 +403,22 @@ def test_an_exception_that_cannot_be_unpickled_keeps_the_workers_traceback() -> 
         assert isinstance(cause, RemoteTraceback), repr(cause)
         assert "in raise_error" in str(cause)
         assert "TwoArgError: bad exception (2)" in str(cause)
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_in_a_tasks_arguments_or_result_fails_its_future(
+    ctx: multiprocessing.context.BaseContext,
+) -> None:
+    """Plain pickle copies a ``Connection`` as its fd's number: in a worker it named another
+    file (under spawn the pool's shared memory, which the task's ``send`` wrote into), so the
+    task fails saying to give it to the workers in ``initargs`` (found in review)."""
+    receiver, sender = ctx.Pipe(duplex=False)
+    with receiver, sender, bounded_pool(ctx.get_start_method()) as pool:
+        for future in (pool.submit(bt.send_on, sender, "x"), pool.submit(bt.pipe_end)):
+            with pytest.raises(TaskPicklingError, match=r"Connection.*initargs"):
+                future.result(CASE_TIMEOUT)
+        assert not receiver.poll(0)
+        assert_pool_works(pool)
 
 
 @pytest.mark.timeout(60)

@@ -6,6 +6,9 @@ so the parent's future never settled."""
 from __future__ import annotations
 
 import os
+import pathlib
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -17,6 +20,7 @@ from . import tasks
 from .conditions import Fifos, wait_until
 
 CHILD_DEADLINE = 10.0  # seconds the fork child gets to report
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _in_fork_child(action: object) -> int:
@@ -107,3 +111,43 @@ def test_a_fork_child_of_a_forkserver_pools_process_makes_a_pool_of_its_own() ->
     with Pool(1, start_method="forkserver") as pool:
         assert pool.submit(tasks.ident, 3).result(30) == 3
         assert _in_fork_child(_a_new_forkserver_pool_works) == 3
+
+
+FOREIGN_FORKSERVER = """
+import multiprocessing, os, sys
+import mpsched
+
+if __name__ == "__main__":
+    server_child = multiprocessing.get_context("forkserver").Process(target=len, args=((),))
+    server_child.start()
+    server_child.join()
+    assert "mpsched._lifecycle" not in sys.modules  # so its at-fork hook is not registered
+    pid = os.fork()
+    if pid == 0:
+        with mpsched.Pool(1, start_method="forkserver") as pool:
+            print(pool.submit(abs, -3).result(timeout=20), flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_fork_child_of_a_program_with_a_forkserver_but_no_pool_makes_one(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The same, when the parent ran multiprocessing's forkserver but made no pool before the
+    fork, so mpsched's at-fork hook did not exist yet: ``Pool()`` itself sees that the server
+    is no child of its process (found by a review)."""
+    script = tmp_path / "program.py"
+    script.write_text(FOREIGN_FORKSERVER)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_DEADLINE * 3,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert (proc.returncode, proc.stdout) == (0, "3\n"), proc.stderr

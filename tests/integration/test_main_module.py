@@ -447,6 +447,36 @@ def test_the_workers_see_the_directory_path_and_environment_of_the_first_task(
     assert proc.stdout.splitlines() == [expected], proc.stderr
 
 
+# '' in sys.path (python -c, the REPL, a notebook) is the directory the program started in, as
+# multiprocessing's preparation data has it, and then the current one: a module imported from it
+# before an os.chdir failed in the workers, which enter the new directory (found in review).
+STATE_AFTER_CHDIR = """
+import os
+import sys
+import mpsched
+import from_start_dir
+
+os.chdir("elsewhere")
+import from_new_dir
+
+with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+    print(pool.submit(from_start_dir.where).result(timeout=20))
+    print(pool.submit(from_new_dir.where).result(timeout=20))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_a_module_of_the_empty_path_entry_is_found_after_a_chdir(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "from_start_dir.py").write_text("def where():\n    return 'start'\n")
+    (tmp_path / "elsewhere" / "from_new_dir.py").write_text("def where():\n    return 'new'\n")
+    proc = _run_main(tmp_path, STATE_AFTER_CHDIR, start_method, main="dash-c")
+    assert proc.stdout.splitlines() == ["start", "new"], proc.stderr
+
+
 # A module that the main module imports makes a pool as it is imported: under spawn and forkserver
 # the zygote imports the main module again, and with it that module, whose Pool() then failed
 # inside multiprocessing with its advice to guard the main module, which was guarded (found in

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pathlib
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 
-from mpsched import BrokenPoolError, Pool, _coord_recovery
+from mpsched import BrokenPoolError, Pool, TaskPicklingError, _coord_recovery
 
 from . import tasks
 from .conditions import wait_until
@@ -79,6 +81,47 @@ def test_failing_initializer_breaks_the_pool_with_its_error_and_no_respawn_loop(
         assert later.value.__cause__ is cause
     pool.shutdown(wait=True)
     assert pool.statistics().respawns == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.no_fd_check  # the Value's memory: multiprocessing's heap keeps its file for good
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_initargs_may_be_multiprocessing_objects_shared_by_inheritance(start_method: str) -> None:
+    """A ``Value``, a ``Lock``, a ``Queue`` and a pipe's end in ``initargs``, as
+    ProcessPoolExecutor takes them: the first three were refused at ``Pool()`` (they pickle
+    only as a process starts), the pipe's end went as a bare fd number (found in review)."""
+    ctx = multiprocessing.get_context(start_method)
+    counter, lock, queue = ctx.Value("i", 0, lock=False), ctx.Lock(), ctx.Queue()
+    receiver, sender = ctx.Pipe(duplex=False)
+    n = 40
+    with Pool(
+        2,
+        start_method=start_method,
+        initializer=tasks.remember,
+        initargs=(counter, lock, queue, sender),
+    ) as pool:
+        assert sorted(pool.map(tasks.count_and_report, range(n))) == list(range(n))
+    assert counter.value == n
+    assert sorted(queue.get(timeout=20) for _ in range(n)) == list(range(n))
+    assert sorted(receiver.recv() for _ in range(n)) == list(range(n))
+    queue.close()
+    queue.join_thread()
+    receiver.close()
+    sender.close()
+
+
+@pytest.mark.timeout(60)
+def test_initargs_that_no_process_start_can_carry_fail_at_construction() -> None:
+    generator = (x for x in ())
+    with pytest.raises(TaskPicklingError, match=r"initializer's arguments.*generator"):
+        Pool(1, start_method="forkserver", initializer=tasks.remember, initargs=(generator, 1))
+    # A Lock made for fork (no name to open it by) with a forkserver pool: multiprocessing's
+    # own refusal, at Pool(); ProcessPoolExecutor raises the same as it starts its workers.
+    lock = multiprocessing.get_context("fork").Lock()
+    with pytest.raises(TaskPicklingError, match="fork context"):
+        Pool(1, start_method="forkserver", initializer=tasks.remember, initargs=(lock,))
+    with pytest.raises(TaskPicklingError, match="cannot pickle"):  # the function's own error
+        Pool(1, initializer=lambda: threading.Lock(), initargs=(lock,))
 
 
 def test_bad_lifecycle_settings_fail_at_construction() -> None:

@@ -1,0 +1,105 @@
+"""The pool's initializer on its way to the workers.
+
+Owns how ``Pool(initializer=, initargs=)`` is pickled. Called in the user's thread by
+``Pool.__init__`` (``pickled_initializer``); what it returns travels in the worker options of
+the zygote's config, and each worker runs it once (``_worker.run_initializer``).
+
+Mostly the pair ``(initializer, initargs)`` is pickled at ``Pool()``, as a task is, so that an
+unpicklable one fails there. Multiprocessing's synchronization objects are the exception: its
+``Lock``, ``Value`` and ``Queue`` pickle only while multiprocessing starts a process, "through
+inheritance", and a ``Connection`` pickles at any time as the bare number of its fd, which in
+a worker names another file or none. ProcessPoolExecutor passes such ``initargs`` to its
+workers as it starts them (the standard way to give them a shared counter or a queue), so here
+they go as an ``InheritedInitializer``: the function pickled at ``Pool()``, the arguments kept
+as objects, which multiprocessing pickles with the zygote's config as it starts the zygote
+(forkserver, spawn: their fds go along) and a fork passes on as they are. The zygote holds
+them; each worker has them from its fork. Whether multiprocessing will pickle them is tried at
+``Pool()`` (``_check_inheritable``), so that their error still comes there.
+"""
+
+from __future__ import annotations
+
+from mpsched._serialize import TaskPicklingError, dumps_for_workers, portable
+
+# typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+__all__ = ("InheritedInitializer", "pickled_initializer")
+
+# By this module name a pickle names a Connection's class (plain pickle copies its fd number).
+_CONNECTION_MODULE = b"multiprocessing.connection"
+
+
+class InheritedInitializer:
+    """The initializer's function, pickled, and its arguments as they are (see the module doc).
+    ``load`` runs in a worker."""
+
+    __slots__ = ("args", "function")
+
+    def __init__(self, function: bytes, args: tuple[Any, ...]) -> None:
+        self.function = function
+        self.args = args
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return InheritedInitializer, (self.function, self.args)
+
+    def load(self) -> tuple[Any, tuple[Any, ...]]:
+        import pickle
+
+        return pickle.loads(self.function), self.args
+
+
+def pickled_initializer(
+    fn: Any, args: tuple[Any, ...], start_method: str
+) -> bytes | InheritedInitializer:
+    """``(fn, args)`` pickled for the workers, or an ``InheritedInitializer`` for arguments
+    that only a process's start can carry (see the module doc).
+
+    Raises:
+        TaskPicklingError: ``fn`` cannot be pickled, or ``args`` neither now nor by
+            multiprocessing as it starts the zygote.
+    """
+    try:
+        data = dumps_for_workers((portable(fn), args))
+    except TaskPicklingError as exc:
+        function = dumps_for_workers(portable(fn))  # the function's own error, if it is it
+        if start_method != "fork":  # a fork pickles nothing: every object passes
+            _check_inheritable(args, exc)
+        return InheritedInitializer(function, args)
+    if _CONNECTION_MODULE in data:
+        return InheritedInitializer(dumps_for_workers(portable(fn)), args)
+    return data
+
+
+class _SpawnProbe:
+    """Stands for the zygote's ``Popen`` while ``_check_inheritable`` pickles: what
+    multiprocessing's reductions ask of it (an fd to pass on) it answers without a process."""
+
+    class DupFd:
+        def __init__(self, fd: int) -> None:
+            self.fd = fd
+
+    @staticmethod
+    def duplicate_for_child(fd: int) -> int:
+        return fd
+
+
+def _check_inheritable(args: tuple[Any, ...], error: TaskPicklingError) -> None:
+    """Pickle ``args`` as multiprocessing will as it starts the zygote (its pickler, a process
+    being started), to fail at ``Pool()`` as any unpicklable argument does; ``error`` is
+    ``Pool()``'s own attempt's."""
+    from multiprocessing import context, reduction
+
+    probe: Any = _SpawnProbe()  # (typed as one of multiprocessing's Popen classes)
+    context.set_spawning_popen(probe)
+    try:
+        reduction.ForkingPickler.dumps(args)
+    except Exception as exc:
+        raise TaskPicklingError(
+            f"cannot pickle the initializer's arguments: {error}; nor can multiprocessing as it "
+            f"starts a process: {exc!r}"
+        ) from exc
+    finally:
+        context.set_spawning_popen(None)
