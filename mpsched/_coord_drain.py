@@ -33,7 +33,13 @@ from mpsched._coord_state import (
     WorkerHandle,
     logger,
 )
-from mpsched._future import FINISHING, Future, cancel_all, mark_all_cancelled
+from mpsched._future import (
+    FINISHING,
+    Future,
+    callbacks_after_all,
+    cancel_all,
+    mark_all_cancelled,
+)
 from mpsched._pool_errors import BrokenPoolError
 from mpsched._protocol import (
     Tag,
@@ -143,6 +149,12 @@ class Draining(CoordinatorState):
         when due unless ``timed_after_shutdown`` is False; ``cancel_futures`` cancels all that
         has not started."""
         self.release_workers()  # they must answer the handshake, even with no task run
+        # Callbacks once all are marked: one that waited for a later future of the batch found
+        # it withdrawn and pending, and the shutdown waited for ever (found in review).
+        with callbacks_after_all():
+            self.withdraw_for_shutdown(cancel_futures)
+
+    def withdraw_for_shutdown(self, cancel_futures: bool) -> None:
         cancelled: list[Future[Any]] = []
         injected: list[Future[Any]] = []
         try:

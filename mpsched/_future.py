@@ -35,9 +35,10 @@ callbacks are called once, after it is done.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures._base import (
     CANCELLED,
     CANCELLED_AND_NOTIFIED,
@@ -466,6 +467,27 @@ def defer_callbacks(sink: Sink | None) -> Sink | None:
     previous: Sink | None = getattr(_local, "sink", None)
     _local.sink = sink
     return previous
+
+
+@contextlib.contextmanager
+def callbacks_after_all() -> Iterator[None]:
+    """Within: the futures that this thread settles keep their callbacks; at the end those are
+    called (or go to the sink that was set, the coordinator thread's), once every future of the
+    block is settled. For a withdrawal of many futures marked one by one (a shutdown's
+    ``cancel_futures``): a callback of the first that waited for a later one (``wait``, or a
+    lock that a thread in its ``result()`` held) found it withdrawn but pending, and the
+    shutdown waited for ever (found in review)."""
+    settled: list[Future[Any]] = []
+    previous = defer_callbacks(settled.append)
+    try:
+        yield
+    finally:
+        defer_callbacks(previous)
+        if previous is None:
+            invoke_all(settled)
+        else:
+            for future in settled:
+                previous(future)
 
 
 def _take(box: list[list[Future[Any]]]) -> list[Future[Any]]:

@@ -680,3 +680,48 @@ def test_asyncio_awaits_the_pools_futures() -> None:
         values, error = asyncio.run(asyncio.wait_for(gather(pool), WAIT))
     assert values == list(range(50))
     assert "from a task" in str(error)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["ready_queue", "inbox", "timed"])
+def test_a_callback_of_a_future_a_shutdown_cancels_finds_the_others_cancelled(
+    fifos: Fifos, where: str
+) -> None:
+    """A shutdown that cancels what has not started marks every future before it calls their
+    callbacks: one that waited for a later future of the same shutdown (a ``wait``, or a lock
+    that a thread in that future's ``result()`` holds) found it withdrawn but pending, and the
+    shutdown waited for ever; in an inbox, the later task ran meanwhile (found in review).
+    ``timed``: a plain shutdown of a pool with ``timed_after_shutdown=False``."""
+    seen: list[bool] = []
+
+    def waits_for_second(_: mpsched.Future) -> None:
+        # Bounded, so that the unfixed code fails here rather than hangs.
+        done = wait([second], timeout=CALLBACK_WAIT).done
+        seen.append(done == {second} and second.cancelled())
+
+    pool = Pool(1, dispatch_window=1 if where == "ready_queue" else 8, timed_after_shutdown=False)
+    try:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
+        tasks.wait_started(fifos.started)  # claimed: the one worker holds it at the gate
+        coordinator = pool._coordinator
+        if where == "timed":
+            far = time.monotonic() + FAR
+            first = pool.schedule("first", far, 0, tasks.ident, 1)
+            second = pool.schedule("second", far, 0, tasks.ident, 2)
+        else:
+            if where == "ready_queue":  # the window's one place goes to a task before them
+                pool.submit(tasks.ident, 0)
+                wait_until(lambda: len(coordinator.by_handle) == 2, "the inbox filled")
+            first = pool.submit(tasks.ident, 1)
+            second = pool.submit(tasks.ident, 2)
+            handed = 2 if where == "ready_queue" else 3
+            wait_until(lambda: len(coordinator.by_handle) == handed, "the tasks were handed")
+        first.add_done_callback(waits_for_second)
+        try:
+            pool.shutdown(wait=False, cancel_futures=where != "timed")
+        finally:
+            tasks.open_gate(fifos.gate)
+        assert seen == [True]
+        assert blocker.result(WAIT) == 0
+    finally:
+        pool.shutdown(wait=True)
