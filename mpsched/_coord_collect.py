@@ -40,7 +40,7 @@ from mpsched._errors import (
     ProtocolError,
     timeout_error,
 )
-from mpsched._future import FINISHING, Future, defer_callbacks
+from mpsched._future import FINISHING, Future, defer_callbacks, invoke_all, take
 from mpsched._payloads import BlockField
 from mpsched._pool_errors import BrokenPoolError
 from mpsched._protocol import (
@@ -126,24 +126,33 @@ class Collecting(CoordinatorState):
         """Any thread (the coordinator's, or a user thread in ``help_wait``), one at a time.
 
         The done-callbacks of what a user thread settled go to the pool's callback thread
-        (``CallbackRunner.hand_over``) once it released ``collect_lock``: under it, a callback
-        that waits for another future's result (whose collection needs that lock) or shuts the
-        pool down (whose drain decides under it) would wait for this thread; in it, a callback
-        would run inside the caller's ``result()``, under whatever lock the caller holds. (The
-        coordinator thread's sink is the same ``CallbackRunner``.)"""
+        (``CallbackRunner.put``), queued under ``collect_lock``, and called by this thread only
+        if that thread is closed or cannot start, once ``collect_lock`` is released: under it, a
+        callback that waits for another future's result (whose collection needs that lock) or
+        shuts the pool down (whose drain decides under it) would wait for this thread; in the
+        callback thread, none runs inside the caller's ``result()``, under whatever lock the
+        caller holds. (The coordinator thread's sink is the same ``CallbackRunner``.) Queued
+        after the lock's release, they found the runner closed when the loop ended in between,
+        and ran in this thread after ``shutdown(wait=True)`` had returned (found in review)."""
         if threading.get_ident() == self.thread_id:
             with self.collect_lock:
                 self.collect_locked(True)
             return
         settled: list[Future[Any]] = []
+        box = [settled]
+        queued = False
         previous = defer_callbacks(settled.append)
         try:
             with self.collect_lock:
-                self.collect_locked(False)
+                try:
+                    self.collect_locked(False)
+                finally:
+                    if settled:  # before the drain (decided under this lock) can end the loop
+                        queued = self.callbacks.put(box)
         finally:
             defer_callbacks(previous)
-            if settled:
-                self.callbacks.hand_over(settled)
+            if settled and not queued:
+                invoke_all(take(box))
 
     def collect_locked(self, in_loop: bool, every: bool = False) -> None:
         """Under ``collect_lock``: read every done ring (``in_loop``: in the coordinator

@@ -490,8 +490,8 @@ def callbacks_after_all() -> Iterator[None]:
                 previous(future)
 
 
-def _take(box: list[list[Future[Any]]]) -> list[Future[Any]]:
-    """Empty ``box`` (``CallbackRunner.hand_over``'s): its list, or [] if another thread took
+def take(box: list[list[Future[Any]]]) -> list[Future[Any]]:
+    """Empty ``box`` (``CallbackRunner.put``'s): its list, or [] if another thread took
     it. ``list.pop`` is one step under the GIL, so two threads cannot both take it."""
     try:
         return box.pop()
@@ -517,14 +517,14 @@ def invoke_all(futures: list[Future[Any]]) -> None:
 class CallbackRunner:
     """The pool's callback thread (started at the first future with callbacks): it calls the
     callbacks of the futures that the coordinator thread settles (its sink, ``append``) and of
-    those that a user thread's ``result()`` collected (``hand_over``), in the order they were
+    those that a user thread's ``result()`` collected (``put``), in the order they were
     handed over. Every exception a callback raises is logged, as the stdlib logs an Exception,
     and the next callback is called: a SystemExit here would otherwise end the thread and lose
     every later callback."""
 
     def __init__(self) -> None:
         # Items: a future (the coordinator's), a one-element list holding a user thread's list
-        # of futures (``hand_over``), a call (``poke``), or None (``close``: the end).
+        # of futures (``put``), a call (``poke``), or None (``close``: the end).
         self._queue: queue.SimpleQueue[
             Future[Any] | list[list[Future[Any]]] | Callable[[], None] | None
         ] = queue.SimpleQueue()
@@ -543,31 +543,22 @@ class CallbackRunner:
                 return
         self._queue.put(future)
 
-    def hand_over(self, futures: list[Future[Any]]) -> None:
+    def put(self, box: list[list[Future[Any]]]) -> bool:
         """A user thread that collected in ``result()`` (``Collecting.collect``): the callbacks
-        of what it settled run in this thread, not in its own, where they would run inside its
-        wait (a lock the caller holds around ``result()``, which a callback takes, deadlocked;
-        the stdlib's pools call them from their manager thread). Once the runner is closed (the
-        loop ended: no pool call waits for this thread any more), the caller calls them.
+        of what it settled (the list in ``box``) run in this thread, not in its own, where they
+        would run inside its wait (a lock the caller holds around ``result()``, which a callback
+        takes, deadlocked; the stdlib's pools call them from their manager thread). False if
+        the runner is closed (the loop ended: no pool call waits for this thread any more) or
+        cannot start: the caller calls them, once it released its locks.
 
-        A Ctrl-C may land anywhere in here: the list goes in a box that the runner thread and
-        this thread's handler each empty at most once, so the callbacks are called once, by
+        A Ctrl-C may land anywhere in here: the box is emptied at most once, by the runner
+        thread or by the caller's handler (``take``), so the callbacks are called once, by
         whichever takes them (never lost between the queue and the handler, never twice)."""
-        box = [futures]
-        queued = False
-        try:
-            with self._lock:
-                if not self._closed and self._start():
-                    self._queue.put(box)
-                    queued = True
-        except BaseException:
-            queued = False
-            raise
-        finally:
-            if not queued:
-                taken = _take(box)
-                if taken:
-                    invoke_all(taken)
+        with self._lock:
+            if not self._closed and self._start():
+                self._queue.put(box)
+                return True
+        return False
 
     def start(self) -> None:
         """Any thread but the garbage collector's: start the thread now, so that ``poke``
@@ -609,7 +600,7 @@ class CallbackRunner:
 
     def close(self) -> None:
         """Coordinator thread: no future comes any more from it, and a user thread's
-        ``hand_over`` calls its own; the thread ends once it called what it was given."""
+        ``put``'s caller calls its own; the thread ends once it called what it was given."""
         with self._lock:
             self._closed = True
             if self.thread is not None:
@@ -632,7 +623,7 @@ class CallbackRunner:
             if isinstance(item, Future):
                 call_logged((item,))
             elif isinstance(item, list):
-                call_logged(_take(item))
+                call_logged(take(item))
             else:
                 try:
                     item()

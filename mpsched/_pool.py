@@ -742,9 +742,16 @@ class Pool(concurrent.futures.Executor):
         if self._started:
             if not wait_interruptibly(self._coordinator.finished.wait, timeout):
                 return False
-            with self._shutdown_lock:
+            # The lock's wait keeps the timeout too: a shutdown(wait=True) in another thread
+            # holds it while the teardown waits for the zygote (found in review).
+            lock_wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._shutdown_lock.acquire(timeout=lock_wait):
+                return False
+            try:
                 if not self._release(deadline):
                     return False
+            finally:
+                self._shutdown_lock.release()
         # After the release too (a second caller finds the pool released): the runner is
         # closed once ``finished`` is set, so this join ends with its last callback.
         left = None if deadline is None else max(0.0, deadline - time.monotonic())

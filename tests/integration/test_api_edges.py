@@ -537,18 +537,27 @@ def test_a_shutdown_that_cancels_withdraws_the_tasks_of_futures_the_user_settled
 
 
 @pytest.mark.timeout(60)
-def test_await_termination_keeps_its_timeout_while_the_teardown_waits_for_the_zygote() -> None:
+@pytest.mark.parametrize("releaser", ["itself", "another_threads_shutdown"])
+def test_await_termination_keeps_its_timeout_while_the_teardown_waits_for_the_zygote(
+    releaser: str,
+) -> None:
     """Once the loop ended, ``await_termination`` joined the coordinator thread with no limit,
     whose teardown gives a zygote that does not exit ``ZYGOTE_JOIN_TIMEOUT`` (5 s) before it
     kills it: with the zygote stopped, ``await_termination(0.5)`` returned True after 5 s
-    (found in review). Now it returns False at its timeout, and True once the teardown ended."""
+    (found in review). Now it returns False at its timeout, and True once the teardown ended.
+    The same while a ``shutdown(wait=True)`` in another thread does that join (it waited for
+    that shutdown's lock with no limit; found in review)."""
     pool = Pool(1)
     zygote = pool._resources.zygote.pid
+    closer = threading.Thread(target=pool.shutdown)
     try:
         assert pool.submit(tasks.ident, 1).result(RESULT_TIMEOUT) == 1
         os.kill(zygote, signal.SIGSTOP)
         pool.shutdown(wait=False)
         wait_until(pool._coordinator.finished.is_set, "the loop ended")
+        if releaser == "another_threads_shutdown":
+            closer.start()
+            wait_until(pool._shutdown_lock.locked, "the other thread's shutdown took its lock")
         started = time.monotonic()
         assert pool.await_termination(0.5) is False
         assert time.monotonic() - started < ZYGOTE_JOIN_TIMEOUT - 1.0
@@ -557,6 +566,8 @@ def test_await_termination_keeps_its_timeout_while_the_teardown_waits_for_the_zy
         with contextlib.suppress(ProcessLookupError):
             os.kill(zygote, signal.SIGCONT)
         pool.shutdown()
+        if closer.ident is not None:  # started
+            closer.join(RESULT_TIMEOUT)
 
 
 def test_await_termination_timeout_is_checked() -> None:
