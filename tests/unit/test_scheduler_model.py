@@ -146,22 +146,24 @@ class Model:
 
 class HeapBound:
     """The heap's memory bound (``_heap`` module doc, "The prune check"), checked after every
-    step: a ``schedule`` leaves at most ``PRUNE_FACTOR * live + slack`` entries; every other call
-    adds none, but for the deferred version that a ``finish`` lets into the heap. (A cancel
-    rebuilds nothing: the next schedule does.) So the heap cannot grow past the bound."""
+    step: a ``schedule``, and a ``pop_due`` that hands a version out (the live count falls),
+    leave at most ``PRUNE_FACTOR * live + slack`` entries; every other call adds none, but for
+    the deferred version that a ``finish`` lets into the heap. (A cancel rebuilds nothing: the
+    next schedule does.) So the heap cannot grow past the bound. (An audit took ``pop_due``'s
+    prune out and no test failed: it was checked after a schedule only.)"""
 
     def __init__(self, slack: int) -> None:
         self.slack = slack
-        self.scheduled = False  # set by the schedule rules
+        self.bounded = False  # set by the rules after which the bound holds
         self.size = 0  # the heap's length after the last step
 
     def check(self, heap: VersionedHeap) -> None:
         size = heap.heap_size
-        if self.scheduled:
+        if self.bounded:
             assert size <= PRUNE_FACTOR * len(heap) + self.slack
         else:
             assert size <= self.size + 1
-        self.size, self.scheduled = size, False
+        self.size, self.bounded = size, False
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -178,7 +180,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.schedule(task_id, run_at, priority, f) == self.model.schedule(
             task_id, run_at, priority
         )
-        self.bound.scheduled = True
+        self.bound.bounded = True
 
     @rule(task_id=IDS)
     def cancel(self, task_id: int) -> None:
@@ -199,6 +201,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert isinstance(got, Due), (got, want)
             assert (got.task_id, got.version) == want
             self.handed_out.append(got)
+            self.bound.bounded = True
         else:
             assert isinstance(got, Wait), (got, want)
             assert got.seconds == want
@@ -274,7 +277,7 @@ class HeapMachine(RuleBasedStateMachine):
         want = self.model.schedule(task_id, run_at, priority)
         record = self.heap.schedule(task_id, run_at, priority, item)
         assert (record[RECORD_TASK_ID], record[RECORD_VERSION]) == (task_id, want)
-        self.bound.scheduled = True
+        self.bound.bounded = True
 
     @rule(task_id=IDS)
     def cancel(self, task_id: int) -> None:
@@ -303,6 +306,7 @@ class HeapMachine(RuleBasedStateMachine):
             assert (got.task_id, got.version) == want
             assert got.fn is self.items[got.task_id]
             self.handed_out.append(got)
+            self.bound.bounded = True
         elif want is None:
             assert got is None
         else:
