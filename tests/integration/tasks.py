@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import struct
 import sys
@@ -445,3 +446,29 @@ def private_growth_of_a_collection() -> int:
     before = me.memory_full_info().uss
     gc.collect()
     return int(me.memory_full_info().uss - before)
+
+
+def push_a_child_between_gates(directory: str) -> tuple[int, int]:
+    """In a worker: publish its pid (file ``worker``), wait at the gate ``push``, push a child
+    that writes the pid of the worker running it to file ``child``, say so (file ``pushed``),
+    wait at the gate ``join``, then join the child. Returns (the child's worker's pid, this
+    worker's pid)."""
+    folder = pathlib.Path(directory)
+    write_atomically(folder / "worker", str(os.getpid()))
+    gate(str(folder / "push"))
+    child = mpsched.submit(pid_into, str(folder / "child"))
+    (folder / "pushed").touch()
+    gate(str(folder / "join"))
+    return child.result(), os.getpid()
+
+
+def pid_into(path: str) -> int:
+    """Write this process's pid to ``path`` (whole, by a rename) and return it."""
+    write_atomically(pathlib.Path(path), str(os.getpid()))
+    return os.getpid()
+
+
+def write_atomically(path: pathlib.Path, text: str) -> None:
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    part.rename(path)
