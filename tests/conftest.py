@@ -76,6 +76,22 @@ def _reap(children: list[psutil.Process]) -> list[str]:
     return described
 
 
+def _unreaped(before: set[int]) -> list[int]:
+    """This process's new children that exited and were not reaped (the pool reaps its zygote
+    in its teardown, which its threads' end follows): reaped here, their pids returned.
+    ``_our_children`` skips them (a zombie has no command line), and an audit's mutant that
+    left a pool's processes unreaped passed every test."""
+    out = []
+    for proc in psutil.Process().children():
+        try:
+            if proc.pid not in before and proc.status() == psutil.STATUS_ZOMBIE:
+                out.append(proc.pid)
+                os.waitpid(proc.pid, os.WNOHANG)
+        except (psutil.NoSuchProcess, ChildProcessError):
+            continue
+    return out
+
+
 def _our_children(before: set[int]) -> list[psutil.Process]:
     """Children of this process that the test started (multiprocessing's own helper processes,
     the forkserver and the resource tracker, live for the whole session and are not counted)."""
@@ -156,6 +172,8 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     assert not leaked, f"test left live child processes (killed now): {leaked}"
     lingering = _lingering(_pool_threads() - before_threads)
     assert not lingering, f"test left pool threads running: {lingering}"
+    zombies = _unreaped(before_children)
+    assert not zombies, f"test left children that exited unreaped (reaped now): {zombies}"
     ours = (f"mpsched-{os.getpid()}-", f"sem.mpsched-{os.getpid()}-")  # other runs may share
     new_shm = {name for name in _shm_entries() - before_shm if name.startswith(ours)}
     assert not new_shm, f"test left shared-memory entries in /dev/shm: {sorted(new_shm)}"
