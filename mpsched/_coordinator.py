@@ -156,7 +156,10 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             self.spawn(slot)  # while some stay dormant, its first child asks for them
 
     def spawn(self, slot: int) -> None:
-        short = _fds_short(self.zygote.fileno(), FDS_PER_NEW_WORKER)
+        # Room for the workers still starting too: each takes its fds as its SPAWNED comes,
+        # and a pass that woke several dormant ones checked each alone, so the last ones'
+        # sockets could not be received, which broke the pool (found in review).
+        short = _fds_short(self.zygote.fileno(), FDS_PER_NEW_WORKER * (len(self.starting) + 1))
         if short is not None:  # the worker's socket could not be received: see spawn_failed
             self.spawn_failed(slot, f"no fd free in the pool's process: {short}")
             return

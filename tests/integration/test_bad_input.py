@@ -603,6 +603,24 @@ def _open_fds() -> set[int]:
     return {int(fd) for fd in os.listdir("/proc/self/fd")} - {-1}
 
 
+@pytest.mark.timeout(60)
+def test_dormant_workers_woken_at_once_short_of_fds_start_in_turn() -> None:
+    """Sixteen tasks at once wake seven dormant workers in one pass, with fds free for about
+    three: each start checked for its own fds only, not for those of the starts under way,
+    and the sockets of the last ones could not be received, which broke the pool (found in
+    review). Now the starts beyond the free fds wait, and every task runs."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with Pool(8, start_method="fork") as pool:
+        assert pool.submit(tasks.ident, 0).result(CASE_TIMEOUT) == 0  # worker 0 is up
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(_open_fds()) + 10, hard))
+        try:
+            futures = [pool.submit(tasks.spin, 0.05) for _ in range(16)]
+            done = [f.result(CASE_TIMEOUT) for f in futures]
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(done) == 16
+
+
 @pytest.mark.timeout(180)
 def test_pool_creation_out_of_fds_leaves_nothing_behind() -> None:
     """``Pool(4)`` under open-file limits from none free to enough: it raises EMFILE, or
