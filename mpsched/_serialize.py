@@ -35,6 +35,7 @@ name, else a copy by value, tabled once per pool (``_function_cache``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import io
@@ -53,7 +54,7 @@ from mpsched._protocol import PICKLE_PROTOCOL, safe_repr
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Literal
+    from typing import Any, ClassVar, Literal
 
 INLINE = -1  # fid of a payload that carries its function
 if TYPE_CHECKING:
@@ -204,10 +205,19 @@ _MainAwarePickler: Any = None  # made on first need, as cloudpickle is imported
 def _main_aware_pickler() -> Any:
     global _MainAwarePickler
     if _MainAwarePickler is None:
+        base: Any = _cloudpickle().Pickler
 
-        class MainAwarePickler(_cloudpickle().Pickler):  # type: ignore[misc]
+        class MainAwarePickler(base):  # type: ignore[misc]
             """``main_stand_in``'s answer None means by name (``cloud_dumps``), or, with
-            ``copied`` (``copy_by_value``: the ids of the objects it is copying), a copy."""
+            ``copied`` (``copy_by_value``: the ids of the objects it is copying), a copy.
+            An open text file is refused, as plain pickle refuses it: cloudpickle copies it
+            as a ``StringIO`` of the whole file, read in the caller (an argument or a result
+            of 100 MB went so, found in review; ``/dev/zero`` would read until memory ran
+            out)."""
+
+            dispatch_table: ClassVar[Any] = collections.ChainMap(
+                {io.TextIOWrapper: _refuse_open_file}, base.dispatch_table
+            )
 
             def __init__(
                 self,
@@ -244,6 +254,12 @@ def _main_aware_pickler() -> Any:
 
         _MainAwarePickler = MainAwarePickler
     return _MainAwarePickler
+
+
+def _refuse_open_file(file: io.TextIOWrapper) -> Any:
+    if file is sys.stdout or file is sys.stderr:  # by name, as cloudpickle has them
+        return getattr, (sys, "stdout" if file is sys.stdout else "stderr")
+    raise TypeError(f"cannot pickle an open file ({file.name!r}): pass its path instead")
 
 
 def _with_slots(reduced: Any, slots: Any) -> Any:

@@ -328,3 +328,8 @@ def pipe_end() -> Any:
     import multiprocessing
 
     return multiprocessing.Pipe()[0]
+
+
+def open_for_reading(path: str) -> Any:
+    """Return ``path`` opened as a text file (an open file as a task's result)."""
+    return open(path)

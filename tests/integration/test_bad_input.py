@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -403,6 +404,20 @@ def test_an_exception_that_cannot_be_unpickled_keeps_the_workers_traceback() -> 
         assert isinstance(cause, RemoteTraceback), repr(cause)
         assert "in raise_error" in str(cause)
         assert "TwoArgError: bad exception (2)" in str(cause)
+
+
+@pytest.mark.timeout(60)
+def test_an_open_file_fails_at_submit_or_as_a_result(tmp_path: Path) -> None:
+    """As plain pickle refuses an open file: cloudpickle, the fallback, copied it as a
+    ``StringIO`` of the whole file, read in the caller (found in review)."""
+    path = tmp_path / "data.txt"
+    path.write_text("x" * 1000)
+    with bounded_pool(None) as pool, open(path) as file:
+        with pytest.raises(TaskPicklingError, match="open file"):
+            pool.submit(len, file)
+        with pytest.raises(TaskPicklingError, match="open file"):
+            pool.submit(bt.open_for_reading, str(path)).result(CASE_TIMEOUT)
+        assert_pool_works(pool)
 
 
 @pytest.mark.timeout(60)
