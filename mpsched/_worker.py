@@ -121,6 +121,12 @@ SIGNAL_FD_FAILED = "the signal wake-up pipe failed: a task closed or replaced on
 # The longest single sleep of a join with a timeout (ms): poll() takes a C int. A join that may
 # wait longer wakes then and sleeps again (``Children.join`` rechecks its deadline).
 SLEEP_MS_MAX = 2**31 - 1
+# The longest single sleep of a join (ms): then it looks at its child again. The child's end
+# wakes it at once (its DONE's wake-up); this bounds a wake-up that never came, as when a task
+# in the peer that ran the child had put a file in place of this worker's eventfd there (a
+# write that succeeds, into the file: the join slept for ever; found in review). One wake-up a
+# second per long join costs nothing.
+JOIN_SLEEP_MAX_MS = 1000
 # Seconds a retiring worker's process gets to end once it sent RETIRING (flushing the streams
 # a task may have replaced), as the drain gives a worker (``DRAIN_TIMEOUT``) before its kill.
 RETIRED_EXIT_TIMEOUT = 10.0
@@ -179,6 +185,8 @@ class Worker(Children):
         self.header = views.header
         self.wake_fds = [f.fd for f in wake_fds]
         self.my_wake_fd = self.wake_fds[slot]
+        status = os.fstat(self.my_wake_fd)
+        _children.eventfd_inode = (status.st_dev, status.st_ino)  # for write_wake's check
         self.conn = conn
         self.frame_waiting = frame_watch(conn)
         self.options = options
@@ -436,10 +444,10 @@ class Worker(Children):
                 if not me.clear_sleeping():
                     self.consume_wake()  # a waker got there first and wrote our eventfd
             else:
-                timeout_ms = -1
+                timeout_ms = JOIN_SLEEP_MAX_MS if joining else -1
                 if deadline is not None:
                     left_ms = (deadline - time.monotonic()) * 1e3
-                    timeout_ms = max(0, int(min(left_ms, SLEEP_MS_MAX)))
+                    timeout_ms = max(0, int(min(left_ms, timeout_ms if joining else SLEEP_MS_MAX)))
                 if not joining:  # between tasks: a task may have set a wakeup fd of its own
                     self.watch_signals()
                 try:

@@ -278,13 +278,19 @@ def _eventfds() -> list[int]:
     return sorted(fds)
 
 
-def close_wake_fd(slot: int | None = None) -> int:
+def close_wake_fd(slot: int | None = None, file: str | None = None) -> int:
     """Close this worker's copy of slot ``slot``'s wake-up eventfd (a stray ``os.close``; None:
-    the peer's, in a pool of 2 workers); returns the fd closed."""
+    the peer's, in a pool of 2 workers); returns the fd closed. With ``file``, that file takes
+    its place (``os.dup2``, as an ``open`` after the close would take the lowest free fd)."""
     if slot is None:
         slot = 1 - mpsched.current_task().worker_id
     fd = _eventfds()[slot]
-    os.close(fd)
+    if file is None:
+        os.close(fd)
+    else:
+        opened = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(opened, fd)
+        os.close(opened)
     return fd
 
 

@@ -569,14 +569,21 @@ def test_a_task_that_closes_its_workers_signal_pipe_costs_that_worker_only(end: 
 
 
 @pytest.mark.timeout(180)
-def test_a_task_that_closes_its_copy_of_a_peers_wake_fd_hangs_no_join() -> None:
+@pytest.mark.parametrize("how", ["closed", "replaced_by_a_file"])
+def test_a_task_that_closes_its_copy_of_a_peers_wake_fd_hangs_no_join(
+    tmp_path: Path, how: str
+) -> None:
     """A worker's copy of its peer's eventfd closed: when it finished a child of the peer, or
     pushed work while the peer slept, it cleared the peer's sleeping flag, its write failed
     (into the task: a misattributed OSError), and the peer, asleep in a join, was never woken
     (8 runs in 10 hung). Now the worker exits as a crash (its task fails with
-    WorkerCrashedError), and the recovery wakes every worker whatever its flag says."""
+    WorkerCrashedError), and the recovery wakes every worker whatever its flag says. A file
+    in its place took the wake-ups' writes, which succeeded, and the joins hung for ever
+    (found in review): the worker now sees that the fd is no eventfd any more, and a join's
+    sleep is bounded besides."""
+    file = tmp_path / "user.log"
     with Pool(2) as pool:
-        pool.submit(bt.close_wake_fd).result(timeout=30)
+        pool.submit(bt.close_wake_fd, None, str(file) if how != "closed" else None).result(30)
         outcomes = []
         for _ in range(30):
             try:
@@ -586,6 +593,7 @@ def test_a_task_that_closes_its_copy_of_a_peers_wake_fd_hangs_no_join() -> None:
         assert set(outcomes) <= {233, "crashed"}, outcomes
         assert outcomes.count("crashed") <= 1, outcomes  # the replacement's fds are whole
         assert outcomes[-1] == 233
+    assert not file.exists() or file.stat().st_size == 0, "a wake-up was written into the file"
 
 
 @pytest.mark.timeout(180)
