@@ -108,6 +108,9 @@ class CoordinatorState:
         # Reentrant: a signal handler's submission inside the first one's send of START sends
         # its own, whole (a frame this small is one write), and the zygote ignores the second.
         self.workers_released = not workers_await_start
+        # START's modules and its time (monotonic) until the zygote's first SPAWNED: the
+        # zygote imports them before it forks a worker (``check_start_import``).
+        self.start_import: tuple[tuple[str, ...], float] | None = None
         self.zygote_send_lock = threading.RLock()
         self.wakeup = wakeup
         self.clear_wakeup = clear_wakeup

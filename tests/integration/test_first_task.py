@@ -4,14 +4,17 @@ workers, and imports its function's module first, so that every worker inherits 
 
 from __future__ import annotations
 
+import importlib
 import signal
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from mpsched import Pool, _coordinator
+from mpsched import BrokenPoolError, Pool, _coordinator
 from mpsched._protocol import Tag
 
 from . import preload_refused, preload_tasks, tasks
@@ -151,3 +154,40 @@ def test_a_signal_handler_that_submits_inside_the_first_submissions_start_does_n
         imported_in, pid = first.result(timeout=CONDITION_TIMEOUT)
         assert imported_in == pid != pool._zygote.pid
     assert sorted(pool._coordinator.final_stats) == [0, 1]
+
+
+CHILD_ONLY_IMPORT = """
+import multiprocessing, os, time
+if multiprocessing.parent_process() is not None:  # in a child process only, as for a C
+    if {kind!r} == "crash":                       # extension that is not fork-safe
+        os._exit(70)
+    time.sleep(3600)                              # an import blocked on a lock or a service
+
+def double(x):
+    return 2 * x
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["crash", "hang"])
+def test_a_first_tasks_module_whose_import_dies_or_blocks_in_the_zygote_breaks_the_pool_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The zygote imports the first task's module before it forks a worker: an import that
+    exits there broke the pool blaming the main module's import, and one that blocks left
+    every future, the shutdown and the program's exit waiting for ever (found in review). Now
+    the error names the module, and a blocked import breaks the pool after
+    ``START_IMPORT_TIMEOUT`` (shortened here)."""
+    name = f"child_only_import_{kind}"
+    (tmp_path / f"{name}.py").write_text(CHILD_ONLY_IMPORT.format(kind=kind))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(_coordinator, "START_IMPORT_TIMEOUT", 1.0)
+    module = importlib.import_module(name)  # fine in this process
+    try:
+        with Pool(2, start_method="forkserver") as pool:
+            futures = [pool.submit(module.double, 1), pool.submit(len, [1, 2])]
+            for future in futures:
+                with pytest.raises(BrokenPoolError, match=f"first task's module.*'{name}'"):
+                    future.result(timeout=CONDITION_TIMEOUT)
+    finally:
+        sys.modules.pop(name, None)
