@@ -612,10 +612,12 @@ def process_state() -> tuple[str | None, list[str], dict[str, str]]:
     the workers (``_zygote._take_state``): a path added to ``sys.path`` after ``Pool()``, and a
     module imported from it, failed in the workers (ModuleNotFoundError; found in review).
 
-    ``''`` in ``sys.path`` (``python -c``, the REPL, a notebook) stands for the directory that
-    the program started in, as in multiprocessing's preparation data, followed by the current
-    one: the workers enter the current directory, where ``''`` lost the modules that the
-    program imported before an ``os.chdir`` (found in review)."""
+    ``''`` in ``sys.path`` (``python -c``, the REPL, a notebook) stands for the current
+    directory, which the workers enter, as it does here, followed by the directory that the
+    program started in (multiprocessing's preparation data has that one alone): ``''`` alone
+    lost the modules that the program imported before an ``os.chdir`` (found in review), and
+    the start directory first gave a worker its module of a name that the program had imported
+    from the current one (a diff review)."""
     try:
         cwd: str | None = os.getcwd()
     except OSError:
@@ -624,7 +626,7 @@ def process_state() -> tuple[str | None, list[str], dict[str, str]]:
     if "" in path:
         i = path.index("")
         started_in = getattr(multiprocessing.process, "ORIGINAL_DIR", None)  # (untyped)
-        dirs = dict.fromkeys(d for d in (started_in, cwd) if d)
+        dirs = dict.fromkeys(d for d in (cwd, started_in) if d)
         path[i : i + 1] = list(dirs) or [""]
     return cwd, path, dict(os.environ)
 

@@ -10,11 +10,12 @@ unpicklable one fails there. Multiprocessing's synchronization objects are the e
 inheritance", and a ``Connection`` pickles at any time as the bare number of its fd, which in
 a worker names another file or none. ProcessPoolExecutor passes such ``initargs`` to its
 workers as it starts them (the standard way to give them a shared counter or a queue), so here
-they go as an ``InheritedInitializer``: the function pickled at ``Pool()``, the arguments kept
-as objects, which multiprocessing pickles with the zygote's config as it starts the zygote
-(forkserver, spawn: their fds go along) and a fork passes on as they are. The zygote holds
-them; each worker has them from its fork. Whether multiprocessing will pickle them is tried at
-``Pool()`` (``_check_inheritable``), so that their error still comes there.
+they go as an ``InheritedInitializer``: the function and every argument that can be pickled
+at ``Pool()``, as a task's are, and the others kept as objects, which multiprocessing pickles
+with the zygote's config as it starts the zygote (forkserver, spawn: their fds go along) and a
+fork passes on as they are. The zygote holds them; each worker has them from its fork. Whether
+multiprocessing will pickle them is tried at ``Pool()`` (``_check_inheritable``), so that
+their error still comes there.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ _CONNECTION_MODULE = b"multiprocessing.connection"
 
 
 class InheritedInitializer:
-    """The initializer's function, pickled, and its arguments as they are (see the module doc).
-    ``load`` runs in a worker."""
+    """The initializer's function, pickled, and its arguments: each ``(True, its pickle)``, as a
+    task's argument goes, or ``(False, the object)`` for one that only a process's start can
+    carry (see the module doc). ``load`` runs in a worker."""
 
     __slots__ = ("args", "function")
 
-    def __init__(self, function: bytes, args: tuple[Any, ...]) -> None:
+    def __init__(self, function: bytes, args: tuple[tuple[bool, Any], ...]) -> None:
         self.function = function
         self.args = args
 
@@ -48,29 +50,42 @@ class InheritedInitializer:
     def load(self) -> tuple[Any, tuple[Any, ...]]:
         import pickle
 
-        return pickle.loads(self.function), self.args
+        args = tuple(pickle.loads(arg) if pickled else arg for pickled, arg in self.args)
+        return pickle.loads(self.function), args
 
 
 def pickled_initializer(
     fn: Any, args: tuple[Any, ...], start_method: str
 ) -> bytes | InheritedInitializer:
-    """``(fn, args)`` pickled for the workers, or an ``InheritedInitializer`` for arguments
-    that only a process's start can carry (see the module doc).
+    """``(fn, args)`` pickled for the workers, or an ``InheritedInitializer`` whose arguments
+    that only a process's start can carry stay objects (see the module doc). Decided argument
+    by argument: the others go as a task's do, a function of the main script's main block
+    included, which multiprocessing's pickler writes by a name that the zygote lacks (the
+    whole tuple went so, and the zygote died of it; a diff review).
 
     Raises:
-        TaskPicklingError: ``fn`` cannot be pickled, or ``args`` neither now nor by
-            multiprocessing as it starts the zygote.
+        TaskPicklingError: ``fn`` cannot be pickled, or an argument neither as a task's nor
+            by multiprocessing as it starts the zygote.
     """
     try:
         data = dumps_for_workers((portable(fn), args))
-    except TaskPicklingError as exc:
-        function = dumps_for_workers(portable(fn))  # the function's own error, if it is it
-        if start_method != "fork":  # a fork pickles nothing: every object passes
-            _check_inheritable(args, exc)
-        return InheritedInitializer(function, args)
-    if _CONNECTION_MODULE in data:
-        return InheritedInitializer(dumps_for_workers(portable(fn)), args)
-    return data
+    except TaskPicklingError:
+        pass
+    else:
+        if _CONNECTION_MODULE not in data:
+            return data
+    function = dumps_for_workers(portable(fn))  # the function's own error, if it is it
+    parts: list[tuple[bool, Any]] = []
+    for arg in args:
+        try:
+            part = dumps_for_workers(arg)
+        except TaskPicklingError:
+            parts.append((False, arg))
+            continue
+        parts.append((False, arg) if _CONNECTION_MODULE in part else (True, part))
+    if start_method != "fork":  # a fork pickles nothing: every object passes
+        _check_inheritable(tuple(arg for pickled, arg in parts if not pickled))
+    return InheritedInitializer(function, tuple(parts))
 
 
 class _SpawnProbe:
@@ -86,10 +101,9 @@ class _SpawnProbe:
         return fd
 
 
-def _check_inheritable(args: tuple[Any, ...], error: TaskPicklingError) -> None:
+def _check_inheritable(args: tuple[Any, ...]) -> None:
     """Pickle ``args`` as multiprocessing will as it starts the zygote (its pickler, a process
-    being started), to fail at ``Pool()`` as any unpicklable argument does; ``error`` is
-    ``Pool()``'s own attempt's."""
+    being started), to fail at ``Pool()`` as any unpicklable argument does."""
     from multiprocessing import context, reduction
 
     probe: Any = _SpawnProbe()  # (typed as one of multiprocessing's Popen classes)
@@ -98,8 +112,8 @@ def _check_inheritable(args: tuple[Any, ...], error: TaskPicklingError) -> None:
         reduction.ForkingPickler.dumps(args)
     except Exception as exc:
         raise TaskPicklingError(
-            f"cannot pickle the initializer's arguments: {error}; nor can multiprocessing as it "
-            f"starts a process: {exc!r}"
+            f"cannot pickle the initializer's arguments, nor can multiprocessing as it starts "
+            f"a process: {exc!r}"
         ) from exc
     finally:
         context.set_spawning_popen(None)

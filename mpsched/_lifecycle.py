@@ -401,7 +401,7 @@ def _disown_pools_in_forked_child() -> None:
     _forget_the_parents_forkserver()
 
 
-def _forget_the_parents_forkserver() -> None:
+def _forget_the_parents_forkserver(close_alive: bool = True) -> None:
     """The parent's forkserver is not this process's child: ``multiprocessing`` asks
     ``waitpid`` whether it still runs, which raised ChildProcessError at the child's first
     forkserver ``Process`` (a new ``Pool()``, which the error of the parent's pool here tells
@@ -414,7 +414,7 @@ def _forget_the_parents_forkserver() -> None:
         return
     alive = server._forkserver_alive_fd
     server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
-    if alive is not None:
+    if alive is not None and close_alive:
         with contextlib.suppress(OSError):
             os.close(alive)
 
@@ -423,8 +423,10 @@ def forget_a_foreign_forkserver() -> None:
     """Before a forkserver ``Pool()`` starts its zygote: a server that is not this process's
     child is a parent's, inherited through an ``os.fork()`` that came before this module's
     at-fork hook existed (``import mpsched`` imports this module only with the first pool):
-    forgotten, as that hook would have (``_forget_the_parents_forkserver``). ``WNOWAIT``: the
-    check reaps no child of ours. Found by a review."""
+    forgotten, as that hook would have (``_forget_the_parents_forkserver``), but for the fd
+    that kept the parent's server alive: by now its number may be another file of this
+    program's (a review saw the program's ``/dev/null`` closed so). ``WNOWAIT``: the check reaps
+    no child of ours. Found by a review."""
     forkserver = sys.modules.get("multiprocessing.forkserver")
     pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
     if pid is None:
@@ -432,7 +434,7 @@ def forget_a_foreign_forkserver() -> None:
     try:
         os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:
-        _forget_the_parents_forkserver()
+        _forget_the_parents_forkserver(close_alive=False)
 
 
 os.register_at_fork(after_in_child=_disown_pools_in_forked_child)

@@ -152,8 +152,10 @@ class Pool(concurrent.futures.Executor):
             replacement) before it takes a task. If it raises, the pool breaks: every future and
             later ``submit`` fail with ``BrokenPoolError``, whose cause is the initializer's
             exception (no respawn loop). ``initargs`` may hold multiprocessing's ``Lock``,
-            ``Value``, ``Queue`` and pipe ends: they go to the workers as they start, as
-            ProcessPoolExecutor's do (a ``Connection`` cannot go in a task's arguments). The
+            ``Value``, ``Queue`` and pipe ends, made from the context of the pool's start
+            method (``multiprocessing.get_context("forkserver")`` for the default pool): they go
+            to the workers as they start, as ProcessPoolExecutor's do (a ``Connection`` cannot
+            go in a task's arguments). The
             globals that the initializer sets are its module's in the worker: a task reads
             them if it is a function of a module; a lambda, or under forkserver and spawn a
             function of the main script's ``if __name__ == "__main__":`` block, goes as a copy

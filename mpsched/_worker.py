@@ -651,10 +651,10 @@ def _refuse_copied_connections() -> None:
 
 
 _COPIED_CONNECTION = (
-    "a multiprocessing Connection cannot go between a pool's processes in a task's arguments "
-    "or result: pickled, it is the number of its file descriptor, which names another file "
-    "there. Give it to the workers in the pool's initargs (inherited, as ProcessPoolExecutor "
-    "does), or use a multiprocessing.Manager's queue."
+    "a multiprocessing Connection cannot be pickled or copied in a pool's worker (as a task's "
+    "argument or result, say): pickled, it is the number of its file descriptor, which names "
+    "another file in another process. Give it to the workers in the pool's initargs "
+    "(inherited, as ProcessPoolExecutor does), or use a multiprocessing.Manager's queue."
 )
 
 

@@ -418,6 +418,7 @@ class _Zygote:
             _print_exc()
         finally:
             try:
+                _run_exit_finalizers()
                 _flush_std_streams()
             finally:  # whatever a task left in sys.stdout: never on in the zygote's code
                 end_process(code)
@@ -524,6 +525,20 @@ def _print_exc() -> None:
 
     with contextlib.suppress(Exception):  # sys.stderr may be None or closed (a task's doing)
         traceback.print_exc(file=sys.stderr)
+
+
+def _run_exit_finalizers() -> None:
+    """A worker's exit: multiprocessing's exit finalizers of this process, as a multiprocessing
+    child runs them as it ends (each runs only in the process that made it). A ``Queue`` of the
+    initializer's arguments writes what tasks put on it from a thread of its own, which
+    ``os._exit`` killed: with ``max_tasks_per_worker`` a review saw 125 of 200 items arrive
+    (ProcessPoolExecutor's workers deliver all). The queue's finalizer waits for that thread;
+    if nothing reads the queue it waits as long as the worker's exit may take (a retiring
+    worker's alarm, the drain's timeout), where ProcessPoolExecutor's shutdown waits for ever."""
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None:
+        with contextlib.suppress(Exception):
+            util._run_finalizers()
 
 
 def _flush_std_streams() -> None:

@@ -233,6 +233,11 @@ def initialized() -> list[Any]:
     return list(_initialized)
 
 
+def call_remembered(index: int) -> Any:
+    """Call ``remember``'s argument ``index`` (a function given in ``initargs``)."""
+    return _initialized[0][index]()
+
+
 def count_and_report(n: int) -> int:
     """With ``remember``'s arguments (a multiprocessing ``Value``, its ``Lock``, a ``Queue``
     and a pipe's sending end): add 1 to the counter, put ``n`` in the queue and send it."""

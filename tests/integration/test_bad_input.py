@@ -413,9 +413,9 @@ def test_an_open_file_fails_at_submit_or_as_a_result(tmp_path: Path) -> None:
     path = tmp_path / "data.txt"
     path.write_text("x" * 1000)
     with bounded_pool(None) as pool, open(path) as file:
-        with pytest.raises(TaskPicklingError, match="open file"):
+        with pytest.raises(TaskPicklingError, match="open text file"):
             pool.submit(len, file)
-        with pytest.raises(TaskPicklingError, match="open file"):
+        with pytest.raises(TaskPicklingError, match="open text file"):
             pool.submit(bt.open_for_reading, str(path)).result(CASE_TIMEOUT)
         assert_pool_works(pool)
 

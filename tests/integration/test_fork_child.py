@@ -114,7 +114,7 @@ def test_a_fork_child_of_a_forkserver_pools_process_makes_a_pool_of_its_own() ->
 
 
 FOREIGN_FORKSERVER = """
-import multiprocessing, os, sys
+import multiprocessing, multiprocessing.forkserver, os, sys
 import mpsched
 
 if __name__ == "__main__":
@@ -124,8 +124,14 @@ if __name__ == "__main__":
     assert "mpsched._lifecycle" not in sys.modules  # so its at-fork hook is not registered
     pid = os.fork()
     if pid == 0:
+        # The number of the fd that kept the parent's server alive, now a file of the child's
+        # own (a child that closed what it inherited and opened its own files).
+        alive = multiprocessing.forkserver._forkserver._forkserver_alive_fd
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, alive)
         with mpsched.Pool(1, start_method="forkserver") as pool:
             print(pool.submit(abs, -3).result(timeout=20), flush=True)
+        print(os.readlink(f"/proc/self/fd/{alive}"), flush=True)
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     sys.exit(os.waitstatus_to_exitcode(status))
@@ -138,7 +144,8 @@ def test_a_fork_child_of_a_program_with_a_forkserver_but_no_pool_makes_one(
 ) -> None:
     """The same, when the parent ran multiprocessing's forkserver but made no pool before the
     fork, so mpsched's at-fork hook did not exist yet: ``Pool()`` itself sees that the server
-    is no child of its process (found by a review)."""
+    is no child of its process (found by a review). It leaves alone the fd that kept the
+    parent's server alive, whose number here names a file of the child's own (it was closed)."""
     script = tmp_path / "program.py"
     script.write_text(FOREIGN_FORKSERVER)
     proc = subprocess.run(
@@ -150,4 +157,4 @@ def test_a_fork_child_of_a_program_with_a_forkserver_but_no_pool_makes_one(
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         check=False,
     )
-    assert (proc.returncode, proc.stdout) == (0, "3\n"), proc.stderr
+    assert (proc.returncode, proc.stdout) == (0, f"3\n{os.devnull}\n"), proc.stderr

@@ -447,9 +447,10 @@ def test_the_workers_see_the_directory_path_and_environment_of_the_first_task(
     assert proc.stdout.splitlines() == [expected], proc.stderr
 
 
-# '' in sys.path (python -c, the REPL, a notebook) is the directory the program started in, as
-# multiprocessing's preparation data has it, and then the current one: a module imported from it
-# before an os.chdir failed in the workers, which enter the new directory (found in review).
+# '' in sys.path (python -c, the REPL, a notebook) is the current directory, as here, then the
+# directory the program started in: a module imported from that one before an os.chdir failed in
+# the workers, which enter the new directory (found in review); a module of one name in both,
+# imported after the chdir, must be the new directory's (a diff review).
 STATE_AFTER_CHDIR = """
 import os
 import sys
@@ -458,10 +459,12 @@ import from_start_dir
 
 os.chdir("elsewhere")
 import from_new_dir
+import in_both
 
 with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
     print(pool.submit(from_start_dir.where).result(timeout=20))
     print(pool.submit(from_new_dir.where).result(timeout=20))
+    print(pool.submit(in_both.where).result(timeout=20))
 """
 
 
@@ -473,8 +476,10 @@ def test_a_module_of_the_empty_path_entry_is_found_after_a_chdir(
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "from_start_dir.py").write_text("def where():\n    return 'start'\n")
     (tmp_path / "elsewhere" / "from_new_dir.py").write_text("def where():\n    return 'new'\n")
+    (tmp_path / "in_both.py").write_text("def where():\n    return 'start'\n")
+    (tmp_path / "elsewhere" / "in_both.py").write_text("def where():\n    return 'new'\n")
     proc = _run_main(tmp_path, STATE_AFTER_CHDIR, start_method, main="dash-c")
-    assert proc.stdout.splitlines() == ["start", "new"], proc.stderr
+    assert proc.stdout.splitlines() == ["start", "new", "new"], proc.stderr
 
 
 # A module that the main module imports makes a pool as it is imported: under spawn and forkserver

@@ -90,7 +90,9 @@ def test_failing_initializer_breaks_the_pool_with_its_error_and_no_respawn_loop(
 def test_initargs_may_be_multiprocessing_objects_shared_by_inheritance(start_method: str) -> None:
     """A ``Value``, a ``Lock``, a ``Queue`` and a pipe's end in ``initargs``, as
     ProcessPoolExecutor takes them: the first three were refused at ``Pool()`` (they pickle
-    only as a process starts), the pipe's end went as a bare fd number (found in review)."""
+    only as a process starts), the pipe's end went as a bare fd number (found in review). The
+    workers retire after each task: the queue's items, which its thread writes, were lost at
+    a worker's exit (a diff review)."""
     ctx = multiprocessing.get_context(start_method)
     counter, lock, queue = ctx.Value("i", 0, lock=False), ctx.Lock(), ctx.Queue()
     receiver, sender = ctx.Pipe(duplex=False)
@@ -98,6 +100,7 @@ def test_initargs_may_be_multiprocessing_objects_shared_by_inheritance(start_met
     with Pool(
         2,
         start_method=start_method,
+        max_tasks_per_worker=1,
         initializer=tasks.remember,
         initargs=(counter, lock, queue, sender),
     ) as pool:
@@ -105,6 +108,34 @@ def test_initargs_may_be_multiprocessing_objects_shared_by_inheritance(start_met
     assert counter.value == n
     assert sorted(queue.get(timeout=20) for _ in range(n)) == list(range(n))
     assert sorted(receiver.recv() for _ in range(n)) == list(range(n))
+    queue.close()
+    queue.join_thread()
+    receiver.close()
+    sender.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_initargs_beside_a_queue_go_as_a_tasks_arguments_do(start_method: str) -> None:
+    """With a ``Queue`` (an object that only a process's start carries) and a pipe's end, the
+    other arguments still go as a task's do: a lambda, which multiprocessing's pickler refuses
+    (a bare PicklingError at ``Pool()``), and a local function, which it writes by a name that
+    the zygote lacks (the zygote died of it; a diff review)."""
+    ctx = multiprocessing.get_context(start_method)
+    queue = ctx.Queue()
+    receiver, sender = ctx.Pipe(duplex=False)
+
+    def local() -> str:
+        return "local"
+
+    with Pool(
+        1,
+        start_method=start_method,
+        initializer=tasks.remember,
+        initargs=(queue, lambda: "lambda", local, sender),
+    ) as pool:
+        assert pool.submit(tasks.call_remembered, 1).result(timeout=20) == "lambda"
+        assert pool.submit(tasks.call_remembered, 2).result(timeout=20) == "local"
     queue.close()
     queue.join_thread()
     receiver.close()
