@@ -108,9 +108,11 @@ class CoordinatorState:
         # Reentrant: a signal handler's submission inside the first one's send of START sends
         # its own, whole (a frame this small is one write), and the zygote ignores the second.
         self.workers_released = not workers_await_start
-        # START's modules and its time (monotonic) until the zygote's first SPAWNED: the
-        # zygote imports them before it forks a worker (``check_start_import``).
-        self.start_import: tuple[tuple[str, ...], float] | None = None
+        # START's modules (set before its send, under zygote_send_lock), which the zygote
+        # imports before its first fork; and whether it forked (SPAWNED or SPAWN_FAILED came):
+        # a death in between was in those imports (``zygote_died``).
+        self.start_modules: tuple[str, ...] = ()
+        self.forked_any = False
         self.zygote_send_lock = threading.RLock()
         self.wakeup = wakeup
         self.clear_wakeup = clear_wakeup

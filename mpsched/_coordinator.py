@@ -114,9 +114,6 @@ SPAWN_GIVE_UP = 10.0
 # fds that the pool's process takes for a new worker: its socket, its pidfd, and the duplicate
 # of the zygote's socket that receiving the worker's takes meanwhile (``recv_handle``).
 FDS_PER_NEW_WORKER = 3
-# Seconds the zygote may take to import the first task's modules (START) before it forks its
-# first worker: far beyond the slowest imports seen (a machine-learning stack, 10-30 s).
-START_IMPORT_TIMEOUT = 120.0
 
 
 class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Draining):
@@ -172,7 +169,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             # at its first child, as the first worker does.
             self.send_to_zygote(Tag.SPAWN, slot, bool(self.dormant))
         except OSError as exc:  # EPIPE: it died, its EOF not read yet (e.g. during a recovery)
-            raise zygote_died(self.start_import) from exc
+            raise zygote_died(self.importing()) from exc
 
     def spawn_failed(self, slot: int, error: str) -> None:
         """Coordinator thread: ``slot``'s worker could not start for now (``error``): the slot
@@ -215,25 +212,18 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         with self.zygote_send_lock:
             if self.workers_released:
                 return
-            # EPIPE: the zygote died; the loop reads its EOF and breaks the pool.
-            with sigpipe_blocked(), contextlib.suppress(OSError):
-                self.zygote.send_bytes(encode(Tag.START, modules, process_state()))
-            self.start_import = (modules, time.monotonic())
+            # Before the send: the zygote's answer to it (SPAWNED) may be read first.
+            self.start_modules = tuple(m for m in modules if m not in sys.builtin_module_names)
+            try:
+                with sigpipe_blocked():
+                    self.zygote.send_bytes(encode(Tag.START, modules, process_state()))
+            except OSError:  # EPIPE: the zygote died; the loop reads its EOF, breaks the pool
+                self.start_modules = ()
             self.workers_released = True
 
-    def check_start_import(self) -> None:
-        """Coordinator thread, while the zygote has forked no worker since START: an import of
-        the first task's module that blocks in a child process (not in this one) left every
-        future waiting for ever, the tasks' own timeouts too (no worker claims them), and the
-        shutdown with them (found in review). After ``START_IMPORT_TIMEOUT`` the pool breaks,
-        naming the modules; its teardown kills the zygote."""
-        assert self.start_import is not None
-        modules, sent = self.start_import
-        if time.monotonic() - sent > START_IMPORT_TIMEOUT:
-            raise BrokenPoolError(
-                f"the pool's zygote did not fork a worker within {START_IMPORT_TIMEOUT:g} s of "
-                f"the first task: {_importing(modules)} does not end there"
-            )
+    def importing(self) -> tuple[str, ...]:
+        """The modules that the zygote was importing if it dies now: START's, until it forked."""
+        return () if self.forked_any else self.start_modules
 
     def send_to_zygote(self, tag: int, *fields: Any) -> None:
         """Coordinator thread: one command to the zygote, never in the middle of a submitting
@@ -360,8 +350,6 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
                 self.dispatch()
             if self.dormant:
                 self.wake_dormant()
-            if self.start_import is not None:
-                self.check_start_import()
             if self.watched:
                 # Under collect_lock: a user thread's collection frees a task's block before
                 # end_runs takes it out of ``watched``; in between, the block may carry a new
@@ -565,7 +553,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             self.exit_codes.pop(pid, None)
             self.retired_pids.discard(pid)
             self.starting.discard(slot)
-            self.start_import = None
+            self.forked_any = True
             self.spawn_warned = False
             self.stranded_since = None
             try:
@@ -586,7 +574,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             self.by_fd[conn.fileno()] = worker
             self.epoll.register(conn.fileno(), select.EPOLLIN)
         elif tag == Tag.SPAWN_FAILED:
-            self.start_import = None  # past its imports: it tried a fork
+            self.forked_any = True  # past its imports: it tried a fork
             self.spawn_failed(*fields)
         elif tag == Tag.EXITED:
             _, pid, code = fields
@@ -601,7 +589,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         try:
             return decode(self.zygote.recv_bytes())
         except (EOFError, OSError) as exc:
-            raise zygote_died(self.start_import) from exc
+            raise zygote_died(self.importing()) from exc
 
 
 def process_state() -> tuple[str | None, list[str], dict[str, str]]:
@@ -645,29 +633,20 @@ def _fds_short(fd: int, count: int) -> OSError | None:
     return None
 
 
-def zygote_died(start_import: tuple[tuple[str, ...], float] | None = None) -> BrokenPoolError:
-    """The pool's error at its zygote's death; ``start_import``: it died after START and
-    before its first fork, so in the import of the first task's modules (a crash or an exit
-    there was blamed on the main module's import; found in review)."""
-    if start_import is not None and start_import[0]:
+def zygote_died(importing: tuple[str, ...] = ()) -> BrokenPoolError:
+    """The pool's error at its zygote's death; ``importing``: it died after START and before
+    its first fork, so in the import of the first task's modules, which it imports once for
+    every worker (under forkserver and spawn). An exception there is ignored (the worker's own
+    import reports it), so such a death is a crash or an exit in the import: a C extension
+    that is not fork-safe, say. It was blamed on the main module's import (found in review)."""
+    if importing:
+        names = ", ".join(repr(m) for m in importing)
         return BrokenPoolError(
-            "the pool's zygote process died before it forked a worker: "
-            f"{_importing(start_import[0])} crashed or exited there (its traceback, if any, is "
-            "above)"
+            "the pool's zygote process died before it forked a worker: the import of the first "
+            f"task's module(s) {names}, which the zygote imports once for every worker (under "
+            "forkserver and spawn), crashed or exited in that child process"
         )
     return BrokenPoolError(
         "the pool's zygote process died (if this happened at start-up, its traceback is above: "
         "e.g. the main module could not be imported under spawn)"
-    )
-
-
-def _importing(modules: tuple[str, ...]) -> str:
-    """Under forkserver and spawn the zygote imports the first task's modules once, for every
-    worker it forks (a fork's child starts with them); an import that crashes, exits or blocks
-    in a child process (a C extension that is not fork-safe, a lock held at the fork) does
-    so there."""
-    names = ", ".join(repr(m) for m in modules)
-    return (
-        f"the import of the first task's module(s) {names}, which the zygote imports once for "
-        "every worker (under forkserver and spawn), in a child process"
     )

@@ -27,9 +27,11 @@ while it holds a lock first sets a *sink* (``defer_callbacks``): ``_invoke_callb
 future to it instead of calling its callbacks. The coordinator thread's sink, for its whole
 life, is a ``CallbackRunner``: a thread of the pool's that runs the callbacks of the futures the
 coordinator settles, since a callback that blocks there would stop the loop that must collect
-what it waits for; a user thread that collected in ``result()`` hands it what it settled once
-it released the lock, so that no callback runs inside a caller's ``result()``. Each future's
-callbacks are called once, after it is done.
+what it waits for; a user thread that collected in ``result()`` queues there what it settled
+before it releases the lock (``CallbackRunner.put``), so that no callback runs inside a
+caller's ``result()`` and none after the loop's end. A withdrawal of many futures (a shutdown's
+``cancel_futures``) calls their callbacks once all are marked (``callbacks_after_all``). Each
+future's callbacks are called once, after it is done.
 """
 
 from __future__ import annotations

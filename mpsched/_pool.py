@@ -744,20 +744,26 @@ class Pool(concurrent.futures.Executor):
         if self._started:
             if not wait_interruptibly(self._coordinator.finished.wait, timeout):
                 return False
-            # The lock's wait keeps the timeout too: a shutdown(wait=True) in another thread
-            # holds it while the teardown waits for the zygote (found in review).
-            lock_wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._shutdown_lock.acquire(timeout=lock_wait):
+            # The teardown's end is waited for before the lock, which a shutdown(wait=True) in
+            # another thread holds while it waits for the same (for a zygote that does not
+            # exit, 5 s: the timeout was not kept; found in review). Once it ended, a holder
+            # lets go at once. (A timed acquire instead had a window where a Ctrl-C left the
+            # lock taken, and every later shutdown waited for ever; a diff review.)
+            if not self._release_joined(deadline):
                 return False
-            try:
-                if not self._release(deadline):
-                    return False
-            finally:
-                self._shutdown_lock.release()
+            with self._shutdown_lock:
+                self._release(deadline)
         # After the release too (a second caller finds the pool released): the runner is
         # closed once ``finished`` is set, so this join ends with its last callback.
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         return self._coordinator.callbacks.join(left)
+
+    def _release_joined(self, deadline: float | None) -> bool:
+        """Ask the coordinator thread to tear down and end (its loop ended), and wait for that
+        until ``deadline`` (monotonic; None: no limit); whether it ended."""
+        self._resources.request_release()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return join_interruptibly(self._thread, left)
 
     def _release(self, deadline: float | None) -> bool:
         """After the coordinator's loop ended: let its thread reap the zygote and free every
@@ -766,9 +772,7 @@ class Pool(concurrent.futures.Executor):
         a zygote that does not exit: ``await_termination(1)`` took 5 s then.)"""
         if not self._started:
             return True
-        self._resources.request_release()
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not join_interruptibly(self._thread, left):
+        if not self._release_joined(deadline):
             return False
         # Cleared only now: shutdown() and await_termination() read it without the lock,
         # and cleared before the join, a shutdown(wait=True) racing this one returned while

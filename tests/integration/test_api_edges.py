@@ -17,6 +17,7 @@ import os
 import pathlib
 import pickle
 import signal
+import sys
 import threading
 import time
 import typing
@@ -536,6 +537,16 @@ def test_a_shutdown_that_cancels_withdraws_the_tasks_of_futures_the_user_settled
         pool.shutdown(wait=False)
 
 
+def _in_call(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is inside a call of ``function`` now."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("releaser", ["itself", "another_threads_shutdown"])
 def test_await_termination_keeps_its_timeout_while_the_teardown_waits_for_the_zygote(
@@ -545,8 +556,8 @@ def test_await_termination_keeps_its_timeout_while_the_teardown_waits_for_the_zy
     whose teardown gives a zygote that does not exit ``ZYGOTE_JOIN_TIMEOUT`` (5 s) before it
     kills it: with the zygote stopped, ``await_termination(0.5)`` returned True after 5 s
     (found in review). Now it returns False at its timeout, and True once the teardown ended.
-    The same while a ``shutdown(wait=True)`` in another thread does that join (it waited for
-    that shutdown's lock with no limit; found in review)."""
+    The same while a ``shutdown(wait=True)`` in another thread does that join (it held a lock
+    there, which this waited for with no limit; found in review)."""
     pool = Pool(1)
     zygote = pool._resources.zygote.pid
     closer = threading.Thread(target=pool.shutdown)
@@ -557,7 +568,7 @@ def test_await_termination_keeps_its_timeout_while_the_teardown_waits_for_the_zy
         wait_until(pool._coordinator.finished.is_set, "the loop ended")
         if releaser == "another_threads_shutdown":
             closer.start()
-            wait_until(pool._shutdown_lock.locked, "the other thread's shutdown took its lock")
+            wait_until(lambda: _in_call(closer, "join_interruptibly"), "the other thread joins")
         started = time.monotonic()
         assert pool.await_termination(0.5) is False
         assert time.monotonic() - started < ZYGOTE_JOIN_TIMEOUT - 1.0
