@@ -155,12 +155,11 @@ class Pool(concurrent.futures.Executor):
             ``Value``, ``Queue`` and pipe ends, made from the context of the pool's start
             method (``multiprocessing.get_context("forkserver")`` for the default pool): they go
             to the workers as they start, as ProcessPoolExecutor's do (a ``Connection`` cannot
-            go in a task's arguments). The
-            globals that the initializer sets are its module's in the worker: a task reads
-            them if it is a function of a module; a lambda, or under forkserver and spawn a
-            function of the main script's ``if __name__ == "__main__":`` block, goes as a copy
-            with the caller's globals and reads the caller's values (reach the worker's state
-            through a module's function).
+            go in a task's arguments). The globals that the initializer sets are its module's in
+            the worker: a task reads them if it is a function of a module; a lambda, or under
+            forkserver and spawn a function of the main script's ``if __name__ == "__main__":``
+            block, goes as a copy with the caller's globals and reads the caller's values (reach
+            the worker's state through a module's function).
 
     A pool that is neither shut down nor used in a ``with`` block, once nothing references it,
     is garbage-collected and shut down like ``shutdown(wait=False)``: its pending tasks still
