@@ -46,7 +46,7 @@ import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
 from queue import Empty, SimpleQueue
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from mpsched._chunks import run_chunk
 from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
@@ -206,7 +206,7 @@ class MapRun:
         self.stoppable: set[Future[Any]] = set()
         self.lock = threading.RLock()
 
-    def start(self) -> MapIterator[Any]:
+    def start(self) -> Generator[Any, None, None]:
         """``Pool.map``'s iterator, after its checks: the items in chunks, their results in
         input order, until ``deadline`` (``time.monotonic()``; None: no limit). The first
         window of chunks is sent here, at the call, as ``ProcessPoolExecutor.map`` sends its
@@ -222,7 +222,7 @@ class MapRun:
             gone = functools.partial(_dropped, pool._dropped_maps, runner, weakref.ref(self))
             self.reader = weakref.ref(results, gone)
         self.fill()
-        return MapIterator(results)
+        return results
 
     def reader_gone(self) -> None:
         """The iterator was dropped (``let_dropped_maps_go``, in the pool's callback thread or
@@ -595,9 +595,8 @@ class MapRun:
             self.in_flight.popleft()
 
 
-def ordered_results(run: MapRun, pool: Pool) -> Generator[Iterator[Any], None, None]:
-    """The results of ``run``'s chunks in input order, an iterator a chunk, sending more as
-    they are consumed (``MapIterator`` runs over each in C)."""
+def ordered_results(run: MapRun, pool: Pool) -> Generator[Any, None, None]:
+    """The results of ``run``'s chunks in input order, sending more as they are consumed."""
     in_flight = run.in_flight
     deadline = run.deadline
     run.read = True  # read from now on: dropped, it is abandoned (see Pool.map)
@@ -628,9 +627,9 @@ def ordered_results(run: MapRun, pool: Pool) -> Generator[Iterator[Any], None, N
             results = _load(pickled)
             del pickled
             if error is not None:  # an item raised after these: they come first (_chunks)
-                yield _handed_out(results, nbytes)
+                yield from _handed_out(results, nbytes)
                 raise load_exception(error)
-            yield _handed_out(results, nbytes)
+            yield from _handed_out(results, nbytes)
     except GeneratorExit:
         # close(): by the caller, or by the garbage collector finalizing the generator,
         # which may run inside any allocation, also while this thread holds a lock that
@@ -653,41 +652,9 @@ def ordered_results(run: MapRun, pool: Pool) -> Generator[Iterator[Any], None, N
             future.cancel()
 
 
-_T = TypeVar("_T")  # a map's result
-
-
-class MapIterator(Generic[_T]):
-    """``Pool.map``'s iterator: the results in input order. Iterating it (``for``, ``list()``)
-    runs over the chunks' results in C (``itertools.chain``), the generator that waits for
-    them (``ordered_results``) resumed once a chunk: a generator resumed once an item cost
-    ~35 ns a result, ~10% of a map of no-ops, where ``multiprocessing.Pool.map`` fills a list
-    by slices. ``close()`` abandons the map, as the generator's did; dropped, its generator is
-    finalized with it (``MapRun.start``'s weak reference and ``GeneratorExit`` handling are
-    the generator's)."""
-
-    __slots__ = ("__weakref__", "_chunks", "_items")
-
-    def __init__(self, chunks: Generator[Iterator[Any], None, None]) -> None:
-        self._chunks = chunks
-        self._items: Iterator[_T] = itertools.chain.from_iterable(chunks)
-
-    def __iter__(self) -> Iterator[_T]:
-        return self._items  # (the same one every time: next() and a loop share it)
-
-    def __next__(self) -> _T:
-        return next(self._items)
-
-    def close(self) -> None:
-        """Abandon the map: what no worker started is cancelled (see ``Pool.map``)."""
-        self._chunks.close()
-
-
-def no_results() -> MapIterator[Any]:
-    """``Pool.map`` of no iterable: no result (a ``MapIterator``, as every map's)."""
-    return MapIterator(_no_chunks())
-
-
-def _no_chunks() -> Generator[Iterator[Any], None, None]:
+def no_results() -> Generator[Any, None, None]:
+    """``Pool.map`` of no iterable: no result (a generator, as every map's iterator, so that
+    it has ``close()`` too)."""
     yield from ()
 
 

@@ -28,7 +28,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Sized
+from collections.abc import Callable, Generator, Hashable, Iterable, Sized
 from typing import Any, ParamSpec, TypeVar
 
 from mpsched._clock import join_interruptibly, wait_interruptibly, wait_seconds
@@ -44,7 +44,7 @@ from mpsched._lifecycle import (
     live_pools,
     shutdown_all_pools,
 )
-from mpsched._map import SHARED_INPUTS, MapIterator, MapRun, let_dropped_maps_go, no_results
+from mpsched._map import SHARED_INPUTS, MapRun, let_dropped_maps_go, no_results
 from mpsched._options import MisfirePolicy, OverlapPolicy, TaskOptions, check_seconds
 from mpsched._payloads import CHAIN_BYTES_MAX
 from mpsched._scheduler import check_priority, check_run_at, check_task_id
@@ -522,7 +522,7 @@ class Pool(concurrent.futures.Executor):
         *iterables: Iterable[Any],
         chunksize: int | None = None,
         timeout: float | None = None,
-    ) -> MapIterator[_T]:
+    ) -> Generator[_T, None, None]:
         """Like ``map(fn, *iterables)``, run in the pool; results in input order. With no
         iterable, an empty iterator (as ``concurrent.futures.Executor.map``; the builtin
         ``map`` raises TypeError).
