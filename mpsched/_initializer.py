@@ -20,6 +20,8 @@ their error still comes there.
 
 from __future__ import annotations
 
+import contextlib
+
 from mpsched._serialize import TaskPicklingError, dumps_for_workers, portable
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
@@ -34,24 +36,33 @@ _CONNECTION_MODULE = b"multiprocessing.connection"
 
 
 class InheritedInitializer:
-    """The initializer's function, pickled, and its arguments: each ``(True, its pickle)``, as a
-    task's argument goes, or ``(False, the object)`` for one that only a process's start can
-    carry (see the module doc). ``load`` runs in a worker."""
+    """The initializer's function, pickled; its arguments that can be pickled, pickled together
+    (so that two of them that are one object stay one), with their positions; and the others
+    as objects, with theirs (see the module doc). ``load`` runs in a worker."""
 
-    __slots__ = ("args", "function")
+    __slots__ = ("function", "inherited", "pickled", "positions")
 
-    def __init__(self, function: bytes, args: tuple[tuple[bool, Any], ...]) -> None:
+    def __init__(
+        self,
+        function: bytes,
+        pickled: bytes,
+        positions: tuple[int, ...],
+        inherited: tuple[tuple[int, Any], ...],
+    ) -> None:
         self.function = function
-        self.args = args
+        self.pickled = pickled
+        self.positions = positions
+        self.inherited = inherited
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return InheritedInitializer, (self.function, self.args)
+        return InheritedInitializer, (self.function, self.pickled, self.positions, self.inherited)
 
     def load(self) -> tuple[Any, tuple[Any, ...]]:
         import pickle
 
-        args = tuple(pickle.loads(arg) if pickled else arg for pickled, arg in self.args)
-        return pickle.loads(self.function), args
+        args: dict[int, Any] = dict(zip(self.positions, pickle.loads(self.pickled), strict=True))
+        args.update(self.inherited)
+        return pickle.loads(self.function), tuple(args[i] for i in range(len(args)))
 
 
 def pickled_initializer(
@@ -72,20 +83,53 @@ def pickled_initializer(
     except TaskPicklingError:
         pass
     else:
-        if _CONNECTION_MODULE not in data:
+        if _CONNECTION_MODULE not in data or not any(map(_holds_a_connection, args)):
             return data
     function = dumps_for_workers(portable(fn))  # the function's own error, if it is it
-    parts: list[tuple[bool, Any]] = []
-    for arg in args:
+    positions: list[int] = []
+    inherited: list[tuple[int, Any]] = []
+    for i, arg in enumerate(args):
         try:
             part = dumps_for_workers(arg)
         except TaskPicklingError:
-            parts.append((False, arg))
+            inherited.append((i, arg))
             continue
-        parts.append((False, arg) if _CONNECTION_MODULE in part else (True, part))
+        if _CONNECTION_MODULE in part and _holds_a_connection(arg):
+            inherited.append((i, arg))
+        else:
+            positions.append(i)
     if start_method != "fork":  # a fork pickles nothing: every object passes
-        _check_inheritable(tuple(arg for pickled, arg in parts if not pickled))
-    return InheritedInitializer(function, tuple(parts))
+        _check_inheritable(tuple(arg for _, arg in inherited))
+    pickled = dumps_for_workers(tuple(args[i] for i in positions))
+    return InheritedInitializer(function, pickled, tuple(positions), tuple(inherited))
+
+
+def _holds_a_connection(obj: Any) -> bool:
+    """Whether ``obj`` holds a multiprocessing ``Connection``, which plain pickle copies as a
+    bare fd number; its pickle naming the module is no proof: a function that calls
+    ``multiprocessing.connection.wait`` names it too (a diff review). Plain pickle's walk of
+    ``obj``, stopped at the first one (an object plain pickle refuses hides none from it:
+    cloudpickle's copy of it is tried in the worker, which refuses a Connection)."""
+    import io
+    import pickle
+    from multiprocessing.connection import Connection
+
+    class Finder(pickle.Pickler):
+        found = False
+
+        def reducer_override(self, candidate: Any) -> Any:
+            if isinstance(candidate, Connection):
+                Finder.found = True
+                raise _Found
+            return NotImplemented
+
+    with contextlib.suppress(Exception):
+        Finder(io.BytesIO(), pickle.HIGHEST_PROTOCOL).dump(obj)
+    return Finder.found
+
+
+class _Found(Exception):
+    """Ends ``_holds_a_connection``'s walk at its first find."""
 
 
 class _SpawnProbe:

@@ -89,6 +89,11 @@ FDS_PER_MESSAGE = 250  # fds per SCM_RIGHTS message; below SCM_MAX_FD (253)
 # ForkedZygote's exit code when the kernel reaped it (the pool's process ignores SIGCHLD) and
 # its status is gone; as a negative code is a signal's, 255 (exit(-1)) stands for "unknown".
 EXIT_STATUS_LOST = 255
+# Seconds a worker's exit gives multiprocessing's exit finalizers (a Queue's thread writing
+# what tasks put on it) and the flush of its streams before SIGALRM's default action ends it: a
+# queue filled past its pipe's capacity, which nobody read, held each exit the retiring alarm's
+# 10 s, every recycle and the shutdown (a diff review; ProcessPoolExecutor's waits for ever).
+EXIT_FLUSH_TIMEOUT = 1.0
 
 
 class ZygoteConfig:
@@ -533,8 +538,11 @@ def _run_exit_finalizers() -> None:
     initializer's arguments writes what tasks put on it from a thread of its own, which
     ``os._exit`` killed: with ``max_tasks_per_worker`` a review saw 125 of 200 items arrive
     (ProcessPoolExecutor's workers deliver all). The queue's finalizer waits for that thread;
-    if nothing reads the queue it waits as long as the worker's exit may take (a retiring
-    worker's alarm, the drain's timeout), where ProcessPoolExecutor's shutdown waits for ever."""
+    if nothing reads the queue it waits ``EXIT_FLUSH_TIMEOUT`` (then SIGALRM ends the worker,
+    after its DRAINED or RETIRING: no crash), where ProcessPoolExecutor's shutdown waits for
+    ever."""
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.setitimer(signal.ITIMER_REAL, EXIT_FLUSH_TIMEOUT)  # for the flush after it too
     util = sys.modules.get("multiprocessing.util")
     if util is not None:
         with contextlib.suppress(Exception):

@@ -233,6 +233,20 @@ def initialized() -> list[Any]:
     return list(_initialized)
 
 
+def remembered_are_one(i: int, j: int) -> bool:
+    """Whether ``remember``'s arguments ``i`` and ``j`` are one object."""
+    return _initialized[0][i] is _initialized[0][j]
+
+
+def leave_a_full_queue(_: Any = None) -> int:
+    """Put more than a pipe holds on a multiprocessing queue of the task's own, which nobody
+    reads, and return: its thread is still writing as the worker's exit comes."""
+    import multiprocessing
+
+    multiprocessing.get_context("fork").Queue().put(b"x" * 200_000)
+    return os.getpid()
+
+
 def call_remembered(index: int) -> Any:
     """Call ``remember``'s argument ``index`` (a function given in ``initargs``)."""
     return _initialized[0][index]()

@@ -9,13 +9,15 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.connection import wait
 
 import psutil
 import pytest
 
-from mpsched import BrokenPoolError, Pool, TaskPicklingError, _coord_recovery
+from mpsched import BrokenPoolError, Pool, TaskPicklingError, _coord_recovery, _zygote
 
 from . import tasks
 from .conditions import wait_until
@@ -128,18 +130,37 @@ def test_initargs_beside_a_queue_go_as_a_tasks_arguments_do(start_method: str) -
     def local() -> str:
         return "local"
 
+    config = {"k": 1}
     with Pool(
         1,
         start_method=start_method,
         initializer=tasks.remember,
-        initargs=(queue, lambda: "lambda", local, sender),
+        # (One that names multiprocessing.connection's module is no Connection: a review.)
+        initargs=(queue, lambda: "lambda", local, sender, config, config, lambda: wait),
     ) as pool:
         assert pool.submit(tasks.call_remembered, 1).result(timeout=20) == "lambda"
         assert pool.submit(tasks.call_remembered, 2).result(timeout=20) == "local"
+        # Two arguments that are one object stay one, as in one pickle (a diff review).
+        assert pool.submit(tasks.remembered_are_one, 4, 5).result(timeout=20)
+        assert pool.submit(tasks.call_remembered, 6).result(timeout=20) is wait
     queue.close()
     queue.join_thread()
     receiver.close()
     sender.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_queue_left_full_delays_a_workers_exit_by_one_second_at_most() -> None:
+    """A worker's exit runs multiprocessing's exit finalizers (so that a queue's items are
+    written), which wait for a queue's thread: one filled past its pipe, which nobody reads,
+    held each exit the retiring worker's 10 s alarm (a diff review). Now each waits at most
+    ``EXIT_FLUSH_TIMEOUT`` (1 s): three one-task workers and the shutdown take seconds, not
+    the 30 s and more they took."""
+    started = time.monotonic()
+    with Pool(1, max_tasks_per_worker=1) as pool:
+        pids = {pool.submit(tasks.leave_a_full_queue).result(timeout=30) for _ in range(3)}
+    assert len(pids) == 3
+    assert time.monotonic() - started < 3 * _zygote.EXIT_FLUSH_TIMEOUT + 6.0
 
 
 @pytest.mark.timeout(60)
