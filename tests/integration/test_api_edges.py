@@ -29,6 +29,8 @@ import mpsched
 from mpsched import Pool, PoolStatistics, TaskPicklingError, TaskState, WorkerCrashedError, _startup
 from mpsched._coord_collect import HELP_SPIN
 from mpsched._lifecycle import ZYGOTE_JOIN_TIMEOUT
+from mpsched._payloads import BlockField
+from mpsched._protocol import TopState
 
 from . import api_edge_tasks as at
 from . import edge_tasks, tasks
@@ -256,6 +258,16 @@ def test_a_recurrences_future_cancel_lets_its_running_run_end(fifos: Fifos, how:
         )
         tasks.wait_started(fifos.started)
         assert recurrence.cancel() if how == "future" else pool.cancel("tick")
+        if how == "by_id":  # the loop sets the run's flag on its next pass (it raced the gate)
+            slot, slab = pool._views.slots[0], pool._coordinator.slab
+
+            def flagged() -> bool:
+                running = slot.running()
+                return bool(running) and all(
+                    slab.get_word(h, BlockField.STATE) == TopState.CANCEL_REQUESTED for h in running
+                )
+
+            wait_until(flagged, "the run's cancel flag is set")
         tasks.open_gate(fifos.gate)
         wait_until(lambda: tasks.read_log(fifos.log), "the run ended")
     assert tasks.read_log(fifos.log) == [0 if how == "future" else 1]
