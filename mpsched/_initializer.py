@@ -20,8 +20,6 @@ their error still comes there.
 
 from __future__ import annotations
 
-import contextlib
-
 from mpsched._serialize import TaskPicklingError, dumps_for_workers, portable
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
@@ -79,57 +77,57 @@ def pickled_initializer(
             by multiprocessing as it starts the zygote.
     """
     try:
-        data = dumps_for_workers((portable(fn), args))
+        data: bytes | None = dumps_for_workers((portable(fn), args))
     except TaskPicklingError:
-        pass
-    else:
-        if _CONNECTION_MODULE not in data or not any(map(_holds_a_connection, args)):
-            return data
+        data = None
+    if data is not None and _CONNECTION_MODULE not in data:
+        return data
     function = dumps_for_workers(portable(fn))  # the function's own error, if it is it
-    positions: list[int] = []
-    inherited: list[tuple[int, Any]] = []
-    for i, arg in enumerate(args):
-        try:
-            part = dumps_for_workers(arg)
-        except TaskPicklingError:
-            inherited.append((i, arg))
-            continue
-        if _CONNECTION_MODULE in part and _holds_a_connection(arg):
-            inherited.append((i, arg))
-        else:
-            positions.append(i)
+    inherited = [(i, arg) for i, arg in enumerate(args) if _only_a_start_carries(arg)]
+    if data is not None and not inherited:  # its pickle only named the module
+        return data
     if start_method != "fork":  # a fork pickles nothing: every object passes
         _check_inheritable(tuple(arg for _, arg in inherited))
+    carried = {i for i, _ in inherited}
+    positions = tuple(i for i in range(len(args)) if i not in carried)
     pickled = dumps_for_workers(tuple(args[i] for i in positions))
-    return InheritedInitializer(function, pickled, tuple(positions), tuple(inherited))
+    return InheritedInitializer(function, pickled, positions, tuple(inherited))
 
 
-def _holds_a_connection(obj: Any) -> bool:
-    """Whether ``obj`` holds a multiprocessing ``Connection``, which plain pickle copies as a
-    bare fd number; its pickle naming the module is no proof: a function that calls
-    ``multiprocessing.connection.wait`` names it too (a diff review). Plain pickle's walk of
-    ``obj``, stopped at the first one (an object plain pickle refuses hides none from it:
-    cloudpickle's copy of it is tried in the worker, which refuses a Connection)."""
+def _only_a_start_carries(arg: Any) -> bool:
+    """Whether ``arg`` cannot go as a task's argument: it does not pickle so, or it holds a
+    multiprocessing ``Connection``, which plain pickle copies as a bare fd number. Its pickle
+    naming the module is no proof: a function that calls ``multiprocessing.connection.wait``
+    names it too (a diff review); plain pickle's walk of it, stopped at the first one, is (an
+    object plain pickle refuses hides none from it: cloudpickle's copy is tried in the
+    worker, which refuses a Connection)."""
+    try:
+        part = dumps_for_workers(arg)
+    except TaskPicklingError:
+        return True
+    if _CONNECTION_MODULE not in part:
+        return False
     import io
     import pickle
     from multiprocessing.connection import Connection
 
     class Finder(pickle.Pickler):
-        found = False
-
         def reducer_override(self, candidate: Any) -> Any:
             if isinstance(candidate, Connection):
-                Finder.found = True
                 raise _Found
             return NotImplemented
 
-    with contextlib.suppress(Exception):
-        Finder(io.BytesIO(), pickle.HIGHEST_PROTOCOL).dump(obj)
-    return Finder.found
+    try:
+        Finder(io.BytesIO(), pickle.HIGHEST_PROTOCOL).dump(arg)
+    except _Found:
+        return True
+    except Exception:  # refused by plain pickle: see above
+        pass
+    return False
 
 
 class _Found(Exception):
-    """Ends ``_holds_a_connection``'s walk at its first find."""
+    """Ends ``_only_a_start_carries``'s walk at its first find."""
 
 
 class _SpawnProbe:
