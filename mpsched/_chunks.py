@@ -5,7 +5,8 @@ Module-level so they pickle by reference (and enter the pool's function table on
 A map over one iterable sends its items as they are (a flat list), not as 1-tuples of
 arguments: pickling 1,024 small ints as 1-tuples took 84 us to dump and 99 us to load here,
 as a flat list 20 us and 36 us, and the tuples cost another ~60 us to build (``zip``) in the
-caller. Several iterables need the tuples (``star=True``).
+caller. Several iterables need the tuples (``star=True``). A chunk of a range input is a
+sub-range (``_map``, "A range input"): it is read as the list is.
 
 A chunk may stop early, at its time budget: it runs its items in runs of 1, 1, 2, 4, ... (each
 run as long as all before it), reads the clock after each run, and stops once ``budget``
@@ -40,7 +41,7 @@ from mpsched._serialize import dumps_result, first_unpicklable
 
 
 def run_chunk(
-    fn: Callable[..., Any], items: list[Any], star: bool, budget: float, max_bytes: float
+    fn: Callable[..., Any], items: list[Any] | range, star: bool, budget: float, max_bytes: float
 ) -> tuple[list[bytes], float, bytes | None, int]:
     """``[fn(x) for x in items]`` (``fn(*x)`` if ``star``), or a prefix of it if ``budget``
     seconds ran out or its pickled results reached ``max_bytes``, pickled (``dumps_result``)
@@ -66,7 +67,7 @@ def run_chunk(
 
 
 def _run(
-    fn: Callable[..., Any], items: list[Any], star: bool, budget: float, max_bytes: float
+    fn: Callable[..., Any], items: list[Any] | range, star: bool, budget: float, max_bytes: float
 ) -> tuple[list[bytes], float, bytes | None, int]:
     start = time.perf_counter()
     it = iter(items)

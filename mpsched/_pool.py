@@ -28,7 +28,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Callable, Generator, Hashable, Iterable, Sized
+from collections.abc import Callable, Generator, Hashable, Iterable, Iterator, Sized
 from typing import Any, ParamSpec, TypeVar
 
 from mpsched._clock import join_interruptibly, wait_interruptibly, wait_seconds
@@ -596,7 +596,13 @@ class Pool(concurrent.futures.Executor):
         sized = any(isinstance(it, Sized) for it in iterables)
         shared = all(type(it) in SHARED_INPUTS for it in iterables)  # (a subclass: its own)
         star = len(iterables) > 1  # else the items go as they are (see _chunks)
-        items = zip(*iterables, strict=False) if star else iter(iterables[0])
+        items: Iterator[Any] | range
+        if star:
+            items = zip(*iterables, strict=False)
+        elif type(iterables[0]) is range:  # read as sub-ranges (``_map``, "A range input")
+            items = iterables[0]
+        else:
+            items = iter(iterables[0])
         run = MapRun(self, fn, items, star, chunksize, deadline, sized, shared)
         # Known to shutdown before its first chunk goes: a map started while a shutdown had
         # taken its list of maps sent its first window and lost the rest (PoolClosedError

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import importlib
 import math
 import os
@@ -163,6 +164,53 @@ def test_map_keeps_order_with_any_chunksize(pool2: Pool) -> None:
     assert list(pool2.map(tasks.add, data, data[:10])) == [2 * x for x in data[:10]]  # as zip
     assert list(pool2.map(tasks.ident, [(1, 2), None])) == [(1, 2), None]  # items as they are
     assert list(pool2.map(tasks.ident, [])) == []
+
+
+RANGES = [
+    range(0),
+    range(3),
+    range(20_000),
+    range(5, 100_000, 7),
+    range(100, -100, -3),
+    range(10**30, 10**30 + 5000),  # beyond a C long: len() of the whole still works
+    range(-(10**20), 10**20, 10**17),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("budget", ["default budget", "budget 0"])
+def test_a_range_input_goes_as_sub_ranges_and_gives_the_results_of_its_items(
+    pool2: Pool, monkeypatch: pytest.MonkeyPatch, budget: str
+) -> None:
+    """A range is read as sub-ranges, and its chunks go so (``_map``, "A range input"); with a
+    budget of 0 every chunk stops after one item and its rest, a sub-range too, goes again."""
+    if budget == "budget 0":
+        monkeypatch.setattr(_map, "MAP_CHUNK_BUDGET", 0.0)
+    for numbers in RANGES:
+        for chunksize in (None, 7):
+            results = pool2.map(tasks.ident, numbers, chunksize=chunksize)
+            run = next(r for r in pool2._maps.live() if r.reader and r.reader() is results)
+            got = []
+            for result in results:  # the rests go in as results are read: each a range
+                got.append(result)
+                chunks = [items for _, items in list(run.in_flight)]
+                assert all(type(items) is range for items in chunks), chunks
+            assert got == list(numbers), (numbers, chunksize)
+
+
+@pytest.mark.timeout(60)
+def test_a_range_maps_dropped_unread_runs_the_rest_of_a_chunk_after_an_item_that_raised(
+    tmp_path: Path,
+) -> None:
+    """The rest of a chunk that ended at an item's error goes again as a sub-range."""
+    log = tmp_path / "log"
+    log.touch()
+    with Pool(1) as pool:
+        record = functools.partial(et.record_then_raise_at, str(log), bad=5)
+        results = pool.map(record, range(300))
+        del results
+        wait_until(lambda: not pool._unread_maps, "the pool let the map go")
+    assert sorted(tasks.read_log(str(log))) == list(range(300))
 
 
 class Endless:
