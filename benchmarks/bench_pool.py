@@ -2,7 +2,7 @@
 
 Usage, from the repository root::
 
-    PYTHONPATH=. python benchmarks/bench_pool.py            # everything, default sizes (7-8 min)
+    PYTHONPATH=. python benchmarks/bench_pool.py            # everything, default sizes (~7 min)
     PYTHONPATH=. python benchmarks/bench_pool.py --quick    # smoke run (CI)
     PYTHONPATH=. python benchmarks/bench_pool.py --only throughput,latency --repeats 7 \\
         --json /tmp/bench.json

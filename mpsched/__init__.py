@@ -23,6 +23,7 @@ from mpsched._errors import MpschedError as MpschedError
 from mpsched._errors import PoolClosedError as PoolClosedError
 from mpsched._errors import SchedulerClosed as SchedulerClosed
 from mpsched._errors import TaskCancelled as TaskCancelled
+from mpsched._errors import TaskOutcomeError as TaskOutcomeError
 
 # typing.TYPE_CHECKING without importing typing: the zygote imports this package and the
 # worker-side modules, and typing would add a few ms to every pool's start-up (the modules the
@@ -107,6 +108,7 @@ __all__ = (
     "TaskCancelled",
     "TaskContext",
     "TaskOptions",
+    "TaskOutcomeError",
     "TaskPicklingError",
     "TaskState",
     "TaskSubmitter",

@@ -218,7 +218,9 @@ def submit(fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Chil
     worker.
 
     Raises:
-        RuntimeError: called outside a task running in an mpsched pool (use ``Pool.submit``).
+        RuntimeError: called outside a task running in an mpsched pool (use ``Pool.submit``),
+            or in another thread than the task's.
+        TypeError: ``fn`` is not callable.
         TaskPicklingError: the function or an argument cannot be pickled.
     """
     worker = _current

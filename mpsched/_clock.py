@@ -22,23 +22,35 @@ SYSTEM_CLOCK: Clock = time.monotonic
 
 
 def wait_seconds(timeout: object) -> float | None:
-    """A caller's ``timeout`` (not None) for a wait: TypeError if not a number (a bool is not),
-    ValueError if NaN; infinite is None (no limit: a wait that long overflows the clock), and
-    so is an int past the float range (``float()`` raised a bare OverflowError, also from an
+    """A caller's ``timeout`` (not None) for a wait: TypeError if not a real number (a bool is
+    not; a ``Fraction`` or a numpy scalar is, as ``run_at`` takes them), ValueError if NaN;
+    infinite is None (no limit: a wait that long overflows the clock), and so is a number past
+    the float range (``float()`` raised a bare OverflowError, also from an
     ``await_termination`` of a pool that had ended). Zero or negative stays: the wait times
     out at once, as the stdlib's waits do. For ``Pool.map``, ``Pool.await_termination``, and
     the ``result()``/``exception()`` of a pool's future and of a child's (in a join, a value
     that failed in its arithmetic was taken for an interrupt of mpsched's own code, and the
     worker exited)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+    if isinstance(timeout, bool) or not is_real(timeout):
         raise TypeError(f"timeout must be a number of seconds or None, not {timeout!r}")
     try:
-        seconds = float(timeout)
+        seconds = float(timeout)  # type: ignore[arg-type]  # a numbers.Real
     except OverflowError:  # an int beyond any float
-        seconds = math.inf if timeout > 0 else -math.inf
+        seconds = math.inf if timeout > 0 else -math.inf  # type: ignore[operator]
     if math.isnan(seconds):
         raise ValueError("timeout must be a number of seconds or None, not nan")
     return None if seconds == math.inf else seconds
+
+
+def is_real(value: object) -> bool:
+    """Whether ``value`` is a ``numbers.Real`` (bools included). ``numbers`` is imported only
+    for a value that is neither an int nor a float: the zygote and the workers import this
+    module, and do not load it otherwise."""
+    if isinstance(value, (int, float)):
+        return True
+    import numbers
+
+    return isinstance(value, numbers.Real)
 
 
 # Python runs a signal's handler (a Ctrl-C's KeyboardInterrupt) in the main thread only, when its

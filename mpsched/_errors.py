@@ -20,7 +20,12 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class MpschedError(Exception):
-    """Base class of every error that mpsched raises on its own behalf."""
+    """Base class of the errors about the pool, its tasks and their outcomes that mpsched
+    raises on its own behalf. Not of those it raises as ``concurrent.futures`` or the
+    standard library would: a wait or a task out of time raises ``TimeoutError`` (the class
+    a ``Future`` raises), a cancelled future's result ``CancelledError``, a bad argument
+    ``TypeError`` or ``ValueError``, and a call where it cannot work (``mpsched.submit``
+    outside a task) ``RuntimeError``."""
 
 
 class SchedulerClosed(MpschedError, RuntimeError):
@@ -41,6 +46,13 @@ POOL_NOT_PICKLABLE_MESSAGE = (
 
 class TaskCancelled(MpschedError):
     """Raised inside a task to acknowledge a cancel request; its future ends cancelled."""
+
+
+class TaskOutcomeError(MpschedError, RuntimeError):
+    """A task ended, but its outcome could not come back as it was: its result or its
+    exception did not unpickle in the process that reads it, or its exception did not pickle
+    in the worker. The original error, or the worker's traceback, is the cause. A
+    ``RuntimeError`` too, as it was before it had a class of its own."""
 
 
 class InvalidTransition(MpschedError, RuntimeError):

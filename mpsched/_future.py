@@ -53,6 +53,7 @@ from concurrent.futures._base import (
 from typing import Any, Protocol, TypeVar
 
 from mpsched._clock import join_interruptibly, wait_interruptibly, wait_seconds
+from mpsched._errors import timeout_error
 
 _CONDITION_LOCK = threading.Lock()  # guards the lazy creation of every future's condition
 # The per-task paths take it by acquire()/release(), not ``with``: on 3.11 ``with`` on a lock
@@ -73,6 +74,16 @@ _CANCELLED_STATES = frozenset((CANCELLED, CANCELLED_AND_NOTIFIED))
 # __class_getitem__ makes ``mpsched.Future[int]`` work at run time), not typing.Generic: no
 # work on any per-task path.
 _T = TypeVar("_T")
+
+
+def _timed_out(timeout: float | None) -> Exception:
+    """The TimeoutError of a ``result()`` or ``exception()`` whose wait ran out (the stdlib's
+    has no message)."""
+    within = "in time" if timeout is None else f"within the wait's timeout of {timeout:g} s"
+    return timeout_error(
+        f"the task was not done {within}; it was not cancelled, and may still run (cancel() "
+        "withdraws it if no worker has started it)"
+    )
 
 
 class _Owner(Protocol):
@@ -214,6 +225,8 @@ class Future(concurrent.futures.Future[_T]):
             if not self.wait_done(timeout) or self._state != FINISHED:
                 try:
                     return super().result(0)  # cancelled; or TimeoutError: the wait had it
+                except concurrent.futures.TimeoutError:
+                    raise _timed_out(timeout) from None
                 finally:
                     del self  # (the cycle below, were it settled meanwhile with an exception)
         # Settled: nothing more to wait for, so no condition. The stdlib's result() takes it
@@ -238,7 +251,10 @@ class Future(concurrent.futures.Future[_T]):
         if timeout is not None:
             timeout = wait_seconds(timeout)
         if self._state != FINISHED and (not self.wait_done(timeout) or self._state != FINISHED):
-            return super().exception(0)  # cancelled; or TimeoutError: the wait had it
+            try:
+                return super().exception(0)  # cancelled; or TimeoutError: the wait had it
+            except concurrent.futures.TimeoutError:
+                raise _timed_out(timeout) from None
         return self._exception
 
     def wait_done(self, timeout: float | None = None) -> bool:

@@ -56,7 +56,7 @@ from queue import Empty, SimpleQueue
 from typing import TYPE_CHECKING, Any
 
 from mpsched._chunks import run_chunk
-from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError
+from mpsched._errors import POOL_CLOSED_MESSAGE, PoolClosedError, timeout_error
 from mpsched._future import CallbackRunner, Future
 from mpsched._protocol import PICKLE_PROTOCOL, load_exception, unpickling_failed
 from mpsched._serialize import TaskPicklingError, dumps, first_unpicklable
@@ -88,6 +88,11 @@ MAP_CHUNK_BYTES = 512 * 1024
 # A default chunk stops once its pickled results hold this much (``run_chunk``, as at its time
 # budget): twice the sizing target, so that a chunk sized by its results' mean does not stop early.
 MAP_CHUNK_STOP_BYTES = 2 * MAP_CHUNK_BYTES
+# The TimeoutError of a map's iterator (a chunk's own wait names that wait's remaining time).
+MAP_TIMED_OUT = (
+    "a result of the map was not ready within its timeout, counted from the map() call; the "
+    "map ends here, and its chunks that no worker has started are cancelled"
+)
 MAP_SAMPLE_ITEMS = 8  # items of the first chunk pickled to estimate bytes per item
 # Pickled bytes per result, on average over a chunk, from which its results are let go of one
 # by one as they are yielded (``_handed_out``); smaller ones are freed with their chunk.
@@ -639,6 +644,8 @@ def ordered_results(run: MapRun, pool: Pool) -> Generator[Any, None, None]:
                 if run.first_in_flight() is future:
                     raise
                 continue  # withdrawn by send_rest, and sent again in its place: wait for that
+            except concurrent.futures.TimeoutError:
+                raise timeout_error(MAP_TIMED_OUT) from None
             nbytes = sum(map(len, pickled))
             if run.chunksize is None and error is None:  # before its rest goes, sized so
                 run.measured(seconds, nbytes, done)
@@ -753,7 +760,7 @@ def _stop_bytes(items: int, out_per_item: float | None) -> float:
 def _load(pieces: list[bytes]) -> list[Any]:
     """A chunk's results from their pickled pieces (``run_chunk``), in the caller's thread.
     An error (SystemExit included) fails as any task's result that does not unpickle does, with
-    a RuntimeError; a KeyboardInterrupt goes on: here it may be the caller's Ctrl-C."""
+    a TaskOutcomeError; a KeyboardInterrupt goes on: here it may be the caller's Ctrl-C."""
     try:  # user code runs here (__setstate__, __reduce__)
         if len(pieces) == 1:
             results: list[Any] = pickle.loads(pieces[0])

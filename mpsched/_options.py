@@ -40,9 +40,10 @@ claim until the coordinator has counted it; the task's function is never called.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Literal
+
+from mpsched._clock import is_real
 
 OverlapPolicy = Literal["skip", "coalesce", "queue"]
 MisfirePolicy = Literal["run_late", "skip"]
@@ -51,25 +52,39 @@ OVERLAP_POLICIES = ("skip", "coalesce", "queue")
 MISFIRE_POLICIES = ("run_late", "skip")
 DEFAULT_TIMEOUT_GRACE = 1.0  # seconds between the cooperative cancel of a timeout and the kill
 DEFAULT_MISFIRE_GRACE = 1.0  # seconds late a recurring run may start before it is a misfire
-_FLOAT_INT_MAX = int(sys.float_info.max)  # the largest int a float holds (a seconds bound)
+# TaskOptions' fields of seconds: (name, may be None, must be positive).
+_SECONDS_FIELDS = (
+    ("timeout", True, True),
+    ("timeout_grace", False, False),
+    ("every", True, True),
+    ("misfire_grace", False, False),
+)
 # next_run_at: grid steps counted exactly up to here (floats hold every integer below 2**53);
 # beyond, the grid is finer than a float resolves at now, and now is the last time passed.
 _EXACT_STEPS = 2**53
 
 
-def check_seconds(name: str, value: object, *, allow_none: bool, positive: bool) -> None:
+def check_seconds(name: str, value: object, *, allow_none: bool, positive: bool) -> float | None:
+    """``value`` as a float of seconds (None if it is None and ``allow_none``), or TypeError if
+    it is not a real number (a bool is not; a ``Fraction`` or a numpy scalar is), ValueError
+    if it is not finite, negative, or zero where it must be ``positive``."""
     if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, bool) or not is_real(value):
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
-    # An int past the float range is not finite either (math.isfinite raised OverflowError).
-    too_big = isinstance(value, int) and abs(value) > _FLOAT_INT_MAX
-    if too_big or not math.isfinite(value) or value < 0 or (positive and value == 0):
+    try:
+        seconds = float(value)  # type: ignore[arg-type]  # a numbers.Real
+    except OverflowError:  # an int (or a Fraction) past the float range is not finite either
+        seconds = math.nan
+        # Not an int's repr: one of more than 4,300 digits is refused, and its error
+        # ("Exceeds the limit ... for integer string conversion") named no option.
+        shown = f"an {type(value).__name__} beyond floats"
+    else:
+        shown = repr(value)
+    if not math.isfinite(seconds) or seconds < 0 or (positive and seconds == 0):
         qualifier = "positive" if positive else "non-negative"
-        # Not an int's repr past the floats: one of more than 4,300 digits is refused, and its
-        # error ("Exceeds the limit ... for integer string conversion") named no option.
-        shown = "an int beyond floats" if too_big else repr(value)
         raise ValueError(f"{name} must be a finite {qualifier} number of seconds, not {shown}")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -110,10 +125,13 @@ class TaskOptions:
     misfire_grace: float = DEFAULT_MISFIRE_GRACE
 
     def __post_init__(self) -> None:
-        check_seconds("timeout", self.timeout, allow_none=True, positive=True)
-        check_seconds("timeout_grace", self.timeout_grace, allow_none=False, positive=False)
-        check_seconds("every", self.every, allow_none=True, positive=True)
-        check_seconds("misfire_grace", self.misfire_grace, allow_none=False, positive=False)
+        # Kept as floats (frozen: set through object's own __setattr__), whatever real number
+        # type they came as.
+        for name, allow_none, positive in _SECONDS_FIELDS:
+            seconds = check_seconds(
+                name, getattr(self, name), allow_none=allow_none, positive=positive
+            )
+            object.__setattr__(self, name, seconds)
         if isinstance(self.retries, bool) or not isinstance(self.retries, int):
             raise TypeError(f"retries must be an int, not {type(self.retries).__name__}")
         if self.retries < 0:

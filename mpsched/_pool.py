@@ -625,7 +625,8 @@ class Pool(concurrent.futures.Executor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Refuse new work, let what was submitted finish (or cancel what no worker has
         claimed, with ``cancel_futures``), then stop the workers. A second call is a no-op,
-        except that ``wait=True`` waits for the end, including the done-callbacks of the
+        except that ``cancel_futures=True`` still cancels what no worker has claimed yet, and
+        ``wait=True`` waits for the end, including the done-callbacks of the
         futures the pool settled (docs/design.md, "Where done-callbacks run"). Called from such
         a callback, it waits for the end but not for the callbacks that come after it in the
         pool's callback thread (they would wait for it).

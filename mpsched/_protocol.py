@@ -55,7 +55,7 @@ import struct
 from collections.abc import Iterator
 
 from mpsched._constants import Constants
-from mpsched._errors import ProtocolError
+from mpsched._errors import ProtocolError, TaskOutcomeError
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
@@ -346,7 +346,7 @@ def dump_exception(exc: BaseException) -> bytes:
 
             pickled = cloudpickle.dumps(exc, PICKLE_PROTOCOL)
     except BaseException as pickling_error:
-        substitute = RuntimeError(
+        substitute = TaskOutcomeError(
             f"the task raised {safe_repr(exc)}, which could not be pickled to send it back "
             f"({safe_repr(pickling_error)})"
         )
@@ -372,7 +372,7 @@ def load_exception(data: Buffer) -> BaseException:
     try:
         pickled, tb = pickle.loads(data)  # bytes and str: no user code, only a bug fails here
     except Exception as error:
-        return RuntimeError(f"the task's exception could not be read: {error!r}")
+        return TaskOutcomeError(f"the task's exception could not be read: {error!r}")
     cause = RemoteTraceback(tb)
     try:
         exc = pickle.loads(pickled)
@@ -380,13 +380,13 @@ def load_exception(data: Buffer) -> BaseException:
             raise TypeError(f"unpickled as {type(exc).__qualname__}, not an exception")
         exc.__cause__ = cause
     except BaseException as unpickling_error:  # user code (__setstate__, __reduce__) ran
-        exc = RuntimeError(
+        exc = TaskOutcomeError(
             f"the task's exception could not be unpickled: {safe_repr(unpickling_error)}"
         )
         exc.__cause__ = cause
     return exc  # type: ignore[no-any-return]
 
 
-def unpickling_failed(error: BaseException) -> RuntimeError:
+def unpickling_failed(error: BaseException) -> TaskOutcomeError:
     """The error of a task whose result pickled but could not be unpickled (``error``)."""
-    return RuntimeError(f"the task's result could not be unpickled: {safe_repr(error)}")
+    return TaskOutcomeError(f"the task's result could not be unpickled: {safe_repr(error)}")

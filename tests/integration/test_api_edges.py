@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import typing
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -460,6 +461,7 @@ def test_map_timeout_is_checked_at_the_call() -> None:
         assert list(pool.map(tasks.ident, [], timeout=-(10**400))) == []
         # Negative or zero: as the stdlib's map, the first result not ready times out.
         assert list(pool.map(tasks.ident, [], timeout=-1)) == []
+        assert list(pool.map(tasks.ident, [1, 2], timeout=Fraction(10**6))) == [1, 2]
     assert pool.await_termination(10**400)
 
 

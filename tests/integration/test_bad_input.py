@@ -37,8 +37,10 @@ import pytest
 
 from mpsched import (
     BrokenPoolError,
+    MpschedError,
     Pool,
     PoolClosedError,
+    TaskOutcomeError,
     TaskPicklingError,
     TaskState,
     WorkerCrashedError,
@@ -208,7 +210,7 @@ def test_a_task_that_exits_crashes_forks_or_starts_threads(case: Case, ctx: Any)
 # ------------------------------------------------------------------ results and exceptions
 # What a child's future raises, each time it is asked, for a result that cannot be unpickled in
 # the parent (as a top-level task's future does).
-_CHILD_UNPICKLING_FAILED = "RuntimeError: the task's result could not be unpickled: {}"
+_CHILD_UNPICKLING_FAILED = "TaskOutcomeError: the task's result could not be unpickled: {}"
 
 PICKLING_CASES = [
     Case(
@@ -237,21 +239,21 @@ PICKLING_CASES = [
         "result that cannot be unpickled",
         bt.return_instance,
         (bt.ErrorAtUnpickle,),
-        RuntimeError,
+        TaskOutcomeError,
         "result could not be unpickled.*error at unpickle",
     ),
     Case(
         "result whose unpickling exits",
         bt.return_instance,
         (bt.ExitAtUnpickle,),
-        RuntimeError,
+        TaskOutcomeError,
         "result could not be unpickled.*exit at unpickle",
     ),
     Case(
         "result whose unpickling raises KeyboardInterrupt",
         bt.return_instance,
         (bt.InterruptAtUnpickle,),
-        RuntimeError,
+        TaskOutcomeError,
         "result could not be unpickled.*interrupt at unpickle",
     ),
     Case(
@@ -300,35 +302,35 @@ PICKLING_CASES = [
         "exception with an unpicklable argument",
         bt.raise_error,
         ("unpicklable-arg",),
-        RuntimeError,
+        TaskOutcomeError,
         r"ValueError.*could not be pickled",
     ),
     Case(
         "exception that cannot be unpickled",
         bt.raise_error,
         ("two-arg",),
-        RuntimeError,
+        TaskOutcomeError,
         r"exception could not be unpickled.*TwoArgError",
     ),
     Case(
         "exception that cannot be pickled, nor repr()'d, nor str()'d",
         bt.raise_error,
         ("hostile",),
-        RuntimeError,
+        TaskOutcomeError,
         r"HostileError.*could not be pickled",
     ),
     Case(
         "exception that unpickles as a non-exception",
         bt.raise_error,
         ("not-an-exception",),
-        RuntimeError,
+        TaskOutcomeError,
         r"exception could not be unpickled.*str.* not an exception",
     ),
     Case(
         "result whose unpickling raises an error without a repr",
         bt.return_instance,
         (bt.ReprRaisesAtUnpickle,),
-        RuntimeError,
+        TaskOutcomeError,
         r"result could not be unpickled.*ReprRaisesError",
     ),
     Case(
@@ -349,7 +351,7 @@ PICKLING_CASES = [
         "exception whose pickling exits",
         bt.raise_error,
         ("exit-at-pickle",),
-        RuntimeError,
+        TaskOutcomeError,
         r"ExitAtPickleError.*could not be pickled",
     ),
 ]
@@ -364,13 +366,13 @@ def test_a_result_or_exception_that_does_not_travel_fails_its_future_only(case: 
 @pytest.mark.timeout(60)
 def test_a_map_result_that_cannot_be_unpickled_fails_at_its_position() -> None:
     """Map unpickles its chunks' results in the caller's thread (their size bounds the later
-    chunks): an error, SystemExit included, fails as a task's result would (RuntimeError) after
+    chunks): an error, SystemExit included, fails as a task's result would (TaskOutcomeError) after
     the earlier results; a KeyboardInterrupt goes on, as a Ctrl-C there would."""
     with bounded_pool(None) as pool:
         for cls in (bt.ErrorAtUnpickle, bt.ExitAtUnpickle):
             results = pool.map(bt.return_instance, [int, cls, int], chunksize=1)
             assert next(results) == 0
-            with pytest.raises(RuntimeError, match="result could not be unpickled"):
+            with pytest.raises(TaskOutcomeError, match="result could not be unpickled"):
                 next(results)
         results = pool.map(bt.return_instance, [int, bt.InterruptAtUnpickle], chunksize=1)
         assert next(results) == 0
@@ -394,12 +396,14 @@ def test_a_map_result_whose_pickling_exits_fails_at_its_position() -> None:
 
 @pytest.mark.timeout(60)
 def test_an_exception_that_cannot_be_unpickled_keeps_the_workers_traceback() -> None:
-    """The RuntimeError that stands in for it has the worker's traceback as its cause, as the
+    """The TaskOutcomeError that stands in for it has the worker's traceback as its cause, as the
     exception would have had: it is the only trace of where the task failed."""
     with bounded_pool(None) as pool:
         future = pool.submit(bt.raise_error, "two-arg")
-        with pytest.raises(RuntimeError, match="exception could not be unpickled") as info:
+        with pytest.raises(TaskOutcomeError, match="exception could not be unpickled") as info:
             future.result(CASE_TIMEOUT)
+        assert isinstance(info.value, MpschedError)
+        assert isinstance(info.value, RuntimeError)
         cause = info.value.__cause__
         assert isinstance(cause, RemoteTraceback), repr(cause)
         assert "in raise_error" in str(cause)

@@ -63,7 +63,7 @@ def test_map_timeout_cancels_the_chunk_it_timed_out_on(gates: tuple[str, str, st
         results = pool.map(
             functools.partial(et.record_ident, log), [1, 2, 3], chunksize=1, timeout=0.05
         )
-        with pytest.raises(FuturesTimeoutError):
+        with pytest.raises(FuturesTimeoutError, match=r"counted from the map\(\) call"):
             next(results)
         tasks.open_gate(gate)
         assert blocker.result(timeout=20) == "blocker"

@@ -12,6 +12,7 @@ import gc
 import math
 import threading
 import weakref
+from fractions import Fraction
 
 import pytest
 
@@ -197,3 +198,13 @@ def test_a_wait_with_a_timeout_that_is_no_number_of_seconds_fails_at_the_call(
     assert settled.result(math.inf) == 1  # no limit
     with pytest.raises(concurrent.futures.TimeoutError):
         pending.result(-1.0)  # a negative timeout times out at once, as the stdlib's
+
+
+@pytest.mark.parametrize("method", ["result", "exception"])
+def test_a_wait_out_of_time_says_so_and_takes_any_real_number(method: str) -> None:
+    """The stdlib's TimeoutError has no message; a Fraction was refused as "not a number"."""
+    pending, settled = Future(None, b"", 0), Future(None, b"", 0)
+    settled.set_result(1)
+    with pytest.raises(concurrent.futures.TimeoutError, match=r"not done within .* of 0\.01 s"):
+        getattr(pending, method)(Fraction(1, 100))
+    assert getattr(settled, method)(Fraction(1, 2)) in (1, None)

@@ -4,6 +4,8 @@ queue's order, take/putback and aging (explicit ``now``: no clock, no processes)
 from __future__ import annotations
 
 import math
+from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings
@@ -36,11 +38,22 @@ from mpsched._ready import MAX_AGED_LEVELS, NO_LEVEL, ReadyQueue
         ({"overlap": "parallel"}, ValueError),
         ({"misfire": "drop"}, ValueError),
         ({"misfire_grace": math.nan}, ValueError),
+        ({"every": Fraction(10**400)}, ValueError),
+        ({"timeout": Fraction(0)}, ValueError),
+        ({"timeout": Decimal("1")}, TypeError),  # not a numbers.Real
     ],
 )
 def test_bad_options_fail_at_construction(fields: dict[str, object], error: type) -> None:
     with pytest.raises(error):
         TaskOptions(**fields)  # type: ignore[arg-type]
+
+
+def test_seconds_may_be_any_real_number_and_are_kept_as_floats() -> None:
+    """As ``run_at`` takes any ``numbers.Real``: a Fraction was refused as "not a number"
+    (found in review)."""
+    options = TaskOptions(timeout=Fraction(1, 2), every=1, timeout_grace=Fraction(1, 4))
+    assert (options.timeout, options.every, options.timeout_grace) == (0.5, 1.0, 0.25)
+    assert all(type(x) is float for x in (options.timeout, options.every, options.misfire_grace))
 
 
 def test_default_options_are_plain() -> None:
