@@ -799,7 +799,10 @@ def _failed(error: Exception) -> Future[Any]:
 
 def _max_chunk(chunk: Chunk) -> int:
     """The largest default chunk for items like the first few of ``chunk``: at most
-    ``MAP_MAX_CHUNK`` items and about ``MAP_CHUNK_BYTES`` pickled."""
+    ``MAP_MAX_CHUNK`` items and about ``MAP_CHUNK_BYTES`` pickled (a range's chunk pickles to
+    a few dozen bytes, whatever its length)."""
+    if type(chunk) is range:
+        return MAP_MAX_CHUNK
     sample = chunk[:MAP_SAMPLE_ITEMS]
     try:
         nbytes = len(pickle.dumps(sample, PICKLE_PROTOCOL))
