@@ -223,10 +223,13 @@ class Future(concurrent.futures.Future[_T]):
             if owner is not None and state == PENDING:
                 owner.help_wait(self, timeout)
             if not self.wait_done(timeout) or self._state != FINISHED:
+                # Not done: the wait's own TimeoutError. Not an except around the stdlib's
+                # result(0): a future settled since the wait ended raises its task's error
+                # there, and a task's TimeoutError was taken for the wait's (diff review).
+                if self._state not in _DONE_STATES:
+                    raise _timed_out(timeout)
                 try:
-                    return super().result(0)  # cancelled; or TimeoutError: the wait had it
-                except concurrent.futures.TimeoutError:
-                    raise _timed_out(timeout) from None
+                    return super().result(0)  # cancelled, or settled since the wait ended
                 finally:
                     del self  # (the cycle below, were it settled meanwhile with an exception)
         # Settled: nothing more to wait for, so no condition. The stdlib's result() takes it
@@ -251,10 +254,9 @@ class Future(concurrent.futures.Future[_T]):
         if timeout is not None:
             timeout = wait_seconds(timeout)
         if self._state != FINISHED and (not self.wait_done(timeout) or self._state != FINISHED):
-            try:
-                return super().exception(0)  # cancelled; or TimeoutError: the wait had it
-            except concurrent.futures.TimeoutError:
-                raise _timed_out(timeout) from None
+            if self._state not in _DONE_STATES:  # as in result()
+                raise _timed_out(timeout)
+            return super().exception(0)  # cancelled, or settled since the wait ended
         return self._exception
 
     def wait_done(self, timeout: float | None = None) -> bool:

@@ -645,6 +645,8 @@ def ordered_results(run: MapRun, pool: Pool) -> Generator[Any, None, None]:
                     raise
                 continue  # withdrawn by send_rest, and sent again in its place: wait for that
             except concurrent.futures.TimeoutError:
+                if future.done():  # the input's own error, in its place (diff review)
+                    raise
                 raise timeout_error(MAP_TIMED_OUT) from None
             nbytes = sum(map(len, pickled))
             if run.chunksize is None and error is None:  # before its rest goes, sized so

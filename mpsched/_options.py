@@ -76,15 +76,27 @@ def check_seconds(name: str, value: object, *, allow_none: bool, positive: bool)
         seconds = float(value)  # type: ignore[arg-type]  # a numbers.Real
     except OverflowError:  # an int (or a Fraction) past the float range is not finite either
         seconds = math.nan
-        # Not an int's repr: one of more than 4,300 digits is refused, and its error
-        # ("Exceeds the limit ... for integer string conversion") named no option.
-        shown = f"an {type(value).__name__} beyond floats"
+        beyond = True
     else:
-        shown = repr(value)
+        beyond = False
     if not math.isfinite(seconds) or seconds < 0 or (positive and seconds == 0):
         qualifier = "positive" if positive else "non-negative"
-        raise ValueError(f"{name} must be a finite {qualifier} number of seconds, not {shown}")
+        raise ValueError(
+            f"{name} must be a finite {qualifier} number of seconds, not "
+            + _shown(value, seconds, beyond)
+        )
     return seconds
+
+
+def _shown(value: object, seconds: float, beyond: bool) -> str:
+    """``value`` in an error message. Not by ``repr`` if it is past the float range, or not an
+    int or a float: an int's or a Fraction's repr of more than 4,300 digits is refused, and
+    its error ("Exceeds the limit ... for integer string conversion") named no option."""
+    if type(value) in (int, float) and not beyond:
+        return repr(value)
+    kind = type(value).__name__
+    kind = f"{'an' if kind[0].lower() in 'aeiou' else 'a'} {kind}"
+    return f"{kind} beyond floats" if beyond else f"{kind} that is {seconds!r} as a float"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import CancelledError, wait
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from typing import Any
@@ -328,6 +329,25 @@ def test_map_input_errors_come_in_input_order(pool2: Pool, chunksize: int | None
     with pytest.raises(OSError, match="input broke"):
         got.extend(results)
     assert got == [2 * i for i in range(30)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout", [None, 60])
+def test_an_inputs_own_timeout_error_is_not_taken_for_the_maps(
+    pool2: Pool, timeout: float | None
+) -> None:
+    """A TimeoutError of the input (a socket's read, say) comes as it was raised, not as the
+    map's own timeout, whose message it had taken (diff review)."""
+
+    def items() -> Iterator[int]:
+        yield from range(3)
+        raise TimeoutError("the source timed out")
+
+    results = pool2.map(tasks.ident, items(), timeout=timeout)
+    got: list[int] = []
+    with pytest.raises(FuturesTimeoutError, match="the source timed out"):
+        got.extend(results)
+    assert got == [0, 1, 2]
 
 
 @pytest.mark.timeout(60)

@@ -208,3 +208,23 @@ def test_a_wait_out_of_time_says_so_and_takes_any_real_number(method: str) -> No
     with pytest.raises(concurrent.futures.TimeoutError, match=r"not done within .* of 0\.01 s"):
         getattr(pending, method)(Fraction(1, 100))
     assert getattr(settled, method)(Fraction(1, 2)) in (1, None)
+
+
+@pytest.mark.parametrize("method", ["result", "exception"])
+def test_a_task_timeout_error_settled_as_the_wait_runs_out_is_the_tasks(method: str) -> None:
+    """Settled between the end of the wait and the outcome's read, a future's own TimeoutError
+    (a task's, or its ``TaskOptions.timeout``'s) is not taken for the wait's (diff review)."""
+    future = Future(None, b"", 0)
+    own = TimeoutError("the task ran longer than its timeout of 0.5 s")
+
+    def wait_done(timeout: float | None = None) -> bool:
+        future.set_exception(own)  # settled right after the wait ran out
+        return False
+
+    future.wait_done = wait_done  # type: ignore[method-assign]
+    if method == "exception":
+        assert future.exception(0.01) is own
+    else:
+        with pytest.raises(TimeoutError) as info:
+            future.result(0.01)
+        assert info.value is own

@@ -53,6 +53,10 @@ def test_seconds_may_be_any_real_number_and_are_kept_as_floats() -> None:
     (found in review)."""
     options = TaskOptions(timeout=Fraction(1, 2), every=1, timeout_grace=Fraction(1, 4))
     assert (options.timeout, options.every, options.timeout_grace) == (0.5, 1.0, 0.25)
+    # Its repr would be refused (over 4,300 digits): it is not needed unless in an error.
+    assert TaskOptions(timeout=Fraction(10**5000 + 1, 10**5000)).timeout == 1.0
+    with pytest.raises(ValueError, match=r"not a Fraction that is 0\.0 as a float"):
+        TaskOptions(timeout=Fraction(1, 10**400))
     assert all(type(x) is float for x in (options.timeout, options.every, options.misfire_grace))
 
 
