@@ -43,31 +43,38 @@ _UID = BlockField.UID
 
 class Dispatching(CoordinatorState):
     def dispatch_one(self, future: Future[Any]) -> bool:
-        """Under ``self.lock``: inject one task into the next inbox with room; False if none."""
+        """Under ``self.lock``: inject one task into the next inbox with room; False if none.
+        For a task submitted to an idle pool, and for a chunk of ``Pool.map`` while nothing is
+        queued (``Coordinator.submit``'s ``direct``)."""
         if len(self.by_handle) >= self.max_inflight:
             return False
         n = self.n_workers
         slots = self.slots
         workers = self.workers
-        # An awake worker first (it may still be spinning after its last task: no wake-up), then
-        # any worker, then a worker still starting: it finds the task when it starts (right
-        # after the pool's creation, the first task does not wait for the SPAWNED round trip).
-        # A worker running the pool's initializer (registered, its slot not yet bound) counts
-        # as starting: it looks awake, and a task handed to it waited for its initializer's end
-        # while a ready peer slept.
-        for rank in (0, 1, 2):
+        # An awake worker that runs nothing first (it may still be spinning after its last
+        # task: no wake-up), then one that runs nothing (asleep: woken), then any worker (it
+        # runs the task after its current one, unless a sleeper woken by ``inject`` steals it;
+        # a map's chunk was handed so to a busy worker while its idle peer slept), then a
+        # worker still starting: it finds the task when it starts (right after the pool's
+        # creation, the first task does not wait for the SPAWNED round trip). A worker running
+        # the pool's initializer (registered, its slot not yet bound) counts as starting: it
+        # looks awake, and a task handed to it waited for its initializer's end while a ready
+        # peer slept.
+        for rank in (0, 1, 2, 3):
             for i in range(n):
                 k = (self.next_slot + i) % n
-                if rank < 2:
+                if rank < 3:
                     if self.not_ready(k):
                         continue
                 elif workers[k] is None and k not in self.starting:
                     continue
-                if slots[k].inbox_depth() < self.window and not (
-                    rank == 0 and slots[k].is_sleeping()
-                ):
-                    self.next_slot = (k + 1) % n
-                    return self.inject(k, [future], future._priority) == 1
+                slot = slots[k]
+                if slot.inbox_depth() >= self.window:
+                    continue
+                if rank < 2 and (slot.run_depth() or (rank == 0 and slot.is_sleeping())):
+                    continue
+                self.next_slot = (k + 1) % n
+                return self.inject(k, [future], future._priority) == 1
         return False
 
     def not_ready(self, k: int) -> bool:

@@ -258,12 +258,16 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         if self.draining:
             raise PoolClosedError(POOL_CLOSED_MESSAGE)
 
-    def submit(self, future: Future[Any]) -> bool:
+    def submit(self, future: Future[Any], direct: bool = False) -> bool:
         """Any thread: when the pool is idle (nothing queued or in flight), hand the task to a
         worker at once, one thread hop less on the latency path; otherwise queue it for the
         coordinator, which dispatches in batches with at most one wake-up per batch (a burst
         injected task by task would pay one eventfd write per task to workers that keep
-        falling asleep). Returns True if the coordinator loop must be woken.
+        falling asleep). ``direct`` (a chunk of ``Pool.map``: milliseconds of work, a few at a
+        time): at once also while tasks are in flight, if nothing is queued. Queued, a map's
+        chunks waited for the coordinator thread, which waited for the GIL while the caller
+        pickled the next chunks, and the workers idled (docs/design.md, "Pool.map"). Returns
+        True if the coordinator loop must be woken.
 
         Raises:
             PoolClosedError, BrokenPoolError: see ``check_usable``.
@@ -289,7 +293,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
                 due = self.next_due
                 if (
                     not self.ready
-                    and not self.by_handle
+                    and (direct or not self.by_handle)
                     and (due is None or due > now)
                     and self.dispatch_one(future)
                 ):

@@ -568,8 +568,8 @@ class MapRun:
                 raise PoolClosedError(POOL_CLOSED_MESSAGE)
             # Once final, a shutdown sends it: past the pool's closing (``Pool._submit``'s
             # ``rest``), which refuses the user's work from the shutdown's start on.
-            future = pool._submit(
-                None, run_chunk, (fn, piece, self.star, budget, max_bytes), {}, self.final
+            future = pool._submit(  # (direct: see Coordinator.submit)
+                None, run_chunk, (fn, piece, self.star, budget, max_bytes), {}, self.final, True
             )
             if budget != math.inf or max_bytes != math.inf:
                 self.stoppable.add(future)

@@ -335,7 +335,10 @@ class Pool(concurrent.futures.Executor):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         rest: bool = False,
+        direct: bool = False,
     ) -> Future[Any]:
+        """``submit`` and ``with_options(...).submit``, and ``Pool.map``'s chunks: ``rest``, a
+        chunk that the shutdown sends; ``direct``, see ``Coordinator.submit``."""
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
         # Early, before pickling; the coordinator decides under its lock. Not for ``rest``: a
@@ -349,7 +352,7 @@ class Pool(concurrent.futures.Executor):
         if options is not None and not options.is_plain:
             future._run = TaskRun(options)
         try:
-            if self._coordinator.submit(future):
+            if self._coordinator.submit(future, direct):
                 self._wakeup.wakeup()
         except BaseException:
             # A Ctrl-C after submit() took the task (queued, or injected with a timeout to

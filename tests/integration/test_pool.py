@@ -24,7 +24,7 @@ from mpsched._chunks import run_chunk
 
 from . import edge_tasks as et
 from . import tasks
-from .conditions import CONDITION_TIMEOUT, Fifos, wait_until
+from .conditions import CONDITION_TIMEOUT, Fifos, start_every_worker, wait_until
 
 START_METHODS = ["forkserver", "spawn", "fork"]
 
@@ -226,6 +226,42 @@ def test_a_range_maps_dropped_unread_runs_the_rest_of_a_chunk_after_an_item_that
     assert sorted(tasks.read_log(str(log))) == list(range(300))
     assert all(type(items) is range for items in sent), sent
     assert any(items.start == 6 for items in sent), sent  # the rest after item 5
+
+
+@pytest.mark.timeout(60)
+def test_a_maps_chunks_go_at_the_call_to_a_worker_that_runs_nothing(tmp_path: Path) -> None:
+    """A chunk is handed to a worker's inbox by the caller's thread also while tasks are in
+    flight (not queued for the coordinator thread, which waited for the GIL while the caller
+    pickled the next chunks), and to a worker that runs nothing, asleep or not, before one
+    that is busy (the busy one was taken first while its peer slept)."""
+    fifos = Fifos(tmp_path)
+    with Pool(2) as pool:
+        start_every_worker(pool)
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
+        tasks.wait_started(fifos.started)
+        slots = pool._coordinator.slots
+        # (not blocker._slot: the inbox it went to, whose worker a peer may have stolen it from)
+        busy = next(k for k in (0, 1) if slots[k].run_depth())
+        idle = 1 - busy
+        wait_until(lambda: slots[idle].is_sleeping(), "the other worker sleeps")
+        handed: list[bool] = []
+        dispatch_one = pool._coordinator.dispatch_one
+
+        def spy(future: Any) -> bool:
+            handed.append(dispatch_one(future))
+            return handed[-1]
+
+        pool._coordinator.dispatch_one = spy  # type: ignore[method-assign]
+        try:
+            results = pool.map(tasks.ident, range(10), chunksize=5)
+            run = next(r for r in pool._maps.live() if r.reader and r.reader() is results)
+            first = run.in_flight[0][0]
+            assert handed == [True, True], handed  # both at the call, by this thread
+            assert first._slot == idle
+            assert list(results) == list(range(10))
+        finally:
+            tasks.open_gate(fifos.gate)
+        assert blocker.result(CONDITION_TIMEOUT) == "blocker"
 
 
 class Endless:
