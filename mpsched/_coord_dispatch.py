@@ -42,12 +42,29 @@ _UID = BlockField.UID
 
 
 class Dispatching(CoordinatorState):
+    def keeps_order(self, priority: int) -> bool:
+        """Under ``self.lock``: whether a task of ``priority`` may go past ``dispatch``'s guards
+        (``dispatch_one``) while tasks are in flight: no inbox holds a lower one, which
+        ``take_back_lower`` would take back first, nor a higher one that has not started,
+        ahead of which ``waiting_highs`` keeps the other inboxes free (a map's chunks, handed
+        so, ran after lower tasks that waited in the inbox, and before a higher one waiting in
+        a busy worker's: found in review). The marks may be stale (the tasks they note may
+        have started): then the task is only queued for the loop, as it was."""
+        slots = self.slots
+        for k, low in enumerate(self.inbox_low):
+            if low < priority and slots[k].inbox_depth():
+                return False
+        return not any(levels and levels[0][0] > priority for levels in self.inbox_high)
+
     def dispatch_one(self, future: Future[Any]) -> bool:
         """Under ``self.lock``: inject one task into the next inbox with room; False if none.
         For a task submitted to an idle pool, and for a chunk of ``Pool.map`` while nothing is
-        queued (``Coordinator.submit``'s ``direct``)."""
+        queued and ``keeps_order`` (``Coordinator.submit``'s ``direct``)."""
         if len(self.by_handle) >= self.max_inflight:
             return False
+        # Tasks in flight: noted (``note_levels``), as ``dispatch`` notes its batches, so that
+        # the loop keeps lower tasks out of the other inboxes while this one waits.
+        note = bool(self.by_handle)
         n = self.n_workers
         slots = self.slots
         workers = self.workers
@@ -74,7 +91,10 @@ class Dispatching(CoordinatorState):
                 if rank < 2 and (slot.run_depth() or (rank == 0 and slot.is_sleeping())):
                     continue
                 self.next_slot = (k + 1) % n
-                return self.inject(k, [future], future._priority) == 1
+                taken = self.inject(k, [future], future._priority)
+                if taken and note:
+                    self.note_levels(k, [future], taken)
+                return taken == 1
         return False
 
     def not_ready(self, k: int) -> bool:
@@ -178,10 +198,11 @@ class Dispatching(CoordinatorState):
     def note_levels(self, k: int, batch: list[Future[Any]], taken: int) -> None:
         """Under ``self.lock``, as ``dispatch`` put ``batch[:taken]`` into inbox ``k`` (in priority
         order, behind what waits there, which is no lower: ``take_back_lower``): note the last
-        task of each of its priorities (``inbox_high``, see ``waiting_highs``). Not for
-        ``dispatch_one``'s task: it goes to an idle pool, with nothing in flight to wait
-        behind (noted there, the round trip of one task took ~3x as long in the benchmark's
-        median, 150-240 us against 60-70: the cost was not found, the path kept bare)."""
+        task of each of its priorities (``inbox_high``, see ``waiting_highs``). Also for
+        ``dispatch_one``'s task while tasks are in flight (a map's chunk), not for one that
+        goes to an idle pool, with nothing in flight to wait behind (noted there, the round
+        trip of one task took ~3x as long in the benchmark's median, 150-240 us against 60-70:
+        the cost was not found, the path kept bare)."""
         levels = self.inbox_high[k]
         last = taken - 1
         one_priority = batch[0]._priority == batch[last]._priority

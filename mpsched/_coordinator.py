@@ -264,7 +264,8 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         coordinator, which dispatches in batches with at most one wake-up per batch (a burst
         injected task by task would pay one eventfd write per task to workers that keep
         falling asleep). ``direct`` (a chunk of ``Pool.map``: milliseconds of work, a few at a
-        time): at once also while tasks are in flight, if nothing is queued. Queued, a map's
+        time): at once also while tasks are in flight, if nothing is queued and the inboxes hold
+        no task of another priority (``keeps_order``). Queued, a map's
         chunks waited for the coordinator thread, which waited for the GIL while the caller
         pickled the next chunks, and the workers idled (docs/design.md, "Pool.map"). Returns
         True if the coordinator loop must be woken.
@@ -293,7 +294,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
                 due = self.next_due
                 if (
                     not self.ready
-                    and (direct or not self.by_handle)
+                    and (not self.by_handle or (direct and self.keeps_order(future._priority)))
                     and (due is None or due > now)
                     and self.dispatch_one(future)
                 ):

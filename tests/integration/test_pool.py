@@ -252,6 +252,7 @@ def test_a_maps_chunks_go_at_the_call_to_a_worker_that_runs_nothing(tmp_path: Pa
             return handed[-1]
 
         pool._coordinator.dispatch_one = spy  # type: ignore[method-assign]
+        pool._coordinator.next_slot = busy  # the rotation's turn: it must not decide
         try:
             results = pool.map(tasks.ident, range(10), chunksize=5)
             run = next(r for r in pool._maps.live() if r.reader and r.reader() is results)

@@ -8,6 +8,7 @@ side-effect log (O_APPEND lines written by the tasks themselves).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -154,6 +155,71 @@ def test_a_newly_due_high_priority_task_waits_for_no_worker_busy_with_another(
         finally:
             tasks.open_gate(fifos.gate)
         assert holder.result(timeout=20) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_maps_chunks_keep_the_priority_order_before_lower_tasks_in_the_inbox(
+    fifos: Fifos,
+) -> None:
+    """The worker held, lower tasks waiting in its inbox: a map's chunks (priority 0), which
+    the caller's thread may hand out itself while tasks are in flight, run before them, as the
+    loop's dispatch takes lower ones back (they went in behind them: found in review)."""
+    with Pool(1) as pool:
+        holder = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, 0)
+        tasks.wait_started(fifos.started)
+        try:
+            lows = [
+                pool.schedule(("low", i), 0.0, -1, tt.log, fifos.log, f"low{i}") for i in range(5)
+            ]
+            wait_until(
+                lambda: all(f._slot >= 0 for f in lows) and not pool._coordinator.ready,
+                "the lower tasks wait in the inbox",
+            )
+            results = pool.map(functools.partial(tt.log, fifos.log), ["map0", "map1"], chunksize=1)
+        finally:
+            tasks.open_gate(fifos.gate)
+        assert len(list(results)) == 2
+        wait(lows, timeout=CONDITION_TIMEOUT)
+        assert holder.result(timeout=CONDITION_TIMEOUT) == 0
+    assert tt.read_tags(fifos.log)[:2] == ["map0", "map1"]
+
+
+@pytest.mark.timeout(120)
+def test_a_maps_chunks_keep_the_priority_order_behind_a_higher_task_in_a_busy_inbox(
+    tmp_path: Path,
+) -> None:
+    """Both workers held, a high task waiting in one's inbox: a map's chunks stay out of the
+    other's inbox, so that worker, freed, steals the high task first (the chunks went into its
+    own inbox, which it takes from before it steals: found in review)."""
+    for round_ in range(4):  # the high task lands in either inbox
+        (tmp_path / f"a{round_}").mkdir()
+        (tmp_path / f"b{round_}").mkdir()
+        first, second = Fifos(tmp_path / f"a{round_}"), Fifos(tmp_path / f"b{round_}")
+        log = str(tmp_path / f"log{round_}")
+        with Pool(2) as pool:
+            start_every_worker(pool)
+            slots = pool._coordinator.slots
+            holders = [pool.submit(tasks.started_then_gated, first.started, first.gate, 0)]
+            tasks.wait_started(first.started)
+            gates = {next(k for k in (0, 1) if slots[k].run_depth()): first.gate}
+            holders.append(pool.submit(tasks.started_then_gated, second.started, second.gate, 1))
+            tasks.wait_started(second.started)
+            gates[1 - next(iter(gates))] = second.gate
+            freed = None
+            try:
+                high = pool.schedule(("high", round_), 0.0, 10, tt.log, log, "high")
+                wait_until(lambda h=high: h._slot >= 0, "the high task is handed out")
+                results = pool.map(functools.partial(tt.log, log), range(4), chunksize=1)
+                freed = 1 - high._slot
+                tasks.open_gate(gates[freed])
+                assert high.result(timeout=CONDITION_TIMEOUT)
+                assert tt.read_tags(log)[0] == "high", (round_, tt.read_tags(log))
+            finally:
+                for k, gate in gates.items():
+                    if k != freed:
+                        tasks.open_gate(gate)
+            assert len(list(results)) == 4
+            assert [h.result(timeout=CONDITION_TIMEOUT) for h in holders] == [0, 1]
 
 
 @pytest.mark.timeout(120)
