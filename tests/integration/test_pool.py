@@ -202,12 +202,16 @@ def test_a_range_input_goes_as_sub_ranges_and_gives_the_results_of_its_items(
     if budget == "budget 0":
         monkeypatch.setattr(_map, "MAP_CHUNK_BUDGET", 0.0)
     sent = spy_on_chunks(pool2, monkeypatch)
-    for numbers in RANGES:
+    for whole in RANGES:
+        # With a budget of 0, each item is a round trip (the rest goes once the reader takes
+        # the chunk): a slice, a range of the same start, step and bounds, keeps it short.
+        numbers = whole[:200] if budget == "budget 0" else whole
         for chunksize in (None, 7):
             del sent[:]
             assert list(pool2.map(tasks.ident, numbers, chunksize=chunksize)) == list(numbers)
             assert all(type(items) is range for items in sent), (numbers, chunksize, sent)
-            assert sum(map(len, sent)) >= len(numbers)  # (rests go again: more with budget 0)
+            if budget == "budget 0" and chunksize is None and len(numbers) > 1:
+                assert sum(map(len, sent)) > len(numbers), sent  # the rests went again
 
 
 @pytest.mark.timeout(60)
@@ -809,7 +813,6 @@ def test_statistics(pool2: Pool) -> None:
     assert stats.submitted == 500
     assert stats.completed == 500
     assert sum(w.executed for w in stats.per_worker) == 500
-    assert stats.steals >= 0
 
 
 @pytest.mark.timeout(60)
