@@ -234,7 +234,7 @@ class Pool(concurrent.futures.Executor):
             raise ValueError(f"dispatch_window must be in 1..{DISPATCH_WINDOW_MAX}")
         # A finite positive number of seconds, checked under its own name (the error named
         # "timeout" when this borrowed TaskOptions' check).
-        check_seconds("aging", aging, allow_none=True, positive=True)
+        aging_s = check_seconds("aging", aging, allow_none=True, positive=True)
         if max_tasks_per_worker is not None:
             if isinstance(max_tasks_per_worker, bool) or not isinstance(max_tasks_per_worker, int):
                 raise TypeError(  # as workers and dispatch_window: a wrong type is a TypeError
@@ -269,7 +269,7 @@ class Pool(concurrent.futures.Executor):
         self._workers = workers
         self._start_method = method
         self._window = dispatch_window
-        self._aging = None if aging is None else float(aging)
+        self._aging = aging_s
         self._timed_after_shutdown = timed_after_shutdown
         self._recurring_after_shutdown = recurring_after_shutdown
         self._shutdown_lock = threading.Lock()
