@@ -26,7 +26,9 @@ def wait_seconds(timeout: object) -> float | None:
     not; a ``Fraction`` or a numpy scalar is, as ``run_at`` takes them), ValueError if NaN;
     infinite is None (no limit: a wait that long overflows the clock), and so is a number past
     the float range (``float()`` raised a bare OverflowError, also from an
-    ``await_termination`` of a pool that had ended). Zero or negative stays: the wait times
+    ``await_termination`` of a pool that had ended) or past ``threading.TIMEOUT_MAX`` (~292
+    years: a lock's wait raised OverflowError for ``1e10``, a common "for ever", outside the
+    main thread, which waits in slices). Zero or negative stays: the wait times
     out at once, as the stdlib's waits do. For ``Pool.map``, ``Pool.await_termination``, and
     the ``result()``/``exception()`` of a pool's future and of a child's (in a join, a value
     that failed in its arithmetic was taken for an interrupt of mpsched's own code, and the
@@ -39,7 +41,7 @@ def wait_seconds(timeout: object) -> float | None:
         seconds = math.inf if timeout > 0 else -math.inf  # type: ignore[operator]
     if math.isnan(seconds):
         raise ValueError("timeout must be a number of seconds or None, not nan")
-    return None if seconds == math.inf else seconds
+    return None if seconds > threading.TIMEOUT_MAX else seconds
 
 
 def is_real(value: object) -> bool:

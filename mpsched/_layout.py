@@ -273,9 +273,17 @@ def create_locks(n_slots: int) -> SegmentLocks:
     made: list[SemLockHandle] = []
     try:
         made.extend(create_lock() for _ in range(n_slots + 2))  # keeps those made before a raise
-    except BaseException:
+    except BaseException as exc:
         for lock in made:
             lock.unlink()
+        if isinstance(exc, OSError) and exc.errno is not None:
+            # The bare ENOMEM of Pool(100000) (a mapping per lock: vm.max_map_count) named
+            # neither the locks nor the worker count (API hunt).
+            raise type(exc)(
+                exc.errno,
+                f"{exc.strerror}: made {len(made)} of the pool's {n_slots + 2} locks "
+                f"(one per worker, each a semaphore and a memory mapping)",
+            ) from exc
         raise
     return SegmentLocks(slots=tuple(made[:n_slots]), slab=made[n_slots], global_=made[n_slots + 1])
 

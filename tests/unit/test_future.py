@@ -13,6 +13,7 @@ import math
 import threading
 import weakref
 from fractions import Fraction
+from typing import Any
 
 import pytest
 
@@ -26,15 +27,18 @@ class Boom(Exception):
     pass
 
 
-def waited_on(future: Future) -> tuple[threading.Thread, list[object]]:
-    """A thread that waits in ``future.result()``, and what it saw. The Condition is created
-    first, here, so the outcome is certain to take the stdlib's (notifying) path."""
+def waited_on(
+    future: Future, timeout: float = 30, method: str = "result"
+) -> tuple[threading.Thread, list[object]]:
+    """A thread that waits in ``future.result()`` (or ``method``), and what it saw. The
+    Condition is created first, here, so the outcome is certain to take the stdlib's
+    (notifying) path."""
     assert future._condition is not None
     seen: list[object] = []
 
     def wait() -> None:
         try:
-            seen.append(future.result(timeout=30))
+            seen.append(getattr(future, method)(timeout=timeout))
         except BaseException as exc:
             seen.append(exc)
 
@@ -198,6 +202,19 @@ def test_a_wait_with_a_timeout_that_is_no_number_of_seconds_fails_at_the_call(
     assert settled.result(math.inf) == 1  # no limit
     with pytest.raises(concurrent.futures.TimeoutError):
         pending.result(-1.0)  # a negative timeout times out at once, as the stdlib's
+
+
+@pytest.mark.parametrize("method", ["result", "exception"])
+def test_a_wait_longer_than_a_lock_takes_is_no_limit_outside_the_main_thread(method: str) -> None:
+    """``1e10`` s, a common "for ever", is past ``threading.TIMEOUT_MAX``: a lock's wait raised
+    OverflowError for it in every thread but the main one, which waits in slices (API hunt)."""
+    future = Future(None, b"", 0)
+    thread, seen = waited_on(future, timeout=1e10, method=method)
+    condition: Any = future._condition
+    wait_until(lambda: condition._waiters or not thread.is_alive(), "the wait")
+    future.set_result(1)
+    thread.join()
+    assert seen == [1 if method == "result" else None]
 
 
 @pytest.mark.parametrize("method", ["result", "exception"])

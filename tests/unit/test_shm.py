@@ -6,6 +6,7 @@ Helpers that run in children are module-level (picklable).
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import pathlib
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from mpsched import _layout
 from mpsched._errors import PACKAGE_DIR, InternalError
 from mpsched._shm import (
     SEM_PREFIX,
@@ -171,6 +173,27 @@ def _die_holding(lock: SemLockHandle) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_pool_whose_locks_cannot_all_be_made_says_how_many_and_leaves_no_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Pool(100000)`` failed with a bare ``[Errno 12] Cannot allocate memory`` (each lock is
+    a mapping: vm.max_map_count), naming neither the locks nor their count (API hunt)."""
+    made = 0
+
+    def fourth_fails() -> SemLockHandle:
+        nonlocal made
+        if made == 3:
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        made += 1
+        return create_lock()
+
+    monkeypatch.setattr(_layout, "create_lock", fourth_fails)
+    with pytest.raises(OSError, match=r"made 3 of the pool's 5 locks \(one per worker") as info:
+        _layout.create_locks(3)
+    assert info.value.errno == errno.ENOMEM
+    assert _our_names() == []
+
+
 def test_lock_of_a_dead_holder_can_be_released_by_another_process() -> None:
     # The crash breaker relies on this: kind SEMAPHORE (not RLock) may be released by anyone.
     lock = create_lock()
