@@ -9,9 +9,32 @@ to unpickle one (a child task's crash, reported to the worker that joins it). Ke
 
 from __future__ import annotations
 
-from concurrent.futures.process import BrokenProcessPool
+import contextlib
+import threading
+from collections.abc import Iterator
 
 from mpsched._errors import MpschedError
+
+
+@contextlib.contextmanager
+def _exit_hooks_dropped() -> Iterator[None]:
+    """Around an import of ``concurrent.futures.process``, which registers a threading exit
+    hook as it is imported: once the interpreter's exit has run those hooks, that raises
+    RuntimeError, and the first ``mpsched.Pool`` used in an atexit handler (imported there)
+    failed (leak hunt). A hook registered then would never run, so it is dropped instead."""
+    if not getattr(threading, "_SHUTTING_DOWN", False):
+        yield
+        return
+    register = threading._register_atexit  # type: ignore[attr-defined]
+    threading._register_atexit = lambda *args, **kwargs: None  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        threading._register_atexit = register  # type: ignore[attr-defined]
+
+
+with _exit_hooks_dropped():
+    from concurrent.futures.process import BrokenProcessPool
 
 
 class BrokenPoolError(MpschedError, BrokenProcessPool):

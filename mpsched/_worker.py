@@ -48,6 +48,7 @@ FATAL message and a non-zero exit code (rayon ``AbortIfPanic``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import pickle
@@ -583,11 +584,18 @@ def worker_main(
 
         text = traceback.format_exc()
         if _raised_by_user_code(exc):
+            # EBADF from the worker's own socket (a frame of multiprocessing's): a task closed
+            # the worker's fds, which the message blamed on a signal handler (leak hunt).
+            why = (
+                "a file descriptor of the worker was closed (a task's os.close or os.closerange?)"
+                if isinstance(exc, OSError) and exc.errno == errno.EBADF
+                else "user code raised outside a task (a signal handler a task installed? a "
+                "finalizer?)"
+            )
             with contextlib.suppress(Exception):  # a task may have taken stderr away
                 sys.stderr.write(
-                    f"mpsched: worker {slot} (pid {os.getpid()}): user code raised outside a "
-                    f"task (a signal handler a task installed? a finalizer?); the worker exits "
-                    f"and is replaced:\n{text}"
+                    f"mpsched: worker {slot} (pid {os.getpid()}): {why}; the worker exits and "
+                    f"is replaced:\n{text}"
                 )
             return USER_ERROR_EXIT
         try:

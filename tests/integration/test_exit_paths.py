@@ -526,6 +526,70 @@ def test_pools_in_atexit_handlers_run_their_tasks_or_are_refused_clearly(
         assert (tmp_path / "done.txt").read_text() == "ran"
 
 
+# The process's first pool made in an atexit handler: ``mpsched.Pool`` is imported there, after
+# the interpreter's threading exit hooks ran, and ``concurrent.futures.process`` refused to
+# register its own (RuntimeError: "can't register atexit after shutdown"; leak hunt).
+FIRST_POOL_AT_EXIT = """
+import atexit, sys
+import mpsched
+
+def first_pool():
+    try:
+        with mpsched.Pool(2, start_method=sys.argv[1]) as pool:
+            print("first:", pool.submit(pow, 2, 10).result(timeout=20), flush=True)
+    except RuntimeError as exc:  # Python 3.12.0-3.12.2: no fork and no new thread then
+        print("refused:", exc, flush=True)
+
+if __name__ == "__main__":
+    atexit.register(first_pool)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_the_first_pool_made_in_an_atexit_handler_runs_its_task(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    result = _run(tmp_path, FIRST_POOL_AT_EXIT, start_method, timeout=60, prelude="")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    if _threads_start_in_atexit_handlers():
+        assert result.stdout.splitlines() == ["first: 1024"], result.stdout
+    else:  # the interpreter refuses: the error is Python's, about the thread or the fork
+        assert "register atexit" not in result.stdout, result.stdout
+
+
+# A task that closes every fd of its worker (a daemonizing library's ``os.closerange``), its
+# socket to the coordinator with them: the worker's next poke failed with EBADF in a frame of
+# multiprocessing's, and the message blamed a signal handler or a finalizer (leak hunt).
+CLOSE_EVERY_FD = """
+import os
+
+def close_every_fd():
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    return "closed"
+
+if __name__ == "__main__":
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        print(pool.submit(close_every_fd).result(timeout=20), flush=True)
+        deadline = time.monotonic() + 20.0
+        while pool.statistics().crashes == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # polled: the worker exits at its next poke
+        print(pool.submit(abs, -7).result(timeout=20), pool.statistics().crashes, flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_task_that_closes_every_fd_costs_its_worker_and_the_message_says_so(
+    tmp_path: pathlib.Path,
+) -> None:
+    result = _run(tmp_path, CLOSE_EVERY_FD, "forkserver", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["closed", "7 1"], result.stdout
+    assert "a file descriptor of the worker was closed (a task's os.close" in result.stderr
+    assert "signal handler" not in result.stderr, result.stderr
+
+
 # Tasks that take their worker's stdout and stderr away: the workers' exits (retired after a
 # task, then at shutdown) flush them.
 STREAMS_TAKEN = """
