@@ -46,6 +46,8 @@ import multiprocessing
 import os
 import signal
 import threading
+from collections.abc import Iterator
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -295,13 +297,21 @@ def _start_zygote(
     )
     try:
         if fork:  # a bare fork, lighter than a Process (see ForkedZygote)
-            res.zygote = ForkedZygote(cfg)
+            with _sigint_blocked():
+                res.zygote = ForkedZygote(cfg)
         else:
-            if pool._start_method == "forkserver":
+            forkserver = pool._start_method == "forkserver"
+            if forkserver:
                 forget_a_foreign_forkserver()
                 preload_in_forkserver(zygote_main.__module__)
             res.zygote = ctx.Process(target=zygote_main, args=(cfg,), name=ZYGOTE_NAME, daemon=True)
-            res.zygote.start()
+            # Not around the forkserver's start: it would keep SIGINT blocked, and so would
+            # every process it forks, the user's own included. Under spawn, multiprocessing's
+            # resource tracker is started first: its start unblocks SIGINT as it ends.
+            if not forkserver:
+                resource_tracker.ensure_running()
+            with contextlib.nullcontext() if forkserver else _sigint_blocked():
+                res.zygote.start()
     finally:
         child_conn.close()
     if late_wake_fds:
@@ -310,6 +320,22 @@ def _start_zygote(
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             send_wake_fds(parent_conn, late_wake_fds)
     return parent_conn
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread while the zygote is made: the zygote inherits the mask
+    (through exec under spawn) and unblocks it once it ignores SIGINT (``zygote_main``).
+    Before, a Ctrl-C in the terminal during its start (its interpreter's, ~50-100 ms under
+    spawn) raised KeyboardInterrupt in its default handler: a second traceback, or "Fatal
+    Python error: init_import_site", beside the caller's (leak hunt). A SIGINT that comes
+    meanwhile stays pending for the pool's process, to its held handler, not lost. Under
+    forkserver the server forks the zygote with its own mask and handlers."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _pow2(n: int) -> int:

@@ -150,6 +150,9 @@ def zygote_main(cfg: ZygoteConfig) -> None:
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the coordinator
+        # Blocked since Pool() made us (fork, spawn: _startup._sigint_blocked), so that a
+        # Ctrl-C during our start raised nothing; a pending one is dropped as it is ignored.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         # Reaping needs SIGCHLD's default action: ignored (a daemon's way to have no zombies,
         # inherited from the pool's process by fork, or through exec from a forkserver it
         # started), the kernel reaped the workers itself, and the zygote's waitpid failed

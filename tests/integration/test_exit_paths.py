@@ -559,6 +559,52 @@ def test_the_first_pool_made_in_an_atexit_handler_runs_its_task(
         assert "register atexit" not in result.stdout, result.stdout
 
 
+# A SIGINT (a Ctrl-C in the terminal reaches the whole process group) while the zygote starts,
+# before ``zygote_main`` ignores it: the zygote's interpreter raised KeyboardInterrupt in its
+# default handler, printed a traceback beside the caller's (under spawn, at times "Fatal Python
+# error: init_import_site") and died, and the pool broke (leak hunt). Sent by the zygote to
+# itself, so that it lands there: under spawn as it imports the main module (as
+# ``__mp_main__``); under fork right after the fork, of a pool made in a thread (the main
+# thread's start-up holds a Ctrl-C, and a fork keeps that handler).
+SIGINT_AS_THE_ZYGOTE_STARTS = """
+import os, signal, sys, threading
+import mpsched
+
+MAIN = int(os.environ.setdefault("MPSCHED_TEST_MAIN_PID", str(os.getpid())))
+
+def interrupt_the_zygote():
+    if os.getppid() == MAIN:  # the zygote, not a worker (the zygote's child)
+        os.kill(os.getpid(), signal.SIGINT)
+
+if __name__ == "__mp_main__":
+    interrupt_the_zygote()
+
+def run():
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        print(pool.submit(abs, -3).result(timeout=20), flush=True)
+
+if __name__ == "__main__":
+    if sys.argv[1] == "fork":
+        os.register_at_fork(after_in_child=interrupt_the_zygote)
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    else:
+        run()
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_sigint_as_the_zygote_starts_is_ignored_there(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    result = _run(tmp_path, SIGINT_AS_THE_ZYGOTE_STARTS, start_method, timeout=60, prelude="")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "3\n", result.stdout
+    assert result.stderr == ""
+
+
 # A task that closes every fd of its worker (a daemonizing library's ``os.closerange``), its
 # socket to the coordinator with them: the worker's next poke failed with EBADF in a frame of
 # multiprocessing's, and the message blamed a signal handler or a finalizer (leak hunt).
