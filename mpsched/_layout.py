@@ -278,11 +278,15 @@ def create_locks(n_slots: int) -> SegmentLocks:
             lock.unlink()
         if isinstance(exc, OSError) and exc.errno is not None:
             # The bare ENOMEM of Pool(100000) (a mapping per lock: vm.max_map_count) named
-            # neither the locks nor the worker count (API hunt).
-            raise type(exc)(
+            # neither the locks nor the worker count (API hunt). OSError's own constructor
+            # picks the subclass of the errno (a subclass's own may take other arguments).
+            strerror = exc.strerror or os.strerror(exc.errno)
+            filename = () if exc.filename is None else (exc.filename,)
+            raise OSError(
                 exc.errno,
-                f"{exc.strerror}: made {len(made)} of the pool's {n_slots + 2} locks "
-                f"(one per worker, each a semaphore and a memory mapping)",
+                f"{strerror}: made {len(made)} of the pool's {n_slots + 2} locks (one per "
+                f"worker, each a semaphore and a memory mapping)",
+                *filename,
             ) from exc
         raise
     return SegmentLocks(slots=tuple(made[:n_slots]), slab=made[n_slots], global_=made[n_slots + 1])

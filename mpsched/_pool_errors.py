@@ -11,29 +11,36 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from mpsched._errors import MpschedError
 
 
 @contextlib.contextmanager
-def _exit_hooks_dropped() -> Iterator[None]:
+def _late_exit_hooks_run() -> Iterator[None]:
     """Around an import of ``concurrent.futures.process``, which registers a threading exit
     hook as it is imported: once the interpreter's exit has run those hooks, that raises
     RuntimeError, and the first ``mpsched.Pool`` used in an atexit handler (imported there)
-    failed (leak hunt). A hook registered then would never run, so it is dropped instead."""
+    failed (leak hunt). A hook registered then runs at once, as it would have at the exit:
+    dropped, the module's own (which refuses new work from then on) left a
+    ``ProcessPoolExecutor`` of a later handler free to start workers that nothing stopped,
+    and the exit hung (diff review)."""
     if not getattr(threading, "_SHUTTING_DOWN", False):
         yield
         return
     register = threading._register_atexit  # type: ignore[attr-defined]
-    threading._register_atexit = lambda *args, **kwargs: None  # type: ignore[attr-defined]
+    threading._register_atexit = _run_now  # type: ignore[attr-defined]
     try:
         yield
     finally:
         threading._register_atexit = register  # type: ignore[attr-defined]
 
 
-with _exit_hooks_dropped():
+def _run_now(hook: Callable[..., object], *args: object, **kwargs: object) -> None:
+    hook(*args, **kwargs)
+
+
+with _late_exit_hooks_run():
     from concurrent.futures.process import BrokenProcessPool
 
 

@@ -528,7 +528,9 @@ def test_pools_in_atexit_handlers_run_their_tasks_or_are_refused_clearly(
 
 # The process's first pool made in an atexit handler: ``mpsched.Pool`` is imported there, after
 # the interpreter's threading exit hooks ran, and ``concurrent.futures.process`` refused to
-# register its own (RuntimeError: "can't register atexit after shutdown"; leak hunt).
+# register its own (RuntimeError: "can't register atexit after shutdown"; leak hunt). That
+# hook runs at once then: dropped, a ProcessPoolExecutor of a later handler (never shut down)
+# started workers that nothing stopped, and the exit hung (diff review); the stdlib refuses.
 FIRST_POOL_AT_EXIT = """
 import atexit, sys
 import mpsched
@@ -540,8 +542,16 @@ def first_pool():
     except RuntimeError as exc:  # Python 3.12.0-3.12.2: no fork and no new thread then
         print("refused:", exc, flush=True)
 
+def executor_after_it():
+    from concurrent.futures import ProcessPoolExecutor
+    try:
+        ProcessPoolExecutor(1).submit(pow, 3, 3)
+    except RuntimeError as exc:
+        print("executor:", exc, flush=True)
+
 if __name__ == "__main__":
-    atexit.register(first_pool)
+    atexit.register(executor_after_it)
+    atexit.register(first_pool)  # runs first
 """
 
 
@@ -554,7 +564,10 @@ def test_the_first_pool_made_in_an_atexit_handler_runs_its_task(
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     if _threads_start_in_atexit_handlers():
-        assert result.stdout.splitlines() == ["first: 1024"], result.stdout
+        assert result.stdout.splitlines() == [
+            "first: 1024",
+            "executor: cannot schedule new futures after interpreter shutdown",
+        ], result.stdout
     else:  # the interpreter refuses: the error is Python's, about the thread or the fork
         assert "register atexit" not in result.stdout, result.stdout
 

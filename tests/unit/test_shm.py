@@ -173,24 +173,39 @@ def _die_holding(lock: SemLockHandle) -> None:
 
 
 @pytest.mark.timeout(60)
+class _PathError(OSError):
+    """An OSError subclass whose constructor takes other arguments than OSError's."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(errno.ENOSPC, None, path)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [OSError(errno.ENOMEM, os.strerror(errno.ENOMEM)), _PathError("/dev/shm/sem.x")],
+    ids=["enomem", "subclass-with-a-path"],
+)
 def test_a_pool_whose_locks_cannot_all_be_made_says_how_many_and_leaves_no_name(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, error: OSError
 ) -> None:
     """``Pool(100000)`` failed with a bare ``[Errno 12] Cannot allocate memory`` (each lock is
-    a mapping: vm.max_map_count), naming neither the locks nor their count (API hunt)."""
+    a mapping: vm.max_map_count), naming neither the locks nor their count (API hunt). The
+    errno and the path stay; an error whose class takes other arguments is no TypeError."""
     made = 0
 
     def fourth_fails() -> SemLockHandle:
         nonlocal made
         if made == 3:
-            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+            raise error
         made += 1
         return create_lock()
 
     monkeypatch.setattr(_layout, "create_lock", fourth_fails)
     with pytest.raises(OSError, match=r"made 3 of the pool's 5 locks \(one per worker") as info:
         _layout.create_locks(3)
-    assert info.value.errno == errno.ENOMEM
+    assert (info.value.errno, info.value.filename) == (error.errno, error.filename)
+    assert info.value.strerror.startswith(os.strerror(error.errno))
+    assert info.value.__cause__ is error
     assert _our_names() == []
 
 
