@@ -305,13 +305,12 @@ def _start_zygote(
                 forget_a_foreign_forkserver()
                 preload_in_forkserver(zygote_main.__module__)
             res.zygote = ctx.Process(target=zygote_main, args=(cfg,), name=ZYGOTE_NAME, daemon=True)
-            # Not around the forkserver's start: it would keep SIGINT blocked, and so would
-            # every process it forks, the user's own included. Under spawn, multiprocessing's
-            # resource tracker is started first: its start unblocks SIGINT as it ends.
-            if not forkserver:
-                resource_tracker.ensure_running()
-            with contextlib.nullcontext() if forkserver else _sigint_blocked():
-                res.zygote.start()
+            if forkserver:  # not blocked: the server would keep SIGINT blocked, and so would
+                res.zygote.start()  # every process it forks, the user's own included
+            else:
+                resource_tracker.ensure_running()  # first: its start unblocks SIGINT as it ends
+                with _sigint_blocked():
+                    res.zygote.start()
     finally:
         child_conn.close()
     if late_wake_fds:
