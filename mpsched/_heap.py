@@ -273,6 +273,12 @@ class VersionedHeap:
             heapq.heappush(self._heap, rec)
         else:
             _, _, old_seq, _, version, _, running, cancel_requested, _ = old
+            # The record first: its store calls the id's __hash__ and __eq__ (user code, which
+            # may raise, or where a Ctrl-C may land); after it the stores call nothing. (Stored
+            # last, the superseded version was gone, uncounted, when it raised: cancelled by a
+            # schedule() that failed. Found by a model hunt.)
+            rec = records[task_id] = (run_at, neg, seq, task_id, version + 1, _PENDING, running,
+                                      cancel_requested, priority)  # fmt: skip
             if old_seq in items:  # a pending version, superseded: its heap entry goes stale
                 del items[old_seq]
                 if running:  # it was deferred
@@ -281,9 +287,6 @@ class VersionedHeap:
                     self._in_heap -= 1
             elif not running:  # an ended id: its entry in the ended-id memory goes stale
                 self._stale += 1
-            version += 1
-            rec = records[task_id] = (run_at, neg, seq, task_id, version, _PENDING, running,
-                                      cancel_requested, priority)  # fmt: skip
             items[seq] = item
             if running:  # deferred: it enters the heap when the running version finishes
                 self._deferred += 1
@@ -380,12 +383,15 @@ class VersionedHeap:
             # may raise a Ctrl-C's KeyboardInterrupt): interrupted there, the version is handed
             # out and the top entry is stale (its item is gone). Popped first, an interrupt as
             # the pop returned left the version counted and in no heap: never handed out,
-            # len() never 0, its state PENDING for ever.
-            self._in_heap -= 1
+            # len() never 0, its state PENDING for ever. The record's store comes first of
+            # all: it calls the id's __hash__ and __eq__, which may raise (after the count's
+            # decrement, the version stayed pending, uncounted, and was handed out again:
+            # len() went to -1; found by a model hunt).
             # A live entry is its id's current record: no version runs beside one in the heap.
             run_at, neg, seq, task_id, version, _, _, _, priority = top
             self._records[task_id] = (run_at, neg, NOT_IN_HEAP, task_id, version, _RUNNING,
                                       version, False, priority)  # fmt: skip
+            self._in_heap -= 1
             item = items[seq]
             del items[seq]
             heapq.heappop(heap)
@@ -465,27 +471,34 @@ class VersionedHeap:
             self._trim_finished()
 
     def _trim_finished(self) -> None:
-        """After an end, with more than ``remember`` entries: forget the oldest id if that end
-        made one id too many, else compact past ``COMPACT_FACTOR * remember`` entries."""
+        """After an end, with more than ``remember`` entries: forget the oldest ids while there
+        are too many (one end adds one at most, but an exception may have cut an earlier trim
+        short), else compact past ``COMPACT_FACTOR * remember`` entries. Each entry's id is
+        looked up before the entry goes: the lookup calls the id's __hash__ and __eq__ (user
+        code, which may raise, or where a Ctrl-C may land), and an entry gone before it raised
+        left the count of stale entries one off (found by a model hunt)."""
         finished = self._finished
         records = self._records
-        if len(finished) - self._stale > self._remember:  # (one end adds at most one id)
-            while True:
-                ended = finished.popleft()
-                task_id = ended[_R_TASK_ID]
-                if records.get(task_id) is ended:  # live: the id ended last with this end
-                    del records[task_id]
-                    return
-                self._stale -= 1
+        if len(finished) - self._stale > self._remember:
+            while len(finished) - self._stale > self._remember:
+                ended = finished[0]
+                live = records.get(ended[_R_TASK_ID]) is ended  # the id ended last with it
+                finished.popleft()
+                if live:
+                    del records[ended[_R_TASK_ID]]
+                else:
+                    self._stale -= 1
         elif len(finished) > COMPACT_FACTOR * self._remember:
             # In place, oldest first: the live entries keep their order.
-            entries = len(finished)
-            for _ in range(entries):
-                ended = finished.popleft()
-                if records.get(ended[_R_TASK_ID]) is ended:
+            for _ in range(len(finished)):
+                ended = finished[0]
+                live = records.get(ended[_R_TASK_ID]) is ended
+                finished.popleft()
+                if live:
                     finished.append(ended)
-            assert len(finished) == entries - self._stale, "the stale count is wrong"
-            self._stale = 0
+                else:
+                    self._stale -= 1
+            assert self._stale == 0, "the stale count is wrong"
 
     def _prune(self) -> None:
         # The live entries, in C (no Python-level loop): ~50 instead of ~65 ns an entry, and

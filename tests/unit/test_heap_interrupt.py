@@ -190,3 +190,83 @@ def test_an_interrupt_in_the_bookkeeping_after_a_withdrawal_keeps_the_item_for_t
     assert len(heap) == 0
     assert heap.state("a") is TaskState.CANCELLED
     assert heap.pop_due(10.0) is None
+
+
+class _TrippingId:
+    """An id whose ``__hash__`` raises at its ``trip_in``-th call from now (0: never): user code
+    that the record's store calls (a frozen dataclass's generated ``__hash__`` is Python code,
+    where a Ctrl-C may land too)."""
+
+    trip_in = 0
+
+    def __hash__(self) -> int:
+        if _TrippingId.trip_in:
+            _TrippingId.trip_in -= 1
+            if not _TrippingId.trip_in:
+                raise KeyboardInterrupt
+        return 7
+
+
+def _run_once(heap: VersionedHeap, task_id: Any) -> None:
+    heap.schedule(task_id, 0.0, 0, "job")
+    due = heap.pop_due(1.0)
+    assert isinstance(due, Due)
+    heap.finish(due)
+
+
+def test_an_id_whose_hash_raises_as_it_is_handed_out_stays_pending_and_counted() -> None:
+    """``pop_due`` decremented the count before the record's store, which raised: the version
+    stayed pending, uncounted (``len()`` 0), and the next ``pop_due`` handed it out, the
+    count going to -1 (``len()`` a ValueError). Found by a model hunt."""
+    heap = VersionedHeap()
+    task_id = _TrippingId()
+    heap.schedule(task_id, 0.0, 0, "job")
+    _TrippingId.trip_in = 1
+    with pytest.raises(KeyboardInterrupt):
+        heap.pop_due(1.0)
+    assert len(heap) == 1
+    assert heap.state(task_id) is TaskState.PENDING
+    due = heap.pop_due(1.0)
+    assert isinstance(due, Due)
+    assert due.fn == "job"
+    assert len(heap) == 0
+    assert heap.pop_due(1.0) is None
+    heap._prune()  # its assertion: the live count is the heap's
+
+
+def test_an_id_whose_hash_raises_as_it_is_rescheduled_keeps_the_old_version() -> None:
+    """A reschedule took the superseded version out before the new record's store (the id's
+    second hash: the first is the lookup), which raised: ``schedule()`` failed, yet the old
+    version was cancelled."""
+    heap = VersionedHeap()
+    task_id = _TrippingId()
+    heap.schedule(task_id, 0.0, 0, "old")
+    _TrippingId.trip_in = 2
+    with pytest.raises(KeyboardInterrupt):
+        heap.schedule(task_id, 0.0, 0, "new")
+    assert len(heap) == 1
+    due = heap.pop_due(1.0)
+    assert isinstance(due, Due)
+    assert (due.fn, due.version) == ("old", 1)
+    assert heap.pop_due(1.0) is None
+    heap._prune()
+
+
+def test_an_id_whose_hash_raises_as_ended_ids_are_forgotten_keeps_the_count_of_stale_ones() -> None:
+    """The oldest ended entry (a stale one: its id ended again since) left the memory before
+    its id's lookup, which raised: the count of stale entries stayed one too high (a
+    compaction would fail its assertion), and the memory kept one ended id more than
+    ``remember`` from then on (one trim an end)."""
+    heap = VersionedHeap(remember=2)
+    tripping = _TrippingId()
+    _run_once(heap, tripping)
+    _run_once(heap, tripping)  # its first end's entry goes stale
+    _run_once(heap, "b")
+    _TrippingId.trip_in = 1  # the lookup of the oldest ended entry's id, as "c" ends
+    with pytest.raises(KeyboardInterrupt):
+        _run_once(heap, "c")
+    stale = [heap._records.get(e[_heap._R_TASK_ID]) is not e for e in heap._finished]
+    assert sum(stale) == heap._stale
+    for task_id in range(50):
+        _run_once(heap, task_id)
+    assert [heap.state(task_id) for task_id in (47, 48, 49)] == [None, *[TaskState.COMPLETED] * 2]
