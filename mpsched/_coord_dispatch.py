@@ -148,7 +148,7 @@ class Dispatching(CoordinatorState):
             self.next_slot = (self.next_slot + 1) % n
             self.dispatches += 1
 
-    def waiting_highs(self, bottom: int) -> list[int] | None:
+    def waiting_highs(self, bottom: float) -> list[float] | None:
         """Under ``self.lock``: for each inbox, the highest priority of the tasks that wait in
         it unclaimed (``NO_LEVEL`` if none); None if no inbox holds one above ``bottom``, the
         lowest level of the ready queue (one priority in use: no scan). ``dispatch`` gives
@@ -164,7 +164,7 @@ class Dispatching(CoordinatorState):
         inbox_high = self.inbox_high
         if not any(levels and levels[0][0] > bottom for levels in inbox_high):
             return None
-        highs = []
+        highs: list[float] = []
         by_handle = self.by_handle
         for k, levels in enumerate(inbox_high):
             while levels:
@@ -214,7 +214,7 @@ class Dispatching(CoordinatorState):
             else:
                 levels.append((priority, future._handle))
 
-    def take_ready(self, n: int, floor: int = NO_LEVEL) -> tuple[list[Future[Any]], int]:
+    def take_ready(self, n: int, floor: float = NO_LEVEL) -> tuple[list[Future[Any]], float]:
         """Under ``self.lock``: up to ``n`` due tasks of priority ``floor`` and above, minus
         recurring runs that misfired."""
         batch, lowest = self.ready.take(n, floor)
@@ -222,7 +222,7 @@ class Dispatching(CoordinatorState):
             batch = [f for f in batch if not self.misfired(f)]
         return batch, lowest
 
-    def inject(self, k: int, batch: list[Future[Any]], lowest: int) -> int:
+    def inject(self, k: int, batch: list[Future[Any]], lowest: float) -> int:
         """Under ``self.lock``: write ``batch`` into slab blocks (tasks taken back already have
         theirs) and inject them into inbox ``k`` in one lock round, waking a sleeper. Returns
         how many went (the slab may be full)."""

@@ -48,7 +48,7 @@ _MISFIRED = ResultStatus.MISFIRED
 _UID_PID_SHIFT = 31  # a child's uid is (spawning worker's pid << 31) | counter (_children.next_uid)
 _ERROR = ResultStatus.ERROR
 _STATE = BlockField.STATE
-_NO_LOW = 2**63  # inbox_low of an inbox with nothing low in it
+_NO_LOW = math.inf  # inbox_low of an inbox with nothing low in it (above every int priority)
 logger = logging.getLogger("mpsched")
 
 
@@ -151,7 +151,7 @@ class CoordinatorState:
         self.sleep_until = math.inf  # the loop sleeps until then unless woken (under lock)
         self.requests: list[tuple[Future[Any], bool]] = []  # running tasks to signal / kill (force)
         self.watched: dict[int, Future[Any]] = {}  # handle -> in-flight task with a timeout
-        self.inbox_low = [_NO_LOW] * n_workers  # lowest priority injected since inbox emptied
+        self.inbox_low: list[float] = [_NO_LOW] * n_workers  # lowest priority injected since inbox emptied
         # Per inbox, highest first: each priority injected since it was last taken back, with
         # the handle of the last task injected at it (not the task: its future would be kept
         # alive): while one waits there unclaimed, no other inbox gets a lower task

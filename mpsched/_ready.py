@@ -45,12 +45,16 @@ from __future__ import annotations
 
 import bisect
 import collections
+import math
 from collections.abc import Iterable
 from typing import Any
 
 from mpsched._future import Future
 
-NO_LEVEL = -(2**63)  # "no level": below every priority
+# "No level": below every priority. Infinite, as priorities are ints of any size: -2**63
+# left a task scheduled below it never taken, and the pool's drain waited for ever (a typing
+# and options hunt).
+NO_LEVEL = -math.inf
 # A future's ``_slot`` while it is in the ready queue (an inbox's index is >= 0, -1 elsewhere;
 # every reader of ``_slot`` asks only ``>= 0`` or ``< 0``).
 QUEUED = -2
@@ -171,7 +175,7 @@ class ReadyQueue:
         self.size = size
         self._withdrawn_queued = 0
 
-    def bottom_priority(self) -> int:
+    def bottom_priority(self) -> float:
         """The lowest level with a deque (``NO_LEVEL`` if none); it may be one emptied since,
         which only ``take`` drops (from the top)."""
         return self._order[0] if self._order else NO_LEVEL
@@ -186,7 +190,7 @@ class ReadyQueue:
             order.pop()
         return None
 
-    def take(self, n: int, floor: int = NO_LEVEL) -> tuple[list[Future[Any]], int]:
+    def take(self, n: int, floor: float = NO_LEVEL) -> tuple[list[Future[Any]], float]:
         """Up to ``n`` live (not withdrawn) items of levels ``floor`` and above, highest
         priority first, and the lowest level they came from (``NO_LEVEL`` if none)."""
         out: list[Future[Any]] = []

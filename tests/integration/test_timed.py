@@ -67,6 +67,28 @@ def test_due_tasks_start_by_priority_then_run_at_then_submission(fifos: Fifos, w
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("window", [1, 128])
+def test_priorities_beyond_64_bits_run_in_their_order(fifos: Fifos, window: int) -> None:
+    """Priorities are ints of any size: one below -2**63, the dispatch's "no level" mark, was
+    never taken from the ready queue (the task stayed pending, and the pool's drain waited
+    for ever; a typing and options hunt)."""
+    priorities = [-(10**30), -(2**63) - 1, -(2**63), 0, 2**63, 10**30]
+    order = [*priorities, *priorities]
+    random.Random(window).shuffle(order)
+    with Pool(1, dispatch_window=window) as pool:
+        blocker = hold_worker(pool, fifos)
+        now = time.monotonic()
+        futures = [
+            pool.schedule(tag, now, prio, tt.log, fifos.log, tag) for tag, prio in enumerate(order)
+        ]
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=20) == "blocker"
+        for f in futures:
+            f.result(timeout=20)
+    assert tt.read_tags(fifos.log) == sorted(range(len(order)), key=lambda t: (-order[t], t))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("window", [1, 128])
 def test_a_task_due_at_the_call_keeps_its_call_order_among_submits_and_past_run_ats(
     fifos: Fifos, window: int
 ) -> None:
