@@ -151,7 +151,8 @@ class CoordinatorState:
         self.sleep_until = math.inf  # the loop sleeps until then unless woken (under lock)
         self.requests: list[tuple[Future[Any], bool]] = []  # running tasks to signal / kill (force)
         self.watched: dict[int, Future[Any]] = {}  # handle -> in-flight task with a timeout
-        self.inbox_low: list[float] = [_NO_LOW] * n_workers  # lowest priority injected since inbox emptied
+        # The lowest priority injected since the inbox emptied (_NO_LOW: none).
+        self.inbox_low: list[float] = [_NO_LOW] * n_workers
         # Per inbox, highest first: each priority injected since it was last taken back, with
         # the handle of the last task injected at it (not the task: its future would be kept
         # alive): while one waits there unclaimed, no other inbox gets a lower task

@@ -245,12 +245,10 @@ class Pool(concurrent.futures.Executor):
                 raise ValueError(
                     f"max_tasks_per_worker must be positive, not {max_tasks_per_worker!r}"
                 )
-        for name, flag in (
-            ("timed_after_shutdown", timed_after_shutdown),
-            ("recurring_after_shutdown", recurring_after_shutdown),
-        ):
-            if not isinstance(flag, bool):  # "no" was taken as True
-                raise TypeError(f"{name} must be a bool, not {type(flag).__name__}")
+        _check_flags(
+            timed_after_shutdown=timed_after_shutdown,
+            recurring_after_shutdown=recurring_after_shutdown,
+        )
         if initializer is not None and not callable(initializer):
             raise TypeError(f"initializer must be callable, not {type(initializer).__name__}")
         try:  # a tuple, or another iterable of the arguments (the stdlib's pools take any)
@@ -639,7 +637,13 @@ class Pool(concurrent.futures.Executor):
         the shutdown and returns, with ``wait=True`` too: the interrupted call may hold the
         locks a shutdown takes, and goes on once the handler returned. The rest of the input
         of a ``map`` is not sent then (its iterator raises PoolClosedError where it is
-        needed). A later ``shutdown(wait=True)`` (the end of a ``with`` block) waits."""
+        needed). A later ``shutdown(wait=True)`` (the end of a ``with`` block) waits.
+
+        Raises:
+            TypeError: ``wait`` or ``cancel_futures`` is not a bool (``cancel_futures="no"``
+                cancelled the work, as ``Pool()`` refuses for its flags).
+        """
+        _check_flags(wait=wait, cancel_futures=cancel_futures)
         try:
             caller = sys._getframe(1)
         except ValueError:  # called straight from C (atexit, _thread.start_new_thread)
@@ -860,6 +864,13 @@ _CANCEL_BY_ID = _cancel_by_id()
 _SHUTDOWN_CALLERS = frozenset(
     (Pool.__exit__.__code__, Pool._stop_now.__code__, shutdown_all_pools.__code__)
 )
+
+
+def _check_flags(**flags: object) -> None:
+    """TypeError for a flag that is not a bool: "no" was taken as True."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, not {type(flag).__name__}")
 
 
 class TaskSubmitter:

@@ -288,6 +288,22 @@ def test_a_shutdown_called_straight_from_c_shuts_the_pool_down() -> None:
     assert pool.await_termination(30)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags", [{"wait": "no"}, {"cancel_futures": "no"}, {"wait": None}])
+def test_a_shutdown_flag_that_is_no_bool_is_refused_before_anything_ends(
+    flags: dict[str, object],
+) -> None:
+    """``cancel_futures="no"`` cancelled the work (and ``wait="no"`` waited), where ``Pool()``
+    refuses such flags (a typing and options hunt)."""
+    with Pool(1) as pool:
+        gated = pool.submit(abs, -1)
+        with pytest.raises(TypeError, match=f"{next(iter(flags))} must be a bool"):
+            pool.shutdown(**flags)  # type: ignore[arg-type]
+        assert not gated.cancelled()
+        assert pool.submit(abs, -2).result(timeout=30) == 2
+        assert gated.result(timeout=30) == 1
+
+
 class _ShutdownLogged(Pool):
     calls: typing.ClassVar[list[bool]] = []
 
