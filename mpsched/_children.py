@@ -54,7 +54,7 @@ from mpsched._slot_region import MAX_NESTING
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Hashable
     from typing import Any, Generic, NoReturn, ParamSpec, TypeVar
 
     from mpsched._layout import GlobalHeader
@@ -285,7 +285,7 @@ class TaskContext:
     def __init__(self, worker_id: int, slab: Any, entry: list[Any]) -> None:
         meta = entry[1]
         self.worker_id = worker_id
-        self.task_id: Any = meta[0] if meta else None
+        self.task_id: Hashable | None = meta[0] if meta else None
         self.version: int = meta[1] if meta else 0
         self._slab = slab
         # The worker's entry for the run: [the block's handle (-1 for a child: nobody can

@@ -50,7 +50,7 @@ from concurrent.futures._base import (
     RUNNING,
     InvalidStateError,
 )
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mpsched._clock import join_interruptibly, wait_interruptibly, wait_seconds
 from mpsched._errors import timeout_error
@@ -368,6 +368,10 @@ class Future(concurrent.futures.Future[_T]):
             "an mpsched.Future cannot be pickled: it belongs to its pool's process (send the "
             "result instead)"
         )
+
+    if TYPE_CHECKING:  # the stdlib's, typed for this class: a callback is given this future
+
+        def add_done_callback(self, fn: Callable[[Future[_T]], object]) -> None: ...
 
     def _mark_cancelled(self) -> bool:
         """The task will never run: cancel and notify at once (``wait()`` and ``as_completed()``

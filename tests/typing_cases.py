@@ -61,6 +61,31 @@ def uses_a_pool() -> None:
         print(same, n, s, squares, names)
 
 
+def on_done(future: mpsched.Future[int]) -> None:
+    print(future.result(), future.wait_done(0))
+
+
+def on_a_str(future: mpsched.Future[str]) -> None:
+    print(future.result())
+
+
+def callbacks_get_the_pools_future() -> None:
+    """A callback typed with ``mpsched.Future`` (what it is given) was refused: the stdlib's
+    ``add_done_callback`` is typed for its own Future (a typing hunt)."""
+    with mpsched.Pool(1) as pool:
+        pool.submit(fib, 5).add_done_callback(on_done)
+        pool.submit(fib, 5).add_done_callback(lambda f: print(f.wait_done(0)))
+        pool.submit(fib, 5).add_done_callback(on_a_str)  # type: ignore[arg-type]
+
+
+def knows_its_id() -> None:
+    """``task_id`` was Any: assigned to anything (a typing hunt)."""
+    ctx = mpsched.current_task()
+    n: int = ctx.task_id  # type: ignore[assignment]
+    key: object = ctx.task_id
+    print(n, key, ctx.version + 1)
+
+
 class MyPool(mpsched.Pool):
     pass
 
