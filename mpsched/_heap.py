@@ -86,6 +86,7 @@ import heapq
 import itertools
 import math
 import operator
+import sys
 from collections.abc import Callable, Hashable
 from typing import Any, Final
 
@@ -136,6 +137,7 @@ PRUNE_SLACK = 64
 COMPACT_FACTOR = 2
 
 NOT_IN_HEAP = -1  # record seq once its version left the heap to run (never a key of _items)
+_MAX_WAIT = sys.float_info.max  # seconds: the longest finite Wait (see pop_due)
 
 # -priority as one shared int object per priority level: CPython caches only -5..256, so every
 # heap key would otherwise hold its own 28-byte int (8% of a pending task's memory).
@@ -378,7 +380,9 @@ class VersionedHeap:
                 heapq.heappop(heap)  # stale: superseded or cancelled; popped this once only
                 continue
             if top[_R_RUN_AT] > now:
-                return Wait(top[_R_RUN_AT] - now)
+                # At most the largest float: the difference of two finite times can overflow,
+                # and Wait(inf) means "only a finish() can make one eligible" (model hunt).
+                return Wait(min(top[_R_RUN_AT] - now, _MAX_WAIT))
             # Stores first, the pop last (a call, whose return is a point where the eval loop
             # may raise a Ctrl-C's KeyboardInterrupt): interrupted there, the version is handed
             # out and the top entry is stale (its item is gone). Popped first, an interrupt as

@@ -28,14 +28,18 @@ class FakeClock:
 
         Raises:
             TypeError: ``seconds`` is not a real number (a bool is not).
-            ValueError: ``seconds`` is negative, NaN or infinite.
+            ValueError: ``seconds`` is negative, NaN or infinite, or the new time would be
+                infinite (past the float range: ``set`` and the constructor refuse it too).
         """
         seconds = _seconds("seconds", seconds)
         if seconds < 0:
             raise ValueError(f"a clock only moves forward, not by {seconds!r}")
         with self._lock:
-            self._now += seconds
-            return self._now
+            now = self._now + seconds
+            if math.isinf(now):
+                raise ValueError(f"a clock at {self._now!r} cannot move by {seconds!r}: infinite")
+            self._now = now
+            return now
 
     def set(self, now: float) -> None:
         """Jump to the absolute time ``now``, which must not be earlier than the current time.

@@ -100,6 +100,16 @@ def test_wait_reports_time_until_earliest_due(sched: Scheduler, clock: FakeClock
     assert sched.next() == Wait(1.5)
 
 
+def test_a_wait_for_a_task_far_away_is_finite() -> None:
+    """Two finite times 2e308 apart: their difference overflowed to ``Wait(inf)``, which says
+    that only a ``finish()`` can make a task eligible (model hunt)."""
+    sched = Scheduler(clock=FakeClock(-1e308))
+    sched.schedule("far", 1e308, 0, noop)
+    wait = sched.next()
+    assert isinstance(wait, Wait)
+    assert wait.seconds == sys.float_info.max
+
+
 def test_task_is_never_handed_out_before_run_at(sched: Scheduler, clock: FakeClock) -> None:
     sched.schedule("a", 100.25, 0, noop)
     clock.advance(0.25 - 1e-9)
@@ -673,3 +683,7 @@ def test_fake_clock_takes_real_numbers_and_only_moves_forward() -> None:
     with pytest.raises(ValueError, match="back"):
         clock.set(2.0)
     assert clock() == 3.0
+    clock.set(1e308)  # a move past the float range is refused as an infinite time is (model hunt)
+    with pytest.raises(ValueError, match="infinite"):
+        clock.advance(1e308)
+    assert clock() == 1e308
