@@ -96,12 +96,16 @@ class CoordinatorState:
         wakeup_nowait: Any = None,
         has_initializer: bool = False,
         workers_await_start: bool = False,
+        zygote_status: Callable[[float], int | None] | None = None,
     ) -> None:
         self.slots = views.slots
         self.slab = views.slab
         self.header = views.header
         self.wake_fds = [f.fd for f in wake_fds]
         self.zygote = zygote_conn
+        # The zygote's exit code once it exited within the seconds given (None: not yet, or
+        # not known): for the message of the pool's error at its death.
+        self.zygote_status = zygote_status
         # Whether START was sent (or is not awaited: ZygoteConfig.await_start). Read and written
         # under zygote_send_lock, which orders every write to the zygote (START comes from a
         # submitting thread or the drain's start, SPAWN and STOP from the coordinator thread).

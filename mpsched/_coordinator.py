@@ -40,6 +40,7 @@ import math
 import multiprocessing.process
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -57,6 +58,7 @@ from mpsched._coord_state import (
     _NBYTES,
     _UID_PID_SHIFT,
     WorkerHandle,
+    signal_description,
 )
 from mpsched._coord_timed import Timing
 from mpsched._errors import (
@@ -91,6 +93,9 @@ LAZY_SWEEP_INTERVAL = 0.1
 # While draining with nothing in flight, the loop re-checks the drain condition this often: the
 # last children may finish without waking it (a child's DONE wakes its parent, not the loop).
 DRAIN_POLL_INTERVAL = 0.05  # seconds
+# Seconds the coordinator waits, at the zygote's EOF, for its exit status (the message of the
+# pool's error names it): it closes its socket as it exits, so this is only a bound.
+ZYGOTE_STATUS_WAIT = 1.0
 # A poll timeout shorter than this is waited with select() on the epoll fd: epoll rounds its
 # timeout up to whole milliseconds, which would make every timed task ~0.5 ms late on average.
 FINE_WAIT = 0.002  # seconds
@@ -169,7 +174,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             # at its first child, as the first worker does.
             self.send_to_zygote(Tag.SPAWN, slot, bool(self.dormant))
         except OSError as exc:  # EPIPE: it died, its EOF not read yet (e.g. during a recovery)
-            raise zygote_died(self.importing()) from exc
+            raise zygote_died(self.importing(), self.zygote_exitcode()) from exc
 
     def spawn_failed(self, slot: int, error: str) -> None:
         """Coordinator thread: ``slot``'s worker could not start for now (``error``): the slot
@@ -220,6 +225,13 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             except OSError:  # EPIPE: the zygote died; the loop reads its EOF, breaks the pool
                 self.start_modules = ()
             self.workers_released = True
+
+    def zygote_exitcode(self) -> int | None:
+        """Once the zygote's socket is at its end: its exit code (None: not known), waited for
+        ``ZYGOTE_STATUS_WAIT`` at most (it closes the socket as it exits), for the error's
+        message."""
+        status = self.zygote_status
+        return None if status is None else status(ZYGOTE_STATUS_WAIT)
 
     def importing(self) -> tuple[str, ...]:
         """The modules that the zygote was importing if it dies now: START's, until it forked."""
@@ -594,7 +606,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         try:
             return decode(self.zygote.recv_bytes())
         except (EOFError, OSError) as exc:
-            raise zygote_died(self.importing()) from exc
+            raise zygote_died(self.importing(), self.zygote_exitcode()) from exc
 
 
 def process_state() -> tuple[str | None, list[str], dict[str, str]]:
@@ -638,20 +650,28 @@ def _fds_short(fd: int, count: int) -> OSError | None:
     return None
 
 
-def zygote_died(importing: tuple[str, ...] = ()) -> BrokenPoolError:
-    """The pool's error at its zygote's death; ``importing``: it died after START and before
-    its first fork, so in the import of the first task's modules, which it imports once for
-    every worker (under forkserver and spawn). An exception there is ignored (the worker's own
-    import reports it), so such a death is a crash or an exit in the import: a C extension
-    that is not fork-safe, say. It was blamed on the main module's import (found in review)."""
+def zygote_died(importing: tuple[str, ...] = (), exitcode: int | None = None) -> BrokenPoolError:
+    """The pool's error at its zygote's death, which ended it with ``exitcode`` (None: not
+    known). ``importing``: it died after START and before its first fork, so in the import of
+    the first task's modules, which it imports once for every worker (under forkserver and
+    spawn). An exception there is ignored (the worker's own import reports it), so such a
+    death is a crash or an exit in the import: a C extension that is not fork-safe, say. It
+    was blamed on the main module's import (found in review). A SIGKILL comes from outside (the
+    OOM killer, a ``kill -9``): it was blamed on the import too, and a death without its status
+    pointed to a traceback above that a killed process never prints (crash hunt)."""
+    status = signal_description(exitcode)
+    if exitcode == -signal.SIGKILL:
+        return BrokenPoolError(
+            f"the pool's zygote process was killed ({status}: by the OOM killer, or a kill -9)"
+        )
     if importing:
         names = ", ".join(repr(m) for m in importing)
         return BrokenPoolError(
-            "the pool's zygote process died before it forked a worker: the import of the first "
-            f"task's module(s) {names}, which the zygote imports once for every worker (under "
-            "forkserver and spawn), crashed or exited in that child process"
+            f"the pool's zygote process died ({status}) before it forked a worker: the import "
+            f"of the first task's module(s) {names}, which the zygote imports once for every "
+            "worker (under forkserver and spawn), crashed or exited in that child process"
         )
     return BrokenPoolError(
-        "the pool's zygote process died (if this happened at start-up, its traceback is above: "
-        "e.g. the main module could not be imported under spawn)"
+        f"the pool's zygote process died ({status}; if that was at start-up, its traceback is "
+        "above, if it printed one: under spawn, say, the main module could not be imported)"
     )

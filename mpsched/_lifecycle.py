@@ -288,6 +288,28 @@ def _join_zygote(zygote: Any) -> None:
         zygote.join()
 
 
+def zygote_exit_code(zygote: Any, timeout: float) -> int | None:
+    """The zygote's exit code once it exited within ``timeout`` seconds; None if it runs on,
+    or its status is unknown. Watched through a pidfd (see ``_join_zygote``), then read: a
+    spawned zygote is the pool's child (``exitcode`` reaps it), a forkserver's reports its
+    status through the server, which writes it a moment after the death."""
+    if isinstance(zygote, ForkedZygote):
+        zygote.join(timeout)
+        return zygote.exitcode
+    try:
+        pidfd = os.pidfd_open(zygote.pid)
+    except OSError:  # reaped already, or no fd free: whatever multiprocessing knows
+        return zygote.exitcode  # type: ignore[no-any-return]
+    try:
+        if not wait_readable(pidfd, timeout):
+            return None
+    finally:
+        os.close(pidfd)
+    if zygote.exitcode is None:
+        zygote.join(timeout)
+    return zygote.exitcode  # type: ignore[no-any-return]
+
+
 def _close_process(zygote: Any) -> None:
     """``close()`` the zygote, joined: under spawn it is the pool's child, and where the pool's
     process ignores SIGCHLD the kernel reaped it, so multiprocessing's waitpid finds no child

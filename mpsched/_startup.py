@@ -42,6 +42,7 @@ resources are watched for its drop, only once it started.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import os
 import signal
@@ -64,6 +65,7 @@ from mpsched._lifecycle import (
     inherited_by_a_fork,
     live_pools,
     run_coordinator,
+    zygote_exit_code,
 )
 from mpsched._shm import (
     AnonSegment,
@@ -180,6 +182,7 @@ def _start(pool: Pool, held: _HeldInterrupt) -> None:
             wakeup_nowait=pool._wakeup.wakeup_nowait,
             has_initializer=bool(pool._worker_options.initializer),
             workers_await_start=await_start,
+            zygote_status=functools.partial(zygote_exit_code, res.zygote),
         )
         pool._coordinator.mark_starting(initial)
         pool._views.slab.fill_free_stack()

@@ -90,7 +90,7 @@ def test_sigkill_of_the_zygote_takes_its_busy_workers_with_it(start_method: str)
         alive = still_running(workers, DEATH_DEADLINE)
         assert not alive, f"still alive {DEATH_DEADLINE} s after the zygote died: {alive}"
         for future in busy:
-            with pytest.raises(mpsched.BrokenPoolError):
+            with pytest.raises(mpsched.BrokenPoolError, match=r"was killed \(SIGKILL\(-9\)"):
                 future.result(timeout=20.0)
     finally:
         if pool._zygote.is_alive():  # failed before the kill: do not wait for the spinning tasks
@@ -124,7 +124,25 @@ def test_a_zygote_dead_when_a_replacement_is_asked_for_breaks_the_pool_saying_so
         with pytest.raises(mpsched.WorkerCrashedError):
             victim.result(timeout=20.0)
         wait_until(lambda: coordinator.broken is not None, "the pool broke")
-        with pytest.raises(mpsched.BrokenPoolError, match="zygote process died"):
+        with pytest.raises(mpsched.BrokenPoolError, match=r"zygote process was killed \(SIGK"):
             pool.submit(tasks.add, 1, 1)
+    finally:
+        pool.shutdown(wait=True)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn", "fork"])
+def test_a_zygote_killed_before_the_first_task_is_said_to_be_killed(start_method: str) -> None:
+    """Killed (SIGKILL) before the pool's first submit sent START, the zygote's death was
+    blamed on the import of the first task's module, which imports fine (under forkserver and
+    spawn); under fork the message pointed to a traceback above that a killed process never
+    prints. Either way the exit status was not said (crash hunt)."""
+    pool = mpsched.Pool(2, start_method=start_method)
+    try:
+        pool._zygote.kill()
+        with pytest.raises(mpsched.BrokenPoolError) as info:  # (at the call or on its future)
+            pool.submit(tasks.add, 1, 1).result(timeout=20.0)
+        assert "was killed (SIGKILL(-9): by the OOM killer, or a kill -9)" in str(info.value)
+        assert "import" not in str(info.value)
     finally:
         pool.shutdown(wait=True)
