@@ -477,32 +477,29 @@ class VersionedHeap:
     def _trim_finished(self) -> None:
         """After an end, with more than ``remember`` entries: forget the oldest ids while there
         are too many (one end adds one at most, but an exception may have cut an earlier trim
-        short), else compact past ``COMPACT_FACTOR * remember`` entries. Each entry's id is
-        looked up before the entry goes: the lookup calls the id's __hash__ and __eq__ (user
-        code, which may raise, or where a Ctrl-C may land), and an entry gone before it raised
-        left the count of stale entries one off (found by a model hunt)."""
+        short), else compact past ``COMPACT_FACTOR * remember`` entries. An id's lookup and its
+        record's deletion call its __hash__ and __eq__ (user code, which may raise, or where a
+        Ctrl-C may land), so each comes before its entry leaves, last: an entry gone before
+        they raised was forgotten with its record kept, or left the count of stale entries one
+        off, and a later compaction failed its assertion (found by a model hunt and a review).
+        """
         finished = self._finished
         records = self._records
         if len(finished) - self._stale > self._remember:
             while len(finished) - self._stale > self._remember:
                 ended = finished[0]
-                live = records.get(ended[_R_TASK_ID]) is ended  # the id ended last with it
-                finished.popleft()
-                if live:
+                if records.get(ended[_R_TASK_ID]) is ended:  # the id ended last with it
                     del records[ended[_R_TASK_ID]]
                 else:
                     self._stale -= 1
-        elif len(finished) > COMPACT_FACTOR * self._remember:
-            # In place, oldest first: the live entries keep their order.
-            for _ in range(len(finished)):
-                ended = finished[0]
-                live = records.get(ended[_R_TASK_ID]) is ended
                 finished.popleft()
-                if live:
-                    finished.append(ended)
-                else:
-                    self._stale -= 1
-            assert self._stale == 0, "the stale count is wrong"
+        elif len(finished) > COMPACT_FACTOR * self._remember:
+            # The live entries, oldest first, in a new deque put in place by stores only: a
+            # lookup that raised in an in-place rotation left the memory out of order.
+            kept = collections.deque(e for e in finished if records.get(e[_R_TASK_ID]) is e)
+            assert len(kept) == len(finished) - self._stale, "the stale count is wrong"
+            self._finished = kept
+            self._stale = 0
 
     def _prune(self) -> None:
         # The live entries, in C (no Python-level loop): ~50 instead of ~65 ns an entry, and

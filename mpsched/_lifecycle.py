@@ -292,22 +292,29 @@ def zygote_exit_code(zygote: Any, timeout: float) -> int | None:
     """The zygote's exit code once it exited within ``timeout`` seconds; None if it runs on,
     or its status is unknown. Watched through a pidfd (see ``_join_zygote``), then read: a
     spawned zygote is the pool's child (``exitcode`` reaps it), a forkserver's reports its
-    status through the server, which writes it a moment after the death."""
+    status through the server, which writes it a moment after the death. 255
+    (``EXIT_STATUS_LOST``) is unknown too: ForkedZygote's mark of a status the kernel dropped
+    (SIGCHLD ignored), and multiprocessing's when another thread (``active_children()``)
+    read the forkserver's report first: it was named as the exit code (diff review)."""
     if isinstance(zygote, ForkedZygote):
         zygote.join(timeout)
-        return zygote.exitcode
-    try:
-        pidfd = os.pidfd_open(zygote.pid)
-    except OSError:  # reaped already, or no fd free: whatever multiprocessing knows
-        return zygote.exitcode  # type: ignore[no-any-return]
-    try:
-        if not wait_readable(pidfd, timeout):
-            return None
-    finally:
-        os.close(pidfd)
-    if zygote.exitcode is None:
-        zygote.join(timeout)
-    return zygote.exitcode  # type: ignore[no-any-return]
+        code: int | None = zygote.exitcode
+    else:
+        try:
+            pidfd = os.pidfd_open(zygote.pid)
+        except OSError:  # reaped already (by another thread, maybe), or no fd free
+            code = zygote.exitcode
+        else:
+            try:
+                exited = wait_readable(pidfd, timeout)
+            finally:
+                os.close(pidfd)
+            if not exited:
+                return None
+            if zygote.exitcode is None:
+                zygote.join(timeout)
+            code = zygote.exitcode
+    return None if code == EXIT_STATUS_LOST else code
 
 
 def _close_process(zygote: Any) -> None:

@@ -618,6 +618,39 @@ def test_a_sigint_as_the_zygote_starts_is_ignored_there(
     assert result.stderr == ""
 
 
+# The zygote killed in a program that ignores SIGCHLD (the kernel reaps it: its status is gone):
+# the pool's error named "exit code 255", mpsched's mark of a lost status, as the zygote's exit
+# code (diff review).
+ZYGOTE_KILLED_UNREAPED = """
+import signal, sys
+import mpsched
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    pool = mpsched.Pool(1, start_method=sys.argv[1])
+    print(pool.submit(abs, -1).result(timeout=20), flush=True)
+    pool._zygote.kill()
+    try:
+        for _ in range(10_000):  # until the pool knows (each a round trip while it lives)
+            pool.submit(abs, -1).result(timeout=20)
+    except mpsched.BrokenPoolError as exc:
+        print(exc, flush=True)
+    pool.shutdown()
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_zygote_whose_status_is_lost_dies_of_an_unknown_exit(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    result = _run(tmp_path, ZYGOTE_KILLED_UNREAPED, start_method, timeout=60, prelude="")
+    assert result.returncode == 0, result.stderr
+    first, message = result.stdout.splitlines()
+    assert first == "1"
+    assert message.startswith("the pool's zygote process died (unknown exit"), message
+
+
 # A task that closes every fd of its worker (a daemonizing library's ``os.closerange``), its
 # socket to the coordinator with them: the worker's next poke failed with EBADF in a frame of
 # multiprocessing's, and the message blamed a signal handler or a finalizer (leak hunt).

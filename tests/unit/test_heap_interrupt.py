@@ -270,3 +270,40 @@ def test_an_id_whose_hash_raises_as_ended_ids_are_forgotten_keeps_the_count_of_s
     for task_id in range(50):
         _run_once(heap, task_id)
     assert [heap.state(task_id) for task_id in (47, 48, 49)] == [None, *[TaskState.COMPLETED] * 2]
+
+
+def test_an_id_whose_hash_raises_as_its_record_is_forgotten_is_forgotten_later() -> None:
+    """The trim took the oldest entry out of the ended-id memory, then its record's deletion
+    (the id's second hash: the first is the lookup) raised: the id was remembered for ever,
+    and a later end of it counted a stale entry that was not there (diff review)."""
+    heap = VersionedHeap(remember=1)
+    tripping = _TrippingId()
+    _run_once(heap, tripping)
+    _TrippingId.trip_in = 2
+    with pytest.raises(KeyboardInterrupt):
+        _run_once(heap, "b")
+    _run_once(heap, "c")
+    assert [heap.state(task_id) for task_id in (tripping, "b")] == [None, None]
+    assert heap.state("c") is TaskState.COMPLETED
+    stale = [heap._records.get(e[_heap._R_TASK_ID]) is not e for e in heap._finished]
+    assert sum(stale) == heap._stale
+
+
+def test_an_id_whose_hash_raises_in_a_compaction_leaves_the_memory_in_order() -> None:
+    """The compaction rotated the ended-id memory in place: a lookup that raised midway left
+    a newer id's entry behind an older one's, and the newer id was forgotten first (diff
+    review). The compaction now puts a new memory in place once it is built."""
+    heap = VersionedHeap(remember=2)
+    tripping = _TrippingId()
+    _run_once(heap, "x")
+    for _ in range(3):  # its older ends' entries go stale
+        _run_once(heap, tripping)
+    heap.schedule(tripping, 0.0, 0, "job")
+    due = heap.pop_due(1.0)
+    assert isinstance(due, Due)
+    _TrippingId.trip_in = 3  # finish's lookup and store, then the compaction's first lookup
+    with pytest.raises(KeyboardInterrupt):
+        heap.finish(due)
+    _run_once(heap, "y")
+    assert heap.state("x") is None  # the oldest end: forgotten first
+    assert [heap.state(task_id) for task_id in (tripping, "y")] == [TaskState.COMPLETED] * 2
