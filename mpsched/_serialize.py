@@ -245,7 +245,7 @@ def _main_aware_pickler() -> Any:
                         # name. A None there, which no loader replaced, was called.
                         return NotImplemented
                 reduced = super().reducer_override(obj)
-                if isinstance(obj, type) and "__slots__" in vars(obj):
+                if isinstance(obj, type) and "__slots__" in vars(obj) and not _typed_tuple(obj):
                     return _with_slots(reduced, vars(obj)["__slots__"])
                 return reduced
 
@@ -258,6 +258,19 @@ def _refuse_open_file(file: io.TextIOWrapper) -> Any:
         return getattr, (sys, "stdout" if file is sys.stdout else "stderr")
     name = getattr(file, "name", None)
     raise TypeError(f"cannot pickle an open text file ({name!r}): pass its path instead")
+
+
+def _typed_tuple(cls: type) -> bool:
+    """Whether ``cls`` is a ``typing.NamedTuple``: its copy is remade through typing's
+    metaclass (cloudpickle makes it from its ``__orig_bases__``), which gives it its slots
+    itself and refuses a namespace that holds ``__slots__``, so that every copy of one, as an
+    argument, a result or a task's class, failed ("Cannot overwrite NamedTuple attribute
+    __slots__": a pickling hunt). Told without importing typing (see mpsched/__init__.py)."""
+    return any(
+        getattr(base, "__name__", None) == "NamedTuple"
+        and getattr(base, "__module__", None) == "typing"
+        for base in vars(cls).get("__orig_bases__", ())
+    )
 
 
 def _with_slots(reduced: Any, slots: Any) -> Any:

@@ -560,6 +560,39 @@ if __name__ == "__main__":
 """
 
 
+# A typing.NamedTuple copied by value (of the main block, or made in a function) is remade
+# through typing's metaclass, which refused the __slots__ that the copy of a slotted class is
+# given (_serialize._with_slots): "Cannot overwrite NamedTuple attribute __slots__", as an
+# argument, a result and a lambda's result alike (a pickling hunt).
+TYPED_TUPLE_COPIES = """
+import sys
+import typing
+import mpsched
+
+def ident(o):
+    return o
+
+def local_tuple():
+    class Local(typing.NamedTuple):
+        x: int
+    return Local
+
+if __name__ == "__main__":
+    class Point(typing.NamedTuple):
+        x: int
+        y: int = 0
+
+    Local = local_tuple()
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        back = pool.submit(ident, Point(1, 2)).result(timeout=20)
+        made = pool.submit(lambda: Point(3)).result(timeout=20)
+        local = pool.submit(ident, Local(4)).result(timeout=20)
+        print(back == Point(1, 2) and type(back) is Point, made == Point(3, 0),
+              type(local) is Local and local.x == 4,
+              pool.submit(ident, Point).result(timeout=20) is Point)
+"""
+
+
 # Classes in a cycle: the top-level A's method reads B of the main block, B's reads A. B's copy
 # made first inside A's (a task using A's copy: here g, under spawn, where the workers lack B)
 # copies A along, which is right there only; kept for later tasks, it made B's isinstance(x, A)
@@ -600,6 +633,7 @@ SCRIPT_OUTPUTS = {
     "redefined_class": (REDEFINED_CLASS, ["old new True"]),
     "lru_cache": (CACHED_FUNCTIONS, ["23416728348467685 [4, 9] 16 ('new', 1) 81"]),
     "slotted": (SLOTTED_COPIES, ["True True True True False"]),
+    "typed_tuples": (TYPED_TUPLE_COPIES, ["True True True True"]),
     "cycle_order": (CYCLE_ORDER, ["True"]),
 }
 SCRIPT_RUNS = [
