@@ -149,7 +149,8 @@ class PoolResources:
         self._released = False  # under _teardown_lock
         # The shared memory is gone (set under memory_lock before it is unmapped): a user
         # thread reads it only under that lock and while this is False (Pool.statistics).
-        self.memory_lock = threading.Lock()
+        # Reentrant: a signal handler that interrupted a statistics() may call it again.
+        self.memory_lock = threading.RLock()
         self.memory_released = False
 
     def watch(self, pool: object) -> None:

@@ -81,12 +81,14 @@ class PoolStatistics:
 
 
 def snapshot(pool: Pool) -> PoolStatistics:
-    """``Pool.statistics``: the shared memory is read under ``PoolResources.memory_lock``, so
-    it is not unmapped meanwhile."""
+    """``Pool.statistics``: the shared memory is read under ``PoolResources.memory_lock`` (a
+    reentrant one), so it is not unmapped meanwhile. No other lock of the pool is taken: a
+    signal handler (or a finalizer) that interrupted a call of the pool holding one, a submit
+    holding ``Coordinator.lock``, waited for its own thread, and the whole pool with it (found
+    by a hunt). ``pending`` is read without that lock: a hint, as the other counts."""
     coord = pool._coordinator
     resources = pool._resources
-    with coord.lock:
-        pending = coord.ready.live()
+    pending = max(0, coord.ready.live())  # (two counts, which a compaction moves one by one)
     per_worker = []
     # The coordinator thread may unmap the memory once its loop ended (after a shutdown):
     # read it only while it is there, under the lock the unmapping takes.

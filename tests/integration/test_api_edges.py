@@ -276,6 +276,22 @@ def test_a_recurrences_future_cancel_lets_its_running_run_end(fifos: Fifos, how:
 
 
 @pytest.mark.timeout(60)
+def test_statistics_in_a_handler_that_interrupted_a_call_holding_the_pools_locks() -> None:
+    """A signal handler (or a finalizer) runs in the thread it interrupted, which may hold the
+    coordinator's lock (in a submit) or be in statistics() itself: statistics() there waited
+    for its own thread, and the whole pool with it, for ever (a hunt: a SIGUSR1 handler that
+    printed the statistics hung a loop of submits within a second, 4 runs of 4)."""
+    with Pool(1) as pool:
+        assert pool.submit(abs, -1).result(timeout=30) == 1
+        with pool._coordinator.lock:  # as a submit holds it
+            held = pool.statistics()
+        with pool._resources.memory_lock:  # as statistics() holds it
+            again = pool.statistics()
+        assert held.submitted == again.submitted == 1
+        assert held.pending == again.pending == 0
+
+
+@pytest.mark.timeout(60)
 def test_a_shutdown_called_straight_from_c_shuts_the_pool_down() -> None:
     """``atexit.register(pool.shutdown)`` or ``_thread.start_new_thread(pool.shutdown, ())``:
     no Python frame calls it, and its look at its caller raised ValueError ("call stack is not
