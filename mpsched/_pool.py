@@ -304,10 +304,10 @@ class Pool(concurrent.futures.Executor):
         """The zygote's Process (or ForkedZygote): tests signal it and read its pid."""
         return self._resources.zygote
 
-    def _release_workers(self, fn: Callable[..., Any]) -> None:
+    def _release_workers(self, fn: Callable[..., Any] | None) -> None:
         """The pool's first submission: the zygote forks the first worker now, after importing
-        the module that each would import to load ``fn`` (see _startup, step 5)."""
-        module = module_by_name(fn)
+        the module that each would import to load ``fn`` (see _startup, step 5; None: none)."""
+        module = None if fn is None else module_by_name(fn)
         self._coordinator.release_workers(() if module is None else (module,))
         self._workers_deferred = False  # after: a Ctrl-C before the send leaves it to the next
 
@@ -418,7 +418,10 @@ class Pool(concurrent.futures.Executor):
         if self._closed:  # early, before pickling; the coordinator decides under its lock
             raise PoolClosedError(self._closed_message)
         if self._workers_deferred:
-            self._release_workers(fn)
+            # Not the module of a task due later: its import (which may take long, or crash
+            # the zygote) held up every task due before it, an hour's for an hourly job (a
+            # hunt). Its workers then import it as it comes.
+            self._release_workers(fn if run_at <= time.monotonic() else None)
         coordinator = self._coordinator
         call = self._functions.encode(fn, args, kwargs, (task_id,))
         future: Future[Any] = Future(coordinator, call, priority)

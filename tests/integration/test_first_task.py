@@ -8,6 +8,7 @@ import importlib
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -186,5 +187,28 @@ def test_a_first_tasks_module_whose_import_exits_in_the_zygote_breaks_the_pool_n
                 pool.submit(module.double, 1).result(timeout=CONDITION_TIMEOUT)
             with pytest.raises(BrokenPoolError):  # (at the call or on its future)
                 pool.submit(len, [1, 2]).result(timeout=CONDITION_TIMEOUT)
+    finally:
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_first_task_due_later_has_its_module_imported_by_no_one_before_it_is_due(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, start_method: str
+) -> None:
+    """The zygote imported the module of the pool's first submission whatever its due time: a
+    task due in an hour held up every task due before it for its import, and an import that
+    exits in a child broke the pool for them (a hunt). A task due later leaves the zygote's
+    import out; its workers import its module when it comes."""
+    name = "child_only_import_later"
+    (tmp_path / f"{name}.py").write_text(CHILD_ONLY_IMPORT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)  # fine in this process
+    try:
+        with Pool(2, start_method=start_method) as pool:
+            hourly = pool.schedule("hourly", time.monotonic() + 3600, 0, module.double, 1)
+            assert pool.submit(len, [1, 2]).result(timeout=CONDITION_TIMEOUT) == 2
+            assert pool.cancel("hourly")
+            assert hourly.cancelled()
     finally:
         sys.modules.pop(name, None)
