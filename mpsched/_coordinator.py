@@ -581,6 +581,8 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
                     f"the pool's process had no file descriptor free for worker {slot}'s socket "
                     f"(the open-file limit, RLIMIT_NOFILE, reached?): {exc}",
                 ) from exc
+            except (EOFError, OSError) as exc:  # it died between SPAWNED and the fd's message
+                raise zygote_died(self.importing(), self.zygote_exitcode()) from exc
             conn = Connection(fd)
             try:
                 pidfd = os.pidfd_open(pid)
