@@ -175,11 +175,11 @@ def test_initargs_that_no_process_start_can_carry_fail_at_construction() -> None
     if sys.version_info >= (3, 11):
         with pytest.raises(TaskPicklingError, match="fork context"):
             Pool(1, start_method="forkserver", initializer=tasks.remember, initargs=(lock,))
+        with pytest.raises(TaskPicklingError, match="cannot pickle"):  # the function's own error
+            Pool(1, initializer=lambda: threading.Lock(), initargs=(lock,))
     else:
         with Pool(1, start_method="forkserver", initializer=tasks.remember, initargs=(lock,)) as p:
             assert p.submit(abs, -1).result(timeout=30) == 1
-    with pytest.raises(TaskPicklingError, match="cannot pickle"):  # the function's own error
-        Pool(1, initializer=lambda: threading.Lock(), initargs=(lock,))
 
 
 def test_bad_lifecycle_settings_fail_at_construction() -> None:
