@@ -174,7 +174,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             # at its first child, as the first worker does.
             self.send_to_zygote(Tag.SPAWN, slot, bool(self.dormant))
         except OSError as exc:  # EPIPE: it died, its EOF not read yet (e.g. during a recovery)
-            raise zygote_died(self.importing(), self.zygote_exitcode()) from exc
+            raise self.zygote_death() from exc
 
     def spawn_failed(self, slot: int, error: str) -> None:
         """Coordinator thread: ``slot``'s worker could not start for now (``error``): the slot
@@ -226,16 +226,15 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
                 self.start_modules = ()
             self.workers_released = True
 
-    def zygote_exitcode(self) -> int | None:
-        """Once the zygote's socket is at its end: its exit code (None: not known), waited for
-        ``ZYGOTE_STATUS_WAIT`` at most (it closes the socket as it exits), for the error's
-        message."""
+    def zygote_death(self) -> BrokenPoolError:
+        """Once the zygote's socket is at its end: the pool's error (``zygote_died``), with the
+        modules that it was importing (START's, until it forked) and its exit code, waited for
+        ``ZYGOTE_STATUS_WAIT`` at most (it closes the socket as it exits)."""
         status = self.zygote_status
-        return None if status is None else status(ZYGOTE_STATUS_WAIT)
-
-    def importing(self) -> tuple[str, ...]:
-        """The modules that the zygote was importing if it dies now: START's, until it forked."""
-        return () if self.forked_any else self.start_modules
+        return zygote_died(
+            () if self.forked_any else self.start_modules,
+            None if status is None else status(ZYGOTE_STATUS_WAIT),
+        )
 
     def send_to_zygote(self, tag: int, *fields: Any) -> None:
         """Coordinator thread: one command to the zygote, never in the middle of a submitting
@@ -582,7 +581,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
                     f"(the open-file limit, RLIMIT_NOFILE, reached?): {exc}",
                 ) from exc
             except (EOFError, OSError) as exc:  # it died between SPAWNED and the fd's message
-                raise zygote_died(self.importing(), self.zygote_exitcode()) from exc
+                raise self.zygote_death() from exc
             conn = Connection(fd)
             try:
                 pidfd = os.pidfd_open(pid)
@@ -608,7 +607,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         try:
             return decode(self.zygote.recv_bytes())
         except (EOFError, OSError) as exc:
-            raise zygote_died(self.importing(), self.zygote_exitcode()) from exc
+            raise self.zygote_death() from exc
 
 
 def process_state() -> tuple[str | None, list[str], dict[str, str]]:

@@ -266,55 +266,42 @@ class PoolResources:
 
 
 def _join_zygote(zygote: Any) -> None:
-    """Wait for the zygote's exit, killing it after ``ZYGOTE_JOIN_TIMEOUT``. Its exit is
-    watched through a pidfd: multiprocessing's timed join (under spawn) watches a pipe whose
-    write end the zygote's descendants inherit, so a process that a task left running
-    (``os.system("cmd &")``) made every pool's end wait the whole timeout (found in review)."""
-    if isinstance(zygote, ForkedZygote):  # watched through its own pidfd
-        zygote.join(ZYGOTE_JOIN_TIMEOUT)
-    else:
-        try:
-            pidfd = os.pidfd_open(zygote.pid)
-        except OSError:  # reaped already (where SIGCHLD is ignored), or no fd free
-            zygote.join(ZYGOTE_JOIN_TIMEOUT)
-        else:
-            try:
-                exited = wait_readable(pidfd, ZYGOTE_JOIN_TIMEOUT)
-            finally:
-                os.close(pidfd)
-            if exited:
-                zygote.join()
+    """Wait for the zygote's exit, killing it after ``ZYGOTE_JOIN_TIMEOUT``."""
+    _join_if_exited(zygote, ZYGOTE_JOIN_TIMEOUT)
     if zygote.is_alive():
         zygote.kill()
         zygote.join()
 
 
+def _join_if_exited(zygote: Any, timeout: float) -> None:
+    """Join the zygote if it exits within ``timeout`` seconds. Its exit is watched through a
+    pidfd: multiprocessing's timed join (under spawn) watches a pipe whose write end the
+    zygote's descendants inherit, so a process that a task left running (``os.system("cmd
+    &")``) made every pool's end wait the whole timeout (found in review)."""
+    if isinstance(zygote, ForkedZygote):  # watched through its own pidfd
+        zygote.join(timeout)
+        return
+    try:
+        pidfd = os.pidfd_open(zygote.pid)
+    except OSError:  # reaped already (where SIGCHLD is ignored, or by another thread), no fd
+        zygote.join(timeout)
+        return
+    try:
+        exited = wait_readable(pidfd, timeout)
+    finally:
+        os.close(pidfd)
+    if exited:
+        zygote.join()
+
+
 def zygote_exit_code(zygote: Any, timeout: float) -> int | None:
     """The zygote's exit code once it exited within ``timeout`` seconds; None if it runs on,
-    or its status is unknown. Watched through a pidfd (see ``_join_zygote``), then read: a
-    spawned zygote is the pool's child (``exitcode`` reaps it), a forkserver's reports its
-    status through the server, which writes it a moment after the death. 255
-    (``EXIT_STATUS_LOST``) is unknown too: ForkedZygote's mark of a status the kernel dropped
-    (SIGCHLD ignored), and multiprocessing's when another thread (``active_children()``)
-    read the forkserver's report first: it was named as the exit code (diff review)."""
-    if isinstance(zygote, ForkedZygote):
-        zygote.join(timeout)
-        code: int | None = zygote.exitcode
-    else:
-        try:
-            pidfd = os.pidfd_open(zygote.pid)
-        except OSError:  # reaped already (by another thread, maybe), or no fd free
-            code = zygote.exitcode
-        else:
-            try:
-                exited = wait_readable(pidfd, timeout)
-            finally:
-                os.close(pidfd)
-            if not exited:
-                return None
-            if zygote.exitcode is None:
-                zygote.join(timeout)
-            code = zygote.exitcode
+    or its status is unknown: 255 (``EXIT_STATUS_LOST``) too, ForkedZygote's mark of a status
+    the kernel dropped (SIGCHLD ignored), and multiprocessing's when another thread
+    (``active_children()``) read the forkserver's report first: it was named as the exit code
+    (diff review)."""
+    _join_if_exited(zygote, timeout)
+    code: int | None = zygote.exitcode
     return None if code == EXIT_STATUS_LOST else code
 
 
