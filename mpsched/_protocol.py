@@ -388,5 +388,12 @@ def load_exception(data: Buffer) -> BaseException:
 
 
 def unpickling_failed(error: BaseException) -> TaskOutcomeError:
-    """The error of a task whose result pickled but could not be unpickled (``error``)."""
-    return TaskOutcomeError(f"the task's result could not be unpickled: {safe_repr(error)}")
+    """The error of a task whose result pickled but could not be unpickled (``error``, its
+    cause: where the user's ``__reduce__`` or ``__setstate__`` failed; a future's error said
+    only its repr, found by a hunt). The cause's traceback starts below the frame that caught
+    it, whose locals held the result's bytes for as long as the error lived."""
+    failure = TaskOutcomeError(f"the task's result could not be unpickled: {safe_repr(error)}")
+    if error.__traceback__ is not None:
+        error.__traceback__ = error.__traceback__.tb_next
+    failure.__cause__ = error
+    return failure

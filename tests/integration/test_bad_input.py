@@ -27,6 +27,7 @@ import re
 import resource
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -361,6 +362,23 @@ PICKLING_CASES = [
 @pytest.mark.parametrize("case", PICKLING_CASES, ids=str)
 def test_a_result_or_exception_that_does_not_travel_fails_its_future_only(case: Case) -> None:
     run_case(case, None)
+
+
+@pytest.mark.timeout(60)
+def test_a_result_that_cannot_be_unpickled_has_the_unpickling_error_as_cause() -> None:
+    """The error of the user's ``__reduce__`` is the cause, with its traceback (the message
+    had only its repr); the frame that caught it, which held the result's bytes, is not in
+    that traceback."""
+    with bounded_pool(None) as pool:
+        future = pool.submit(bt.return_instance, bt.ErrorAtUnpickle)
+        with pytest.raises(TaskOutcomeError, match="could not be unpickled") as info:
+            future.result(CASE_TIMEOUT)
+        cause = info.value.__cause__
+        assert isinstance(cause, ValueError), repr(cause)
+        assert str(cause) == "error at unpickle"
+        names = [frame.name for frame in traceback.extract_tb(cause.__traceback__)]
+        assert names == ["_raise"], names
+        assert_pool_works(pool)
 
 
 @pytest.mark.timeout(60)
