@@ -3,7 +3,7 @@
 Usage, from the repository root::
 
     PYTHONPATH=. python benchmarks/bench_pool.py            # everything, default sizes (~7 min)
-    PYTHONPATH=. python benchmarks/bench_pool.py --quick    # smoke run (CI)
+    PYTHONPATH=. python benchmarks/bench_pool.py --quick    # smoke run (~1 min)
     PYTHONPATH=. python benchmarks/bench_pool.py --only throughput,latency --repeats 7 \\
         --json /tmp/bench.json
 
@@ -53,7 +53,7 @@ PARETO_ALPHA = 1.2  # tail index of the imbalanced task sizes
 PARETO_CAP_RATIO = 40.0  # largest task at most this many times the smallest
 PARETO_SEED = 20_240_601  # fixed: every run and every pool gets the same batch
 FORKJOIN_LEAF_S = 0.001  # s; target duration of one fork-join leaf
-DASK_MAX_REPEATS = 3  # Dask nested fork-join: 10-25 s per sample at default size (2,047 tasks)
+DASK_MAX_REPEATS = 3  # Dask nested fork-join: 5-6 s per sample at default size (1,023 tasks)
 PROBE_MODULE = "benchmarks.bench_pool"  # what a fresh-interpreter probe imports (not __main__)
 PROBE_TIMEOUT_S = 900  # s; a fresh-interpreter probe (start-up or Dask) taking longer is a hang
 

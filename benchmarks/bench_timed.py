@@ -1089,9 +1089,14 @@ def _peers(w: Workload, mine: str) -> list[Series]:
 
 
 def _backlog_use(mine: Series) -> float | None:
-    """The median over repeats of background tasks run / the workers' capacity meanwhile."""
-    ran, capacity = mine.extra_median("backlog_ran"), mine.extra_median("backlog_capacity")
-    return None if ran is None or not capacity else ran / capacity
+    """The median over repeats of background tasks run / the workers' capacity meanwhile,
+    each repeat's own (a ratio of the two medians hid a starved repeat: a review)."""
+    ratios = [
+        s.extra["backlog_ran"] / s.extra["backlog_capacity"]
+        for s in mine.samples
+        if s.extra.get("backlog_capacity") and "backlog_ran" in s.extra
+    ]
+    return statistics.median(ratios) if ratios else None
 
 
 def evaluate_targets(ws: Mapping[str, Workload]) -> list[TargetResult]:
