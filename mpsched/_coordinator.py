@@ -46,7 +46,6 @@ import threading
 import time
 import warnings
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import recv_handle
 from typing import Any
 
 from mpsched._coord_cancel import Cancelling
@@ -75,11 +74,13 @@ from mpsched._protocol import (
     encode,
     frame_watch,
     load_exception,
+    recv_fd,
     recv_message,
     send_data,
     sigpipe_blocked,
 )
 from mpsched._shm import SELECT_FD_LIMIT
+from mpsched._stdio import above_stdio
 
 _UID_COUNTER_MASK = (1 << _UID_PID_SHIFT) - 1  # counters wrap: see _children.UID_COUNTER_MASK
 RESULT_SWEEP_INTERVAL = 0.005  # seconds between done-ring sweeps while tasks are in flight
@@ -116,9 +117,9 @@ SPAWNS_IN_FLIGHT_MAX = 32
 # SPAWN_GIVE_UP seconds (its tasks could not run).
 SPAWN_RETRY_INTERVAL = 0.5
 SPAWN_GIVE_UP = 10.0
-# fds that the pool's process takes for a new worker: its socket, its pidfd, and the duplicate
-# of the zygote's socket that receiving the worker's takes meanwhile (``recv_handle``).
-FDS_PER_NEW_WORKER = 3
+# fds that the pool's process takes for a new worker: its socket and its pidfd (``recv_fd``
+# takes no duplicate of the zygote's socket, as ``recv_handle`` did).
+FDS_PER_NEW_WORKER = 2
 
 
 class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Draining):
@@ -573,20 +574,25 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             self.spawn_warned = False
             self.stranded_since = None
             try:
-                fd = recv_handle(self.zygote)
+                fd = recv_fd(self.zygote)
             except RuntimeError as exc:  # the fd cut off the message: none free here
-                raise OSError(
-                    errno.EMFILE,
-                    f"the pool's process had no file descriptor free for worker {slot}'s socket "
-                    f"(the open-file limit, RLIMIT_NOFILE, reached?): {exc}",
-                ) from exc
+                raise _no_fd_free(slot, "socket", exc) from exc
             except (EOFError, OSError) as exc:  # it died between SPAWNED and the fd's message
                 raise self.zygote_death() from exc
-            conn = Connection(fd)
+            # Both above 2: a program may have closed its stdout, and a C library's write to
+            # it then went to the worker (see _stdio). An initial worker's fds are not counted
+            # before (spawn's _fds_short): at the limit the pool breaks, saying so.
             try:
-                pidfd = os.pidfd_open(pid)
+                conn = Connection(above_stdio(fd))
+            except OSError as exc:
+                raise _no_fd_free(slot, "socket", exc) from exc
+            try:
+                pidfd = above_stdio(os.pidfd_open(pid))
             except ProcessLookupError:
                 pidfd = -1
+            except OSError as exc:
+                conn.close()
+                raise _no_fd_free(slot, "pidfd", exc) from exc
             worker = WorkerHandle(slot, pid, conn, pidfd, frame_watch(conn))
             self.workers[slot] = worker
             self.by_fd[conn.fileno()] = worker
@@ -608,6 +614,14 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
             return decode(self.zygote.recv_bytes())
         except (EOFError, OSError) as exc:
             raise self.zygote_death() from exc
+
+
+def _no_fd_free(slot: int, what: str, error: BaseException) -> OSError:
+    return OSError(
+        errno.EMFILE,
+        f"the pool's process had no file descriptor free for worker {slot}'s {what} (the "
+        f"open-file limit, RLIMIT_NOFILE, reached?): {error}",
+    )
 
 
 def process_state() -> tuple[str | None, list[str], dict[str, str]]:

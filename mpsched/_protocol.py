@@ -1,7 +1,7 @@
 """Messages over the pool's pipes: tags, framing, encode/decode. No policy.
 
 Two kinds of channel carry them, both ``multiprocessing.connection.Connection`` over a Unix socket
-pair (so file descriptors can travel beside them with ``send_handle``):
+pair (so file descriptors can travel beside them with ``send_fd``):
 
 * coordinator <-> zygote: one per pool, for the lifetime of the pool;
 * coordinator <-> worker: one per worker *incarnation* (a replacement gets a fresh one, so a worker
@@ -25,7 +25,7 @@ of arguments, against ProcessPoolExecutor's ~0.9 (measured, docs/design.md "Big 
 |          |                | spawn; no initializer), or drain   | then fork the initial workers   |
 | SPAWN    | coord -> zygote| a worker slot needs a process      | fork a worker, answer SPAWNED   |
 |          |                | (with: are other slots dormant)    | (the worker gets the flag)      |
-| SPAWNED  | zygote -> coord| after fork; the socket fd follows  | ``recv_handle`` the worker end  |
+| SPAWNED  | zygote -> coord| after fork; the socket fd follows  | ``recv_fd`` the worker end      |
 | EXITED   | zygote -> coord| a worker was reaped                | record the exit code            |
 | STOP     | coord -> zygote| shutdown: no more spawns           | reap its children, exit         |
 | RESULTS  | worker -> coord| a batch done, or the worker idle   | drain the worker's done ring    |
@@ -45,12 +45,14 @@ cannot be unpickled is replaced by a RuntimeError with that same cause.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import functools
 import os
 import pickle
 import select
 import signal
+import socket
 import struct
 from collections.abc import Iterator
 
@@ -397,3 +399,56 @@ def unpickling_failed(error: BaseException) -> TaskOutcomeError:
         error.__traceback__ = error.__traceback__.tb_next
     failure.__cause__ = error
     return failure
+
+
+def socket_of(conn: Connection) -> socket.socket:
+    """A socket object on ``conn``'s fd (``detach()`` it after use: the fd stays ``conn``'s)."""
+    sock = socket.socket(fileno=conn.fileno())
+    # Blocking, as the Connection's fd is: under socket.setdefaulttimeout() the new object
+    # would have made the shared file description non-blocking.
+    sock.setblocking(True)
+    return sock
+
+
+def send_fd(conn: Connection, fd: int) -> None:
+    """Send ``fd`` over ``conn`` beside its frames (``recv_fd`` takes it). As multiprocessing's
+    ``send_handle``, without its duplicate of the socket: in a zygote at its open-file limit
+    (under fork it has every fd of the pool's process) that duplicate failed with EMFILE, the
+    zygote took it for the coordinator's end and exited, and the pool broke, saying that the
+    zygote had died (found by a hunt)."""
+    sock = socket_of(conn)
+    try:
+        socket.send_fds(sock, [b"F"], [fd], socket.MSG_NOSIGNAL)  # see sigpipe_blocked
+    finally:
+        sock.detach()
+
+
+def recv_fds(sock: socket.socket, maxfds: int) -> tuple[bytes, list[int], int]:
+    """``socket.recv_fds(sock, 1, maxfds)`` with the fds CLOEXEC (a later exec would leak
+    them; ``os.fork()`` still inherits them): 3.10-3.12's ``recv_fds`` drops its ``flags``
+    argument, so MSG_CMSG_CLOEXEC given there did nothing. Returns (message, fds, flags)."""
+    fds = array.array("i")
+    msg, ancdata, flags, _ = sock.recvmsg(
+        1, socket.CMSG_LEN(maxfds * fds.itemsize), socket.MSG_CMSG_CLOEXEC
+    )
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return msg, list(fds), flags
+
+
+def recv_fd(conn: Connection) -> int:
+    """The fd that ``send_fd`` sent, CLOEXEC. EOFError at EOF; RuntimeError if this process
+    had no fd free for it (the kernel dropped it, as ``recv_handle`` would have said)."""
+    sock = socket_of(conn)
+    try:
+        msg, fds, flags = recv_fds(sock, 1)
+    finally:
+        sock.detach()
+    if flags & socket.MSG_CTRUNC or (msg and not fds):
+        for fd in fds:
+            os.close(fd)
+        raise RuntimeError("the file descriptor sent was dropped: none was free to receive it")
+    if not fds:
+        raise EOFError
+    return fds[0]

@@ -68,6 +68,7 @@ from collections.abc import Callable
 from multiprocessing import context, reduction
 
 from mpsched._errors import PACKAGE_DIR, InternalError
+from mpsched._stdio import above_stdio, fill_stdio
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
 TYPE_CHECKING = False
@@ -126,7 +127,12 @@ def _dup_for_child(obj: object, fd: int) -> Any:
 
 
 def _own_received_fd(dupfd: Any) -> int:
-    fd: int = dupfd.detach()
+    # Above 2: under forkserver the server numbers what it receives, and a program that
+    # closed its stdout made that number free there (see _stdio). Then the closed ones get
+    # /dev/null, before this process makes an fd: the mapping's own duplicate of the memfd,
+    # made as the segment is unpickled, had taken the number 1.
+    fd = above_stdio(dupfd.detach())
+    fill_stdio(inheritable=True)
     # spawn passes fds through pass_fds and forkserver through SCM_RIGHTS; both arrive
     # inheritable, so a later exec() in this process would leak them. os.fork() still
     # inherits CLOEXEC fds, which is how the zygote's workers get them.

@@ -74,6 +74,7 @@ from mpsched._shm import (
     preload_in_forkserver,
     sweep_stale_names,
 )
+from mpsched._stdio import stdio_held
 from mpsched._wakeup import Wakeup
 from mpsched._zygote import (
     ZYGOTE_NAME,
@@ -110,7 +111,8 @@ def start(pool: Pool) -> None:
     held = _HeldInterrupt()
     held.hold()
     try:
-        _start(pool, held)
+        with stdio_held():  # none of the pool's fds on 0, 1 or 2: see _stdio
+            _start(pool, held)
     finally:
         held.release()  # a Ctrl-C held since the wait for READY is raised here: the pool is whole
 
@@ -288,7 +290,6 @@ def _start_zygote(
         layout=layout,
         locks=locks,
         wake_fds=res.wake_fds if fork else res.wake_fds[:WAKE_FDS_IN_CONFIG],
-        coordinator_pid=os.getpid(),
         worker_options=pool._worker_options,
         close_fds=sorted(coordinator_fds) if fork else [],
         initial_slots=initial,

@@ -29,7 +29,7 @@ Protocol with the coordinator (one duplex Connection; see ``_protocol``):
     coord  -> SPAWN(slot, dormant)      (a dormant slot's first worker, or a replacement)
                                         zygote forks, answers SPAWNED(slot, pid) and then
                                         sends the coordinator's end of the worker's socket
-                                        pair as an fd (``send_handle``); ``dormant``: other
+                                        pair as an fd (``send_fd``); ``dormant``: other
                                         slots are still dormant (see ``worker_main``)
     zygote -> SPAWN_FAILED(slot, error) instead of SPAWNED: the fork (or its socket pair, or
                                         its pidfd) failed for want of fds or processes; the
@@ -56,12 +56,11 @@ import signal
 import socket
 import sys
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import send_handle
 
 from mpsched._children import end_process
 from mpsched._errors import ProtocolError
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach
-from mpsched._protocol import Tag, decode, encode
+from mpsched._protocol import Tag, decode, encode, recv_fds, send_fd, socket_of
 from mpsched._shm import (
     AnonSegment,
     SharedFd,
@@ -69,6 +68,7 @@ from mpsched._shm import (
     death_signal_setter,
     wait_readable,
 )
+from mpsched._stdio import dup_above_stdio, fill_stdio
 from mpsched._worker import WorkerOptions, worker_main  # loaded once; every worker inherits it
 
 # typing.TYPE_CHECKING without importing typing at run time (why: mpsched/__init__.py).
@@ -111,7 +111,6 @@ class ZygoteConfig:
         layout: SegmentLayout,
         locks: SegmentLocks,
         wake_fds: list[SharedFd],
-        coordinator_pid: int,
         worker_options: WorkerOptions,
         close_fds: list[int],
         initial_slots: list[int],
@@ -126,7 +125,6 @@ class ZygoteConfig:
         # The first wake fds (by slot), or all of them; the zygote receives the others over
         # ``conn`` before it attaches (``send_wake_fds``), so it has one per slot before READY.
         self.wake_fds = wake_fds
-        self.coordinator_pid = coordinator_pid
         self.worker_options = worker_options
         self.close_fds = close_fds  # fork start method: coordinator-side fds inherited by accident
         self.initial_slots = initial_slots  # forked with no SPAWN each, after READY or START
@@ -164,6 +162,14 @@ def zygote_main(cfg: ZygoteConfig) -> None:
         for owned in cfg.inherited:  # each marks itself closed: no number is closed twice
             with contextlib.suppress(BufferError, OSError):  # a view left: the fd goes anyway
                 owned.close()
+        # Before this process makes or receives an fd, which every worker would inherit: none
+        # on 0, 1 or 2 (see _stdio). The fds of the config are above 2 already (Pool() made
+        # them so, and received ones are moved), but for the control socket under forkserver.
+        if cfg.conn.fileno() <= 2:
+            lifted = Connection(dup_above_stdio(cfg.conn.fileno()))
+            cfg.conn.close()
+            cfg.conn = lifted
+        fill_stdio(inheritable=True)
         if not _receive_wake_fds(cfg):
             return  # EOF: Pool() gave up (a Ctrl-C in it) before sending them: exit quietly
         views = cfg.views if cfg.views is not None else attach(cfg.segment, cfg.layout, cfg.locks)
@@ -216,7 +222,7 @@ def send_wake_fds(conn: Connection, wake_fds: Sequence[SharedFd]) -> None:
     ValueError ("too many fds"), 250 and 251 with EINVAL (over SCM_MAX_FD), which also killed
     the server (an EOFError in it), so that the process's next forkserver pool failed too.
     """
-    sock = _socket_of(conn)
+    sock = socket_of(conn)
     try:
         for i in range(0, len(wake_fds), FDS_PER_MESSAGE):
             fds = [f.fd for f in wake_fds[i : i + FDS_PER_MESSAGE]]
@@ -232,11 +238,10 @@ def _receive_wake_fds(cfg: ZygoteConfig) -> bool:
     for them: the zygote dies before READY, so ``Pool()`` fails (BrokenPoolError)."""
     if len(cfg.wake_fds) >= cfg.layout.n_slots:
         return True
-    sock = _socket_of(cfg.conn)
+    sock = socket_of(cfg.conn)
     try:
         while len(cfg.wake_fds) < cfg.layout.n_slots:
-            # CLOEXEC as ours are (a later exec would leak them); os.fork() still inherits them.
-            msg, fds, flags, _ = socket.recv_fds(sock, 1, FDS_PER_MESSAGE, socket.MSG_CMSG_CLOEXEC)
+            msg, fds, flags = recv_fds(sock, FDS_PER_MESSAGE)
             cfg.wake_fds += [SharedFd(fd) for fd in fds]
             if flags & socket.MSG_CTRUNC:  # the kernel dropped what it could not install
                 raise OSError(
@@ -250,15 +255,6 @@ def _receive_wake_fds(cfg: ZygoteConfig) -> bool:
     finally:
         sock.detach()
     return True
-
-
-def _socket_of(conn: Connection) -> socket.socket:
-    """A socket object on ``conn``'s fd (``detach()`` it after use: the fd stays ``conn``'s)."""
-    sock = socket.socket(fileno=conn.fileno())
-    # Blocking, as the Connection's fd is: under socket.setdefaulttimeout() the new object
-    # would have made the shared file description non-blocking.
-    sock.setblocking(True)
-    return sock
 
 
 def _take_state(state: tuple[str | None, list[str], dict[str, str]]) -> None:
@@ -384,7 +380,7 @@ class _Zygote:
         self.poller.register(pidfd, select.POLLIN)
         try:
             self.conn.send_bytes(encode(Tag.SPAWNED, slot, pid))
-            send_handle(self.conn, ours.fileno(), self.cfg.coordinator_pid)
+            send_fd(self.conn, ours.fileno())
         except OSError:  # EPIPE: the coordinator closed its end (it is gone, or gave up)
             self._coordinator_gone()
         finally:

@@ -143,3 +143,58 @@ def test_a_raw_frame_too_big_for_memory_is_read_past_and_fails_its_reader(
             pickle.loads(data)
         tag, (key, data) = recv_message(recv)
     assert (tag, key, bytes(data)) == (Tag.PAYLOAD, 8, b"y" * 20_000)
+
+
+# In a process with no fd free below its open-file limit (a fork zygote has every fd of the
+# pool's process): send_fd takes no fd, and recv_fd one, where multiprocessing's send_handle
+# failed with EMFILE (its duplicate of the socket: the zygote took that for the coordinator's
+# end, exited, and the pool broke saying that the zygote had died; found by a hunt).
+FD_LIMIT_PROGRAM = """
+import errno, os, resource, socket, sys
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import send_handle
+from mpsched._protocol import recv_fd, send_fd
+
+a, b = (Connection(s.detach()) for s in socket.socketpair())
+payload = os.eventfd(0)
+spare = os.open(os.devnull, os.O_RDONLY)  # freed for the receiver below
+filler = []
+while True:  # every number below the limit taken
+    fd = os.open(os.devnull, os.O_RDONLY)
+    filler.append(fd)
+    if fd >= 60:
+        break
+resource.setrlimit(resource.RLIMIT_NOFILE, (61, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+try:
+    send_handle(a, payload, os.getpid())
+    print("send_handle: sent")
+except OSError as exc:
+    print("send_handle:", errno.errorcode[exc.errno])
+send_fd(a, payload)
+print("send_fd: sent")
+os.close(spare)  # one number free: enough for the fd received, none for a duplicate
+received = recv_fd(b)
+print("recv_fd:", os.readlink(f"/proc/self/fd/{received}"), os.get_inheritable(received))
+send_fd(a, payload)
+try:
+    recv_fd(b)
+except RuntimeError as exc:
+    print("no fd free:", exc)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_fds_pass_between_the_zygote_and_the_pool_without_a_spare_fd() -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", FD_LIMIT_PROGRAM], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "send_handle: EMFILE",  # the stdlib's way, for the record
+        "send_fd: sent",
+        "recv_fd: anon_inode:[eventfd] False",
+        "no fd free: the file descriptor sent was dropped: none was free to receive it",
+    ], result.stdout

@@ -1,0 +1,83 @@
+"""Tests of mpsched._stdio: the pool's fds kept off the numbers 0, 1 and 2.
+
+Each case runs in a program started with stdin, stdout and stderr closed (this process's
+own must stay as they are); it reports to a file.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+PROGRAM = """
+import os, sys
+from mpsched import _shm, _stdio
+
+def where(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "closed"
+
+out = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)  # on 0
+report = lambda *items: os.write(out, (repr(items) + "\\n").encode())
+
+with _stdio.stdio_held():  # 1 and 2 get /dev/null while held, closed again after
+    report("held", [where(fd) for fd in (1, 2)], os.get_inheritable(1))
+    r, w = os.pipe()
+    report("made", r > 2 and w > 2)
+report("after", [where(fd) for fd in (1, 2)])
+
+r, w = os.pipe()  # lands on 1 and 2
+moved = _stdio.above_stdio(r)
+report("moved", moved > 2, where(moved) == where(w), where(r), os.get_inheritable(moved))
+report("kept", _stdio.above_stdio(moved) == moved)
+os.close(w)
+
+# A received fd (spawn and forkserver children rebuild them so) on 1: moved above 2, and
+# the closed numbers get /dev/null, inheritable as standard streams are.
+class Received:
+    def __init__(self, fd):
+        self.fd = fd
+    def detach(self):
+        return self.fd
+low = os.eventfd(0)
+fd = _shm._own_received_fd(Received(low))
+report("received", low, fd > 2, where(fd), [where(n) for n in (1, 2)], os.get_inheritable(1))
+"""
+
+
+def _run(tmp_path: pathlib.Path) -> list[tuple[Any, ...]]:
+    script, report = tmp_path / "prog.py", tmp_path / "report.txt"
+    script.write_text(PROGRAM)
+    closing = 'exec "$0" "$@" <&- >&- 2>&-'  # the program starts with 0, 1 and 2 closed
+    result = subprocess.run(
+        ["sh", "-c", closing, sys.executable, str(script), str(report)],
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    lines = [ast.literal_eval(line) for line in report.read_text().splitlines()]
+    assert result.returncode == 0, lines
+    return lines
+
+
+@pytest.mark.timeout(60)
+def test_the_pools_fds_go_above_the_standard_streams_and_leave_them_as_they_were(
+    tmp_path: pathlib.Path,
+) -> None:
+    assert _run(tmp_path) == [
+        ("held", ["/dev/null", "/dev/null"], False),
+        ("made", True),
+        ("after", ["closed", "closed"]),
+        ("moved", True, True, "closed", False),
+        ("kept", True),
+        ("received", 1, True, "anon_inode:[eventfd]", ["/dev/null", "/dev/null"], True),
+    ]
