@@ -83,6 +83,19 @@ def chain(n: int) -> int:
     return 0 if n == 0 else 1 + mpsched.submit(chain, n - 1).result()
 
 
+_SHALLOW: list[mpsched.ChildFuture[int]] = []  # children of every level of the chain below
+
+
+def chain_joining_shallow_children(n: int) -> int:
+    """A chain of ``n`` nested tasks; each level first spawns a child that it leaves in its
+    deque, and the deepest level joins them all: past the helping depth it runs them
+    unrecorded. Returns how many ran."""
+    if n == 0:
+        return sum(child.result() for child in _SHALLOW)
+    _SHALLOW.append(mpsched.submit(ident, 1))
+    return 1 + mpsched.submit(chain_joining_shallow_children, n - 1).result()
+
+
 def chain_raise(n: int) -> int:
     """A chain of ``n`` nested tasks, each joining its child; the last raises ValueError("leaf"),
     and each level re-raises its child's error."""
