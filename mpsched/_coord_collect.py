@@ -80,7 +80,7 @@ class Collecting(CoordinatorState):
             or future._slot in self.starting  # a fork away at least: spinning takes its CPU
             or self.ready  # queued work: the coordinator must go on dispatching anyway
             or len(self.by_handle) > self.n_workers
-            or threading.get_ident() == self.thread_id
+            or threading.get_ident() in (self.thread_id, self.collector_id)  # see check_may_wait
             or self.disowned  # a fork child's copy: the done rings are the parent's
             or (self.help_misses >= HELP_MISSES_MAX and self.help_calls % HELP_RETRY_EVERY)
         ):
@@ -144,9 +144,11 @@ class Collecting(CoordinatorState):
         previous = defer_callbacks(settled.append)
         try:
             with self.collect_lock:
+                self.collector_id = threading.get_ident()
                 try:
                     self.collect_locked(False)
                 finally:
+                    self.collector_id = 0
                     if settled:  # before the drain (decided under this lock) can end the loop
                         queued = self.callbacks.put(box)
         finally:

@@ -77,6 +77,14 @@ def signal_description(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
+WAIT_IN_COLLECTION_MESSAGE = (
+    "a pool's future was waited for by a signal handler or a finalizer that interrupted the "
+    "pool's collection of results in this thread (or by the pool's own thread): the task "
+    "could never be settled, and the wait would last for ever. Wait outside the handler: "
+    "have it set a flag, or call pool.shutdown()"
+)
+
+
 class CoordinatorState:
     def __init__(
         self,
@@ -136,6 +144,7 @@ class CoordinatorState:
         # callback that blocks here would stop the loop that must collect what it waits for).
         self.callbacks = CallbackRunner()
         self.thread_id = 0  # the coordinator thread's ident, once it runs
+        self.collector_id = 0  # the ident of the user thread collecting now (collect), or 0
         self.help_calls = 0
         self.help_misses = 0  # help_wait spins in a row that ended without the result
         # The loop's timer sweep of the done rings (Coordinator.pace_sweep), coordinator thread
@@ -244,6 +253,16 @@ class CoordinatorState:
         self.go = threading.Event()
         self.start_aborted = False
         self.finished = threading.Event()
+
+    def check_may_wait(self) -> None:
+        """Raise RuntimeError if the calling thread may not wait for a task of this pool: it is
+        the coordinator thread, or it collects results (``collect``) and was interrupted there
+        by a signal handler or a finalizer, which now waits. Either way the one thread that
+        could settle the task is this one: ``result()`` waited for ever there (a hunt; 3 of 3
+        runs of a SIGUSR1 handler that called ``result()`` during a loop of ``result()``)."""
+        me = threading.get_ident()
+        if me == self.collector_id or me == self.thread_id:
+            raise RuntimeError(WAIT_IN_COLLECTION_MESSAGE)
 
     if TYPE_CHECKING:
         # Defined by the other parts (see the module docstring); each is called on ``self``

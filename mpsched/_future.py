@@ -55,16 +55,20 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from mpsched._clock import join_interruptibly, wait_interruptibly, wait_seconds
 from mpsched._errors import timeout_error
 
-_CONDITION_LOCK = threading.Lock()  # guards the lazy creation of every future's condition
-# The per-task paths take it by acquire()/release(), not ``with``: on 3.11 ``with`` on a lock
-# allocates two bound methods, measured at 2-3x the cost of the pair of calls.
-_acquire = _CONDITION_LOCK.acquire
-_release = _CONDITION_LOCK.release
-# An acquire()/release() pair has a window ``with`` has not: the eval loop runs signal handlers
-# after every call, so a Ctrl-C's KeyboardInterrupt can be raised just after ``acquire()``
-# returned, before the ``try`` whose ``finally`` releases (measured: 4% of the interrupts of a
-# loop of such holds left the lock taken). Every such acquire sits alone in a ``try`` whose
-# handler is ``release_if_left`` (no work until an exception).
+# Guards the lazy creation of every future's condition. Taken by ``with`` only, around code that
+# calls nothing: while the main thread holds it, neither a signal handler nor a finalizer may
+# run there, since one that reached a future's condition (``result()``, ``add_done_callback``,
+# ``concurrent.futures.wait``) waited for this lock that its own thread held, and with it the
+# coordinator threads of every pool, which settle futures under it (found by a hunt: SIGUSR1 or
+# a ``weakref.finalize`` during a loop of ``result()``). An acquire()/release() pair, ~100 ns
+# cheaper here, has such a window: the eval loop runs signal handlers after every call, the
+# acquire's too; ``with`` runs none between the acquire and its body.
+_CONDITION_LOCK = threading.Lock()
+# An acquire()/release() pair of the pool's other locks has that window too, where a Ctrl-C's
+# KeyboardInterrupt can be raised just after ``acquire()`` returned, before the ``try`` whose
+# ``finally`` releases (measured: 4% of the interrupts of a loop of such holds left the lock
+# taken). Every such acquire sits alone in a ``try`` whose handler is ``release_if_left`` (no
+# work until an exception).
 LEFT_LOCK_WAIT = 2.0  # seconds; far above any hold of these locks (see release_if_left)
 # Per thread: where a settled future's callbacks go instead of being called (defer_callbacks).
 _local = threading.local()
@@ -91,6 +95,8 @@ class _Owner(Protocol):
 
     def help_wait(self, future: Future[Any], timeout: float | None) -> None: ...
 
+    def check_may_wait(self) -> None: ...
+
 
 class _Finishing:
     """The owner of a future whose outcome is being set: too late to cancel. (With no owner
@@ -100,6 +106,9 @@ class _Finishing:
         return False
 
     def help_wait(self, future: Future[Any], timeout: float | None) -> None:
+        return None
+
+    def check_may_wait(self) -> None:
         return None
 
 
@@ -171,10 +180,11 @@ class Future(concurrent.futures.Future[_T]):
     def _condition(self) -> threading.Condition:
         cond = self._cond
         if cond is None:
+            new = _Sync()  # not under the lock: its __init__, or a collection, runs Python code
             with _CONDITION_LOCK:
                 cond = self._cond
                 if cond is None:
-                    cond = self._cond = _Sync()
+                    cond = self._cond = new
         return cond
 
     @_condition.setter
@@ -264,6 +274,9 @@ class Future(concurrent.futures.Future[_T]):
         in the main thread, in slices that let a Ctrl-C through (``wait_interruptibly``)."""
         if self._state in _DONE_STATES:
             return True
+        owner = self._owner
+        if owner is not None:
+            owner.check_may_wait()
         return wait_interruptibly(self._wait_settled, timeout)
 
     def _wait_settled(self, timeout: float | None) -> bool:
@@ -295,12 +308,7 @@ class Future(concurrent.futures.Future[_T]):
         """Store the outcome if no condition exists (nobody waits); False: take the stdlib path.
         (Waiters and done-callbacks register under the condition, so without one there is
         nobody to notify and no callback to run.)"""
-        try:
-            _acquire()
-        except BaseException:
-            release_if_left(_CONDITION_LOCK)
-            raise
-        try:
+        with _CONDITION_LOCK:  # (not acquire(): see _CONDITION_LOCK)
             if self._cond is not None:
                 return False
             done = self._state in _DONE_STATES
@@ -308,8 +316,6 @@ class Future(concurrent.futures.Future[_T]):
                 self._result = result
                 self._exception = exception
                 self._state = FINISHED
-        finally:
-            _release()
         if done:  # repr() takes the condition, hence _CONDITION_LOCK: raise outside it
             raise InvalidStateError(f"{self._state}: {self!r}")
         return True
@@ -379,19 +385,12 @@ class Future(concurrent.futures.Future[_T]):
         ``shutdown(cancel_futures=True)``, leaving its waiters blocked)."""
         self._owner = None
         try:
-            try:
-                _acquire()  # as _settle_fast: no condition yet means nobody to notify
-            except BaseException:
-                release_if_left(_CONDITION_LOCK)
-                raise
-            try:
+            with _CONDITION_LOCK:  # as _settle_fast: no condition yet means nobody to notify
                 if self._cond is None:
                     if self._state != PENDING:
                         return self._state in _CANCELLED_STATES
                     self._state = CANCELLED_AND_NOTIFIED
                     return True
-            finally:
-                _release()
             # One hold of the condition from PENDING to CANCELLED_AND_NOTIFIED: two threads may
             # both get here (a Future.cancel() racing another, or shutdown(cancel_futures=True)),
             # and with the stdlib's cancel() then set_running_or_notify_cancel() (two holds) the

@@ -188,31 +188,6 @@ def test_a_ctrl_c_as_future_cancel_takes_the_coordinators_lock_leaves_it_not_tak
 
 
 @pytest.mark.timeout(30)
-def test_a_ctrl_c_as_the_condition_lock_is_taken_leaves_it_not_taken(
-    monkeypatch: pytest.MonkeyPatch, short_left_lock_wait: None
-) -> None:
-    """The same window in ``Future.cancel`` (``_mark_cancelled``) on the lock that guards the
-    creation of every future's condition, of every pool: every later settle waited for it."""
-    with Pool(1) as pool:
-        assert pool.submit(tasks.ident, 0).result(timeout=20) == 0
-        future = pool.schedule("later", time.monotonic() + 600, 0, tasks.ident, 1)
-        wrapper = _AcquireThenInterrupt(_future._CONDITION_LOCK)
-        monkeypatch.setattr(_future, "_acquire", wrapper.acquire)
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                future.cancel()
-            lock = _future._CONDITION_LOCK
-            _poll(lambda: lock.acquire(False) and (lock.release() or True), "lock left taken")
-        finally:
-            monkeypatch.undo()
-            if _future._CONDITION_LOCK.locked() and not _released_within(
-                _future._CONDITION_LOCK, 3.0
-            ):
-                _future._CONDITION_LOCK.release()
-        assert pool.submit(tasks.ident, 2).result(timeout=20) == 2
-
-
-@pytest.mark.timeout(30)
 def test_a_ctrl_c_as_a_version_enters_the_heap_leaves_it_due() -> None:
     """A Ctrl-C as ``timetable.schedule`` returned inside ``Pool.schedule``: the version was in
     the heap but the loop's next due time was not noted, so it never ran and the drain (a
@@ -534,20 +509,39 @@ def test_a_ctrl_c_after_a_cancel_withdrew_the_task_ends_its_future(
         assert pool.state("later") is mpsched.TaskState.CANCELLED
 
 
+class _InterruptedEntry:
+    """A lock whose next ``with`` in the main thread raises a Ctrl-C's KeyboardInterrupt as it
+    waits, the lock not taken (``with`` runs no signal handler between its acquire and its
+    body: an interrupt lands in the wait, or before it)."""
+
+    def __init__(self, lock: Any) -> None:
+        self.lock = lock
+        self.armed = True
+
+    def __enter__(self) -> bool:
+        if self.armed and threading.current_thread() is threading.main_thread():
+            self.armed = False
+            raise KeyboardInterrupt
+        return bool(self.lock.acquire())
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.lock.release()
+
+
 @pytest.mark.timeout(30)
-def test_a_ctrl_c_as_a_cancel_takes_the_condition_lock_still_ends_the_future(
-    monkeypatch: pytest.MonkeyPatch, short_left_lock_wait: None
+def test_a_ctrl_c_as_a_cancel_waits_for_the_condition_lock_still_ends_the_future(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A Ctrl-C in ``_mark_cancelled`` just after it took ``_CONDITION_LOCK``: the lock was let
-    go (``release_if_left``), but the future, withdrawn already, stayed pending for ever."""
+    """A Ctrl-C in ``_mark_cancelled`` as it waits for ``_CONDITION_LOCK`` (held by a thread
+    settling a future): the future, withdrawn already, stayed pending for ever."""
     with Pool(1) as pool:
         future = pool.schedule("later", time.monotonic() + 600, 0, tasks.ident, 1)
-        wrapper = _AcquireThenInterrupt(_future._CONDITION_LOCK)
-        monkeypatch.setattr(_future, "_acquire", wrapper.acquire)
+        monkeypatch.setattr(_future, "_CONDITION_LOCK", _InterruptedEntry(_future._CONDITION_LOCK))
         with pytest.raises(KeyboardInterrupt):
             future.cancel()
         monkeypatch.undo()
         assert future.cancelled()
+        assert not _future._CONDITION_LOCK.locked()
 
 
 class _InterruptingWaiter:
@@ -1016,3 +1010,36 @@ def test_a_map_and_a_lambda_task_leave_no_weakref_callback_to_run_when_they_die(
             gc.enable()
         assert callbacks == []
         assert pool._maps.live() == []  # the map's run did die
+
+
+@pytest.mark.timeout(30)
+def test_a_wait_inside_this_threads_collection_of_results_says_why_it_cannot_be(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A signal handler or a finalizer that runs while this thread collects the pool's results
+    (``Future.result`` does, for a while, ``Coordinator.help_wait``) and waits for a task of
+    the pool: only this thread could settle it (the coordinator thread waits for the lock it
+    holds), and ``result()`` waited for ever (a hunt: a SIGUSR1 handler calling ``result()``
+    during a loop of ``result()``). Now it says why, at once."""
+    with Pool(1) as pool:
+        coordinator = pool._coordinator
+        pending = pool.schedule("later", time.monotonic() + 600, 0, tasks.ident, 1)
+        real = coordinator.collect_locked
+        seen: list[str] = []
+
+        def interrupted(*args: Any) -> None:
+            if not seen:  # as a handler run here would
+                for wait in (pending.result, pending.exception):
+                    try:
+                        wait(5)
+                    except RuntimeError as exc:
+                        seen.append(str(exc))
+            real(*args)
+
+        monkeypatch.setattr(coordinator, "collect_locked", interrupted)
+        coordinator.collect()  # as a caller of result() does
+        monkeypatch.undo()
+        assert len(seen) == 2
+        assert all(text.startswith("a pool's future was waited for by a signal") for text in seen)
+        assert pool.cancel("later")
+        assert pool.submit(tasks.ident, 2).result(timeout=20) == 2

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from mpsched import _future
 from mpsched._future import Future
 from tests.integration.conditions import wait_until
 
@@ -245,3 +246,34 @@ def test_a_task_timeout_error_settled_as_the_wait_runs_out_is_the_tasks(method: 
         with pytest.raises(TimeoutError) as info:
             future.result(0.01)
         assert info.value is own
+
+
+@pytest.mark.timeout(30)
+def test_code_run_as_a_condition_is_made_may_use_other_futures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A signal handler, or a finalizer that the allocation's collection calls, may run while a
+    future's condition is made (its ``__init__`` is Python code). One that reached another
+    future's condition (``result()``, ``add_done_callback``, ``concurrent.futures.wait``)
+    waited for ever for the module lock that its own thread held there, and so did every
+    thread that settles futures (found by a hunt: SIGUSR1, or a ``weakref.finalize``, during a
+    loop of ``result()``)."""
+    other: Future[int] = Future()
+    seen: list[Any] = []
+    plain = _future._Sync
+
+    class MadeWhileInterrupted(plain):
+        def __init__(self) -> None:
+            super().__init__()
+            if not seen:  # the interruption, once
+                seen.append("in")
+                other.add_done_callback(lambda f: seen.append(f.result()))
+                other.set_result(7)
+                seen.append(other.result(timeout=5))
+                seen.append(concurrent.futures.wait([other], timeout=5).done == {other})
+
+    monkeypatch.setattr(_future, "_Sync", MadeWhileInterrupted)
+    future: Future[None] = Future()
+    future.add_done_callback(lambda f: seen.append("done"))  # makes its condition
+    future.set_result(None)
+    assert seen == ["in", 7, 7, True, "done"]
