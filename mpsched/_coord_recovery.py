@@ -364,7 +364,7 @@ class Recovering(CoordinatorState):
                     lock.release()
                     return
                 lock.release()
-                logger.warning(ORPHAN_RELEASED)
+            logger.warning(ORPHAN_RELEASED)  # as in release_orphans: no lock held
             return
         if holder <= 0 or holder == os.getpid() or not pid_is_dead(holder):
             return
@@ -429,8 +429,9 @@ def release_orphaned_locks(state: CoordinatorState, suspects_only: bool) -> None
         # acquire here never calls on_lock_stall, and a stalled thread waits at most the
         # ``ORPHAN_WAIT`` of each lock for it.
         with state.repair_lock:
-            if release_if_orphaned(lock, structure.holder_pid, ORPHAN_WAIT):
-                logger.warning(ORPHAN_RELEASED)
+            released = release_if_orphaned(lock, structure.holder_pid, ORPHAN_WAIT)
+        if released:  # logged with no lock held: a logging handler may call the pool
+            logger.warning(ORPHAN_RELEASED)
 
 
 def crash_message(worker: WorkerHandle, code: int | None) -> str:

@@ -145,6 +145,9 @@ class CoordinatorState:
         self.callbacks = CallbackRunner()
         self.thread_id = 0  # the coordinator thread's ident, once it runs
         self.collector_id = 0  # the ident of the user thread collecting now (collect), or 0
+        # Warnings noted under the pool's locks, logged by the loop with none held
+        # (``log_deferred``): each is ``logger.warning``'s arguments.
+        self.deferred_logs: collections.deque[tuple[Any, ...]] = collections.deque()
         self.help_calls = 0
         self.help_misses = 0  # help_wait spins in a row that ended without the result
         # The loop's timer sweep of the done rings (Coordinator.pace_sweep), coordinator thread

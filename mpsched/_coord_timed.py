@@ -235,15 +235,27 @@ class Timing(CoordinatorState):
 
     def note_misfire(self, run: TaskRun) -> None:
         """Under ``self.lock``: count a run skipped by its misfire policy (``misfired``, or
-        dropped by its worker: ``end_recurring_run``) and say so (never silently)."""
+        dropped by its worker: ``end_recurring_run``) and say so (never silently), once no
+        lock is held (``log_deferred``)."""
         self.misfires += 1
-        logger.warning(
-            "mpsched: recurring task %r missed its run due at %.3f (more than %.3f s late); "
-            "skipped by its misfire policy",
-            run.recurrence.task_id,  # type: ignore[union-attr]  # a recurring run
-            run.run_at,
-            run.options.misfire_grace,
+        self.deferred_logs.append(
+            (
+                "mpsched: recurring task %r missed its run due at %.3f (more than %.3f s "
+                "late); skipped by its misfire policy",
+                run.recurrence.task_id,  # type: ignore[union-attr]  # a recurring run
+                run.run_at,
+                run.options.misfire_grace,
+            )
         )
+
+    def log_deferred(self) -> None:
+        """Coordinator thread, no lock held: log the warnings noted under the pool's locks. A
+        logging handler is user code, which may call the pool: run under ``self.lock``, one
+        that called ``pool.cancel`` or ``pool.state`` on a misfire's warning waited for ever
+        for the lock its own thread held, and the pool stopped (found by a hunt)."""
+        logs = self.deferred_logs
+        while logs:
+            logger.warning(*logs.popleft())
 
     def misfire_deadline(self, future: Future[Any]) -> float | None:
         """Under ``self.lock``, as ``future`` is written to its block (``inject``): the time

@@ -333,6 +333,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         except BaseException as exc:
             self.break_pool(exc)
         finally:
+            self.log_deferred()  # (the last pass's)
             self.callbacks.close()  # before ``finished``: whoever sees it may join the runner
             # From here on (the teardown) this thread calls callbacks itself, as any thread
             # outside the loop does: the runner takes nothing after close().
@@ -367,6 +368,8 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
                 self.dispatch()
             if self.dormant:
                 self.wake_dormant()
+            if self.deferred_logs:  # a misfire's, from collect or dispatch
+                self.log_deferred()
             if self.watched:
                 # Under collect_lock: a user thread's collection frees a task's block before
                 # end_runs takes it out of ``watched``; in between, the block may carry a new

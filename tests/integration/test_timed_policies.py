@@ -113,6 +113,63 @@ def test_misfire_of_a_run_taken_back_from_an_inbox_frees_its_block(
     assert not lost, f"the skipped run stayed in flight: {lost}"
 
 
+class _CallsThePool(logging.Handler):
+    """On a misfire's warning: what a user's handler may do, ask the pool about the id and
+    cancel it."""
+
+    def __init__(self, pool: Pool) -> None:
+        super().__init__(logging.WARNING)
+        self.pool = pool
+        self.seen: list[Any] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "missed its run" in record.getMessage():
+            self.seen.append((self.pool.state("m"), self.pool.cancel("m")))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["taken back", "dropped by its worker"])
+def test_a_logging_handler_may_call_the_pool_on_a_misfires_warning(
+    fifos: Fifos, where: str
+) -> None:
+    """The warning was logged under the coordinator's lock, in the coordinator thread: a
+    handler that called ``pool.state`` or ``pool.cancel`` waited for ever for the lock its own
+    thread held, and the pool stopped (found by a hunt)."""
+    with Pool(1) as pool:
+        handler = _CallsThePool(pool)
+        logger = logging.getLogger("mpsched")
+        logger.addHandler(handler)
+        try:
+            blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
+            try:
+                tasks.wait_started(fifos.started)
+                wait_until_known(pool)
+                due = time.monotonic()
+                grace = MISFIRE_GRACE if where == "taken back" else 0.0
+                options = pool.with_options(every=600.0, misfire="skip", misfire_grace=grace)
+                rec = options.schedule("m", due, 0, tt.log, fifos.log, "m")
+                wait_until(
+                    lambda: pool.statistics().per_worker[0].inbox_depth == 1, "it is injected"
+                )
+                # Lateness is the subject here: wait for the clock, not for an event.
+                wait_until(lambda: time.monotonic() > due + 2 * grace, "the run is late")
+                if where == "taken back":  # by a higher task: the dispatch drops it
+                    high = pool.schedule("high", 0.0, 1, tasks.ident, "high")
+                    wait_until(lambda: pool.statistics().misfires == 1, "the run is skipped")
+            finally:
+                tasks.open_gate(fifos.gate)
+            assert blocker.result(timeout=CONDITION_TIMEOUT) == "blocker"
+            wait_until(lambda: bool(handler.seen), "the handler ran")
+            assert handler.seen == [(TaskState.PENDING, True)]  # the next run was pending
+            assert rec.cancelled()
+            if where == "taken back":
+                assert high.result(timeout=CONDITION_TIMEOUT) == "high"
+            assert pool.submit(tasks.ident, 1).result(timeout=CONDITION_TIMEOUT) == 1
+        finally:
+            logger.removeHandler(handler)
+    assert tt.read_tags(fifos.log) == []
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("grace", [MISFIRE_GRACE, 0.0])
 @pytest.mark.parametrize("policy", ["skip", "run_late"])
