@@ -1,8 +1,9 @@
 """mpsched: a work-stealing process pool with timed, prioritized, cancellable tasks.
 
 Layering rule (enforced by tests/test_quality.py): the leaf modules (``_constants``, ``_task``,
-``_clock``, ``_heap``, ``_shm``, ``_shm_deque``, ``_payloads``, ``_protocol``, ``_wakeup``) import
-nothing from mpsched except ``_constants``, ``_errors`` and ``_task`` (``_shm_deque`` is one
+``_clock``, ``_heap``, ``_shm``, ``_shm_deque``, ``_payloads``, ``_protocol``, ``_wakeup``,
+``_stdio``) import nothing from mpsched except ``_constants``, ``_errors``, ``_task`` and
+``_stdio`` (``_shm_deque`` is one
 leaf in four modules, with ``_slot_region``, ``_slot_repair`` and ``_block_state``, and
 ``_payloads`` one with ``_slab_region``, ``_slab_repair`` and ``_function_table``: a leaf's parts
 import one another);

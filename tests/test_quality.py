@@ -26,8 +26,9 @@ LEAVES = {
     "_payloads",
     "_protocol",
     "_wakeup",
+    "_stdio",
 }
-LEAF_MAY_IMPORT = {"mpsched._constants", "mpsched._errors", "mpsched._task"}
+LEAF_MAY_IMPORT = {"mpsched._constants", "mpsched._errors", "mpsched._task", "mpsched._stdio"}
 # Leaves split into modules by role (the slot region, the slab): a leaf's parts import one another.
 SLOT_PARTS = {"_shm_deque", "_slot_region", "_slot_repair", "_block_state"}
 SLAB_PARTS = {"_payloads", "_slab_region", "_slab_repair", "_function_table"}
