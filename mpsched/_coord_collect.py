@@ -40,7 +40,7 @@ from mpsched._errors import (
     ProtocolError,
     timeout_error,
 )
-from mpsched._future import FINISHING, Future, defer_callbacks, invoke_all, take
+from mpsched._future import FINISHING, SETTLING, Future, defer_callbacks, invoke_all, take
 from mpsched._payloads import BlockField
 from mpsched._pool_errors import BrokenPoolError
 from mpsched._protocol import (
@@ -80,7 +80,9 @@ class Collecting(CoordinatorState):
             or future._slot in self.starting  # a fork away at least: spinning takes its CPU
             or self.ready  # queued work: the coordinator must go on dispatching anyway
             or len(self.by_handle) > self.n_workers
-            or threading.get_ident() in (self.thread_id, self.collector_id)  # see check_may_wait
+            # Not in a collection: a handler or finalizer that interrupted this thread's, which
+            # holds collect_lock (see _future.SETTLING).
+            or threading.get_ident() in (self.thread_id, self.collector_id)
             or self.disowned  # a fork child's copy: the done rings are the parent's
             or (self.help_misses >= HELP_MISSES_MAX and self.help_calls % HELP_RETRY_EVERY)
         ):
@@ -144,10 +146,12 @@ class Collecting(CoordinatorState):
         previous = defer_callbacks(settled.append)
         try:
             with self.collect_lock:
-                self.collector_id = threading.get_ident()
+                self.collector_id = me = threading.get_ident()
+                SETTLING.add(me)
                 try:
                     self.collect_locked(False)
                 finally:
+                    SETTLING.discard(me)
                     self.collector_id = 0
                     if settled:  # before the drain (decided under this lock) can end the loop
                         queued = self.callbacks.put(box)

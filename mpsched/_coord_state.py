@@ -77,14 +77,6 @@ def signal_description(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-WAIT_IN_COLLECTION_MESSAGE = (
-    "a pool's future was waited for by a signal handler or a finalizer that interrupted the "
-    "pool's collection of results in this thread (or by the pool's own thread): the task "
-    "could never be settled, and the wait would last for ever. Wait outside the handler: "
-    "have it set a flag, or call pool.shutdown()"
-)
-
-
 class CoordinatorState:
     def __init__(
         self,
@@ -256,16 +248,6 @@ class CoordinatorState:
         self.go = threading.Event()
         self.start_aborted = False
         self.finished = threading.Event()
-
-    def check_may_wait(self) -> None:
-        """Raise RuntimeError if the calling thread may not wait for a task of this pool: it is
-        the coordinator thread, or it collects results (``collect``) and was interrupted there
-        by a signal handler or a finalizer, which now waits. Either way the one thread that
-        could settle the task is this one: ``result()`` waited for ever there (a hunt; 3 of 3
-        runs of a SIGUSR1 handler that called ``result()`` during a loop of ``result()``)."""
-        me = threading.get_ident()
-        if me == self.collector_id or me == self.thread_id:
-            raise RuntimeError(WAIT_IN_COLLECTION_MESSAGE)
 
     if TYPE_CHECKING:
         # Defined by the other parts (see the module docstring); each is called on ``self``

@@ -22,6 +22,7 @@ only by its policy, never a retry of a run that started on time.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Hashable, Sequence
@@ -255,7 +256,11 @@ class Timing(CoordinatorState):
         for the lock its own thread held, and the pool stopped (found by a hunt)."""
         logs = self.deferred_logs
         while logs:
-            logger.warning(*logs.popleft())
+            # A handler's own error is its own: raised here, it broke the pool, and in the
+            # loop's last pass it kept the pool from ending (a diff review). logging's own
+            # handlers report theirs (handleError).
+            with contextlib.suppress(Exception):
+                logger.warning(*logs.popleft())
 
     def misfire_deadline(self, future: Future[Any]) -> float | None:
         """Under ``self.lock``, as ``future`` is written to its block (``inject``): the time

@@ -66,7 +66,7 @@ from mpsched._errors import (
     PoolClosedError,
     ProtocolError,
 )
-from mpsched._future import Future, defer_callbacks, release_if_left
+from mpsched._future import SETTLING, Future, defer_callbacks, release_if_left
 from mpsched._pool_errors import BrokenPoolError
 from mpsched._protocol import (
     Tag,
@@ -327,18 +327,22 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         if self.start_aborted:  # the pool's creation failed: nothing to run or to clean here
             self.finished.set()
             return
+        SETTLING.add(self.thread_id)  # until the finally below
         defer_callbacks(self.callbacks.append)  # for this thread's whole life
         try:
             self.loop()
         except BaseException as exc:
             self.break_pool(exc)
         finally:
-            self.log_deferred()  # (the last pass's)
-            self.callbacks.close()  # before ``finished``: whoever sees it may join the runner
-            # From here on (the teardown) this thread calls callbacks itself, as any thread
-            # outside the loop does: the runner takes nothing after close().
-            defer_callbacks(None)
-            self.finished.set()
+            try:
+                self.log_deferred()  # (the last pass's)
+            finally:
+                SETTLING.discard(self.thread_id)
+                self.callbacks.close()  # before ``finished``: whoever sees it may join it
+                # From here on (the teardown) this thread calls callbacks itself, as any
+                # thread outside the loop does: the runner takes nothing after close().
+                defer_callbacks(None)
+                self.finished.set()
 
     def loop(self) -> None:
         while True:

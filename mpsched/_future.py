@@ -69,6 +69,22 @@ _CONDITION_LOCK = threading.Lock()
 # ``finally`` releases (measured: 4% of the interrupts of a loop of such holds left the lock
 # taken). Every such acquire sits alone in a ``try`` whose handler is ``release_if_left`` (no
 # work until an exception).
+# The threads that settle a pool's futures now: every coordinator thread, and a user thread
+# while it collects results (``Coordinator.collect``: ``result()`` does, for a while). User
+# code may run there (a result's unpickling, a finalizer, a logging handler, a signal handler
+# that interrupted the collection), and an unbounded wait there for a pool's future waited for
+# ever: the one thread that could settle it, or let the coordinator collect it, is this one
+# (found by hunts: a SIGUSR1 handler calling ``result()`` during a loop of ``result()``, and a
+# result's ``__reduce__`` in the coordinator thread). ``wait_done`` refuses it, saying why. A
+# wait with a timeout times out as usual. (A thread of one pool waiting so for another pool's
+# future is refused too: known gap.)
+SETTLING: set[int] = set()
+WAIT_WHILE_SETTLING_MESSAGE = (
+    "a pool's future was waited for, with no timeout, in a thread that settles a pool's "
+    "futures (the pool's own thread, or one collecting results in result(); in a signal "
+    "handler, a finalizer, a logging handler or an unpickling that ran there): it would wait "
+    "for ever. Wait elsewhere (have the handler set a flag), or give a timeout"
+)
 LEFT_LOCK_WAIT = 2.0  # seconds; far above any hold of these locks (see release_if_left)
 # Per thread: where a settled future's callbacks go instead of being called (defer_callbacks).
 _local = threading.local()
@@ -95,8 +111,6 @@ class _Owner(Protocol):
 
     def help_wait(self, future: Future[Any], timeout: float | None) -> None: ...
 
-    def check_may_wait(self) -> None: ...
-
 
 class _Finishing:
     """The owner of a future whose outcome is being set: too late to cancel. (With no owner
@@ -106,9 +120,6 @@ class _Finishing:
         return False
 
     def help_wait(self, future: Future[Any], timeout: float | None) -> None:
-        return None
-
-    def check_may_wait(self) -> None:
         return None
 
 
@@ -274,9 +285,8 @@ class Future(concurrent.futures.Future[_T]):
         in the main thread, in slices that let a Ctrl-C through (``wait_interruptibly``)."""
         if self._state in _DONE_STATES:
             return True
-        owner = self._owner
-        if owner is not None:
-            owner.check_may_wait()
+        if timeout is None and threading.get_ident() in SETTLING:
+            raise RuntimeError(WAIT_WHILE_SETTLING_MESSAGE)
         return wait_interruptibly(self._wait_settled, timeout)
 
     def _wait_settled(self, timeout: float | None) -> bool:

@@ -435,7 +435,6 @@ class Pool(concurrent.futures.Executor):
                     call,
                     options,
                     coordinator.cancel_id,
-                    coordinator.check_may_wait,
                 )
                 # Due in the past is due at once: the grid (and the first run's misfire grace)
                 # starts now. From the run_at given, the time since then was a backlog of due

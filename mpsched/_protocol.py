@@ -418,14 +418,22 @@ def send_fd(conn: Connection, fd: int) -> None:
     zygote had died (found by a hunt)."""
     sock = socket_of(conn)
     try:
-        socket.send_fds(sock, [b"F"], [fd], socket.MSG_NOSIGNAL)  # see sigpipe_blocked
+        send_fds(sock, [fd])
     finally:
         sock.detach()
 
 
+def send_fds(sock: socket.socket, fds: list[int]) -> None:
+    """``socket.send_fds(sock, [b"F"], fds)`` with MSG_NOSIGNAL: a peer gone is an EPIPE,
+    not a SIGPIPE that kills a program that gave it its default action. 3.10-3.13's
+    ``send_fds`` drops its ``flags`` argument, as ``recv_fds`` does (a diff review)."""
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+    sock.sendmsg([b"F"], rights, socket.MSG_NOSIGNAL)
+
+
 def recv_fds(sock: socket.socket, maxfds: int) -> tuple[bytes, list[int], int]:
     """``socket.recv_fds(sock, 1, maxfds)`` with the fds CLOEXEC (a later exec would leak
-    them; ``os.fork()`` still inherits them): 3.10-3.12's ``recv_fds`` drops its ``flags``
+    them; ``os.fork()`` still inherits them): 3.10-3.13's ``recv_fds`` drops its ``flags``
     argument, so MSG_CMSG_CLOEXEC given there did nothing. Returns (message, fds, flags)."""
     fds = array.array("i")
     msg, ancdata, flags, _ = sock.recvmsg(

@@ -16,7 +16,9 @@ hunt). ProcessPoolExecutor's workers do not carry its pipes on those numbers.
   moves an fd that it received on one of those numbers (under forkserver the server numbers
   them, and its own 0-2 may be closed: it started with the program's), then ``fill_stdio``
   puts /dev/null on every closed one for good, before it makes any fd of its own. A worker
-  writing to its fd 1 then writes to /dev/null, as a closed stdout meant.
+  writing to its fd 1 then writes to /dev/null, as a closed stdout meant, or, under spawn,
+  fails with EBADF: multiprocessing's child takes the lowest free number for a duplicate of
+  its parent sentinel (a pipe's read end) before any code of ours runs.
 
 Known gap: a thread of the program that puts a file of its own on one of those numbers while
 a ``Pool()`` holds it for /dev/null loses that file as the pool closes its stand-in.

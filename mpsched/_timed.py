@@ -52,7 +52,6 @@ class Recurrence:
     __slots__ = (
         "active",
         "call",
-        "check_may_wait",
         "future",
         "options",
         "priority",
@@ -67,14 +66,12 @@ class Recurrence:
         call: bytes,
         options: TaskOptions,
         stop: Callable[[Recurrence, Hashable], bool],  # stop(self, task_id)
-        check_may_wait: Callable[[], None],  # the coordinator's
     ) -> None:
         self.task_id = task_id
         self.priority = priority
         self.call = call  # the encoded call; each run appends its own version (with_version)
         self.options = options
         self.stop = stop
-        self.check_may_wait = check_may_wait  # (a waiter of this future, as of a task's)
         # Public: ends when the recurrence ends (cancel, error, shutdown).
         self.future: Future[Any] = Future(self)
         self.active = True

@@ -60,7 +60,7 @@ from multiprocessing.connection import Connection
 from mpsched._children import end_process
 from mpsched._errors import ProtocolError
 from mpsched._layout import SegmentLayout, SegmentLocks, SegmentViews, attach
-from mpsched._protocol import Tag, decode, encode, recv_fds, send_fd, socket_of
+from mpsched._protocol import Tag, decode, encode, recv_fds, send_fd, send_fds, socket_of
 from mpsched._shm import (
     AnonSegment,
     SharedFd,
@@ -226,7 +226,7 @@ def send_wake_fds(conn: Connection, wake_fds: Sequence[SharedFd]) -> None:
     try:
         for i in range(0, len(wake_fds), FDS_PER_MESSAGE):
             fds = [f.fd for f in wake_fds[i : i + FDS_PER_MESSAGE]]
-            socket.send_fds(sock, [b"W"], fds, socket.MSG_NOSIGNAL)  # see sigpipe_blocked
+            send_fds(sock, fds)
     finally:
         sock.detach()
 

@@ -339,3 +339,25 @@ def pipe_end() -> Any:
 def open_for_reading(path: str) -> Any:
     """Return ``path`` opened as a text file (an open file as a task's result)."""
     return open(path)
+
+
+# The futures that a WaitsAtUnpickle's unpickling waits for, in the pool's process.
+WAITED: list[Any] = []
+
+
+def _wait_then_make(*args: Any) -> WaitsAtUnpickleError:
+    if WAITED:
+        WAITED[0].result()  # no timeout
+    return WaitsAtUnpickleError(*args)
+
+
+class WaitsAtUnpickleError(Exception):
+    """Unpickled in the pool's process (where the pool settles futures), it waits for
+    ``WAITED[0]`` first."""
+
+    def __reduce__(self) -> Any:
+        return _wait_then_make, self.args
+
+
+def raise_waits_at_unpickle(message: str) -> None:
+    raise WaitsAtUnpickleError(message)

@@ -429,6 +429,34 @@ def test_an_exception_that_cannot_be_unpickled_keeps_the_workers_traceback() -> 
 
 
 @pytest.mark.timeout(60)
+def test_an_unpickling_that_waits_for_a_task_of_the_pool_is_refused_not_hung(
+    tmp_path: Path,
+) -> None:
+    """A task's exception is unpickled where the pool settles futures (its coordinator thread,
+    or a caller collecting in ``result()``); there, a wait with no timeout for a task of the
+    pool waited for ever: the one thread that could settle it was the waiting one (a diff
+    review). It is refused: the exception's unpickling fails, saying why."""
+    started, gate = str(tmp_path / "started"), str(tmp_path / "gate")
+    os.mkfifo(started)
+    os.mkfifo(gate)
+    with bounded_pool(None) as pool:
+        holder = pool.submit(tasks.started_then_gated, started, gate, "held")
+        tasks.wait_started(started)
+        timed = pool.with_options(timeout=60)  # settled through end_runs: owner FINISHING
+        try:
+            first, second = (timed.submit(bt.raise_waits_at_unpickle, m) for m in "ab")
+            bt.WAITED.append(second)
+            tasks.open_gate(gate)
+            for future in (first, second):
+                with pytest.raises(TaskOutcomeError, match="with no timeout, in a thread"):
+                    future.result(timeout=CASE_TIMEOUT)
+        finally:
+            bt.WAITED.clear()
+        assert holder.result(timeout=CASE_TIMEOUT) == "held"
+        assert_pool_works(pool)
+
+
+@pytest.mark.timeout(60)
 def test_an_open_file_fails_at_submit_or_as_a_result(tmp_path: Path) -> None:
     """As plain pickle refuses an open file: cloudpickle, the fallback, copied it as a
     ``StringIO`` of the whole file, read in the caller (found in review)."""

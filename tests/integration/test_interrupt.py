@@ -1020,7 +1020,8 @@ def test_a_wait_inside_this_threads_collection_of_results_says_why_it_cannot_be(
     (``Future.result`` does, for a while, ``Coordinator.help_wait``) and waits for a task of
     the pool: only this thread could settle it (the coordinator thread waits for the lock it
     holds), and ``result()`` waited for ever (a hunt: a SIGUSR1 handler calling ``result()``
-    during a loop of ``result()``). Now it says why, at once."""
+    during a loop of ``result()``). Now such a wait says why, at once; one with a timeout times
+    out (a poll, ``timeout=0``, as any)."""
     with Pool(1) as pool:
         coordinator = pool._coordinator
         pending = pool.schedule("later", time.monotonic() + 600, 0, tasks.ident, 1)
@@ -1031,15 +1032,18 @@ def test_a_wait_inside_this_threads_collection_of_results_says_why_it_cannot_be(
             if not seen:  # as a handler run here would
                 for wait in (pending.result, pending.exception):
                     try:
-                        wait(5)
+                        wait()
                     except RuntimeError as exc:
                         seen.append(str(exc))
+                    with pytest.raises(FuturesTimeoutError):
+                        wait(0)
             real(*args)
 
         monkeypatch.setattr(coordinator, "collect_locked", interrupted)
         coordinator.collect()  # as a caller of result() does
         monkeypatch.undo()
         assert len(seen) == 2
-        assert all(text.startswith("a pool's future was waited for by a signal") for text in seen)
+        refusal = "a pool's future was waited for, with no timeout"
+        assert all(text.startswith(refusal) for text in seen)
         assert pool.cancel("later")
         assert pool.submit(tasks.ident, 2).result(timeout=20) == 2

@@ -117,26 +117,30 @@ class _CallsThePool(logging.Handler):
     """On a misfire's warning: what a user's handler may do, ask the pool about the id and
     cancel it."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, fails: bool) -> None:
         super().__init__(logging.WARNING)
         self.pool = pool
+        self.fails = fails
         self.seen: list[Any] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         if "missed its run" in record.getMessage():
             self.seen.append((self.pool.state("m"), self.pool.cancel("m")))
+            if self.fails:  # a handler's own error: it broke the pool (a diff review)
+                raise ValueError("the handler failed")
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("fails", [False, True], ids=["returns", "raises"])
 @pytest.mark.parametrize("where", ["taken back", "dropped by its worker"])
 def test_a_logging_handler_may_call_the_pool_on_a_misfires_warning(
-    fifos: Fifos, where: str
+    fifos: Fifos, where: str, fails: bool
 ) -> None:
     """The warning was logged under the coordinator's lock, in the coordinator thread: a
     handler that called ``pool.state`` or ``pool.cancel`` waited for ever for the lock its own
     thread held, and the pool stopped (found by a hunt)."""
     with Pool(1) as pool:
-        handler = _CallsThePool(pool)
+        handler = _CallsThePool(pool, fails)
         logger = logging.getLogger("mpsched")
         logger.addHandler(handler)
         try:

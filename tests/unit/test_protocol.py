@@ -198,3 +198,31 @@ def test_fds_pass_between_the_zygote_and_the_pool_without_a_spare_fd() -> None:
         "recv_fd: anon_inode:[eventfd] False",
         "no fd free: the file descriptor sent was dropped: none was free to receive it",
     ], result.stdout
+
+
+# A peer gone: EPIPE (BrokenPipeError), not the SIGPIPE that kills a program that gave it its
+# default action (socket.send_fds drops its MSG_NOSIGNAL flag: a diff review).
+PEER_GONE_PROGRAM = """
+import os, signal, socket
+from multiprocessing.connection import Connection
+from mpsched._protocol import send_fd
+
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+a, b = socket.socketpair()
+b.close()
+try:
+    send_fd(Connection(a.detach()), 0)
+except BrokenPipeError:
+    print("BrokenPipeError")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_an_fd_sent_to_a_peer_gone_raises_rather_than_kill_the_process() -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", PEER_GONE_PROGRAM], capture_output=True, text=True, timeout=30
+    )
+    assert (result.returncode, result.stdout) == (0, "BrokenPipeError\n"), result
