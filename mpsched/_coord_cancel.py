@@ -57,7 +57,7 @@ class Cancelling(CoordinatorState):
             return False
         lock = self.lock
         try:
-            lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+            lock.acquire()  # not ``with``: see _future.LEFT_LOCK_WAIT
         except BaseException:  # a Ctrl-C may leave it taken: see _future.LEFT_LOCK_WAIT
             release_if_left(lock)
             raise
@@ -176,7 +176,7 @@ class Cancelling(CoordinatorState):
         wake = False
         lock = self.lock
         try:
-            lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+            lock.acquire()  # not ``with``: see _future.LEFT_LOCK_WAIT
         except BaseException:  # a Ctrl-C may leave it taken: see _future.LEFT_LOCK_WAIT
             release_if_left(lock)
             raise

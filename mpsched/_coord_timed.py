@@ -74,7 +74,7 @@ class Timing(CoordinatorState):
         timetable = self.timetable
         lock = self.lock
         try:
-            lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+            lock.acquire()  # not ``with``: see _future.LEFT_LOCK_WAIT
         except BaseException:  # a Ctrl-C may leave it taken: see _future.LEFT_LOCK_WAIT
             release_if_left(lock)
             raise

@@ -287,7 +287,7 @@ class Coordinator(Timing, Dispatching, Cancelling, Collecting, Recovering, Drain
         """
         lock = self.lock
         try:
-            lock.acquire()  # not ``with``: see _future._acquire (the per-task paths)
+            lock.acquire()  # not ``with``: see _future.LEFT_LOCK_WAIT
         except BaseException:  # a Ctrl-C may leave it taken: see _future.LEFT_LOCK_WAIT
             release_if_left(lock)
             raise

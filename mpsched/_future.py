@@ -64,11 +64,6 @@ from mpsched._errors import timeout_error
 # cheaper here, has such a window: the eval loop runs signal handlers after every call, the
 # acquire's too; ``with`` runs none between the acquire and its body.
 _CONDITION_LOCK = threading.Lock()
-# An acquire()/release() pair of the pool's other locks has that window too, where a Ctrl-C's
-# KeyboardInterrupt can be raised just after ``acquire()`` returned, before the ``try`` whose
-# ``finally`` releases (measured: 4% of the interrupts of a loop of such holds left the lock
-# taken). Every such acquire sits alone in a ``try`` whose handler is ``release_if_left`` (no
-# work until an exception).
 # The threads that settle a pool's futures now: every coordinator thread, and a user thread
 # while it collects results (``Coordinator.collect``: ``result()`` does, for a while). User
 # code may run there (a result's unpickling, a finalizer, a logging handler, a signal handler
@@ -85,6 +80,12 @@ WAIT_WHILE_SETTLING_MESSAGE = (
     "handler, a finalizer, a logging handler or an unpickling that ran there): it would wait "
     "for ever. Wait elsewhere (have the handler set a flag), or give a timeout"
 )
+# The pool's other per-task locks are taken by acquire()/release(): on 3.11 ``with`` on a lock
+# allocates two bound methods, 2-3x the cost of the pair. That leaves the window described at
+# _CONDITION_LOCK, where a Ctrl-C's KeyboardInterrupt can be raised just after ``acquire()``
+# returned, before the ``try`` whose ``finally`` releases (measured: 4% of the interrupts of a
+# loop of such holds left the lock taken). Every such acquire sits alone in a ``try`` whose
+# handler is ``release_if_left`` (no work until an exception).
 LEFT_LOCK_WAIT = 2.0  # seconds; far above any hold of these locks (see release_if_left)
 # Per thread: where a settled future's callbacks go instead of being called (defer_callbacks).
 _local = threading.local()
