@@ -82,7 +82,8 @@ class Collecting(CoordinatorState):
             or len(self.by_handle) > self.n_workers
             # Not in a collection: a handler or finalizer that interrupted this thread's, which
             # holds collect_lock (see _future.SETTLING).
-            or threading.get_ident() in (self.thread_id, self.collector_id)
+            or threading.get_ident() == self.thread_id
+            or threading.get_ident() in SETTLING
             or self.disowned  # a fork child's copy: the done rings are the parent's
             or (self.help_misses >= HELP_MISSES_MAX and self.help_calls % HELP_RETRY_EVERY)
         ):
@@ -146,13 +147,12 @@ class Collecting(CoordinatorState):
         previous = defer_callbacks(settled.append)
         try:
             with self.collect_lock:
-                self.collector_id = me = threading.get_ident()
+                me = threading.get_ident()
                 SETTLING.add(me)
                 try:
                     self.collect_locked(False)
                 finally:
                     SETTLING.discard(me)
-                    self.collector_id = 0
                     if settled:  # before the drain (decided under this lock) can end the loop
                         queued = self.callbacks.put(box)
         finally:

@@ -136,7 +136,6 @@ class CoordinatorState:
         # callback that blocks here would stop the loop that must collect what it waits for).
         self.callbacks = CallbackRunner()
         self.thread_id = 0  # the coordinator thread's ident, once it runs
-        self.collector_id = 0  # the ident of the user thread collecting now (collect), or 0
         # Warnings noted under the pool's locks, logged by the loop with none held
         # (``log_deferred``): each is ``logger.warning``'s arguments.
         self.deferred_logs: collections.deque[tuple[Any, ...]] = collections.deque()

@@ -5,7 +5,6 @@ a Ctrl-C that ends a program whose pool is in no ``with`` block (a script in ``t
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import gc
 import os
@@ -21,6 +20,7 @@ import pytest
 
 from mpsched import Pool, WorkerCrashedError, _lifecycle
 from mpsched._shm import SELECT_FD_LIMIT
+from tests import closed_stdio
 
 from . import proc_tasks, tasks
 from .conditions import wait_until
@@ -389,14 +389,9 @@ def test_a_pool_none_of_whose_workers_can_start_breaks_saying_why(tmp_path: path
 # segment's header; under fork a C library's write to fd 1 did the same: the pool hung at
 # shutdown or broke (found by a hunt). Its report goes to a file (argv[2]).
 CLOSED_STDIO_PROGRAM = """
-import ctypes, multiprocessing.forkserver, os, sys
+import ctypes, multiprocessing.forkserver, sys
 import mpsched
-
-def where(fd):
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return "closed"
+from tests.closed_stdio import reporter, where
 
 def write_all(n):
     print("x" * n)  # sys.stdout is None where fd 1 was closed as Python started
@@ -406,12 +401,11 @@ def write_all(n):
     return [where(fd) for fd in (0, 1, 2)]
 
 if __name__ == "__main__":
-    out = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)
-    report = lambda *items: os.write(out, (repr(items) + "\\n").encode())
-    if sys.argv[1] == "forkserver":  # a server started with them closed numbers our fds there
+    report = reporter(sys.argv[1])
+    if sys.argv[2] == "forkserver":  # a server started with them closed numbers our fds there
         multiprocessing.forkserver.ensure_running()  # (its pipe to us may take one)
     report("mine", [where(fd) for fd in (1, 2)])
-    with mpsched.Pool(2, start_method=sys.argv[1]) as pool:
+    with mpsched.Pool(2, start_method=sys.argv[2]) as pool:
         report("task", pool.submit(write_all, 5000).result(timeout=20))
         report("mine", [where(fd) for fd in (1, 2)])
         report("map", sum(pool.map(abs, range(-100, 0), timeout=20)))
@@ -425,18 +419,8 @@ if __name__ == "__main__":
 def test_a_program_with_its_standard_streams_closed_gives_its_workers_none_of_the_pools_fds(
     tmp_path: pathlib.Path, start_method: str
 ) -> None:
-    script, report = tmp_path / "prog.py", tmp_path / "report.txt"
-    script.write_text(CLOSED_STDIO_PROGRAM)
-    closing = 'exec "$0" "$@" <&- >&- 2>&-'  # the program starts with 0, 1 and 2 closed
-    result = subprocess.run(
-        ["sh", "-c", closing, sys.executable, str(script), start_method, str(report)],
-        cwd=tmp_path,
-        timeout=50,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        start_new_session=True,
-    )
-    lines = [ast.literal_eval(line) for line in report.read_text().splitlines()]
-    assert result.returncode == 0, lines
+    returncode, lines = closed_stdio.run(tmp_path, CLOSED_STDIO_PROGRAM, start_method, timeout=50)
+    assert returncode == 0, lines
     for name, value in lines:
         if name == "task":  # fd 0 may be multiprocessing's own pipe, but none of the pool's
             assert not any(kind in value[0] for kind in ("memfd", "socket", "eventfd")), lines

@@ -6,29 +6,18 @@ own must stay as they are); it reports to a file.
 
 from __future__ import annotations
 
-import ast
-import os
 import pathlib
-import subprocess
-import sys
-from typing import Any
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests import closed_stdio
 
 PROGRAM = """
 import os, sys
 from mpsched import _shm, _stdio
+from tests.closed_stdio import reporter, where
 
-def where(fd):
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return "closed"
-
-out = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC)  # on 0
-report = lambda *items: os.write(out, (repr(items) + "\\n").encode())
+report = reporter(sys.argv[1])  # on 0
 
 with _stdio.stdio_held():  # 1 and 2 get /dev/null while held, closed again after
     report("held", [where(fd) for fd in (1, 2)], os.get_inheritable(1))
@@ -55,25 +44,13 @@ report("received", low, fd > 2, where(fd), [where(n) for n in (1, 2)], os.get_in
 """
 
 
-def _run(tmp_path: pathlib.Path) -> list[tuple[Any, ...]]:
-    script, report = tmp_path / "prog.py", tmp_path / "report.txt"
-    script.write_text(PROGRAM)
-    closing = 'exec "$0" "$@" <&- >&- 2>&-'  # the program starts with 0, 1 and 2 closed
-    result = subprocess.run(
-        ["sh", "-c", closing, sys.executable, str(script), str(report)],
-        timeout=30,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    lines = [ast.literal_eval(line) for line in report.read_text().splitlines()]
-    assert result.returncode == 0, lines
-    return lines
-
-
 @pytest.mark.timeout(60)
 def test_the_pools_fds_go_above_the_standard_streams_and_leave_them_as_they_were(
     tmp_path: pathlib.Path,
 ) -> None:
-    assert _run(tmp_path) == [
+    returncode, lines = closed_stdio.run(tmp_path, PROGRAM, timeout=30)
+    assert returncode == 0, lines
+    assert lines == [
         ("held", ["/dev/null", "/dev/null"], False),
         ("made", True),
         ("after", ["closed", "closed"]),
