@@ -1,7 +1,7 @@
 """Harness shared by the pool benchmarks: noise gating, interleaved repeats, tables, targets.
 
 Why it looks like this: the machine is a shared 2-vCPU VM whose wall times can be off by 2x
-while other jobs run (as measured in the project's feasibility study). So:
+while other jobs run (docs/design.md, "Known gaps"). So:
 
 - every workload runs mpsched and its peers in one run, **interleaved per repeat** (the order
   rotates from one repeat to the next), and reports medians and **paired ratios** (the median

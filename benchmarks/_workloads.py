@@ -5,7 +5,7 @@ by reference (``benchmarks._workloads.spin``) instead of by value. The module im
 standard library at the top; ``mpsched`` and ``distributed`` are imported inside the functions
 that need them, so the peer side runs while ``mpsched`` does not exist yet.
 
-Shapes (the same as in the project's peer survey):
+Shapes (those of the issue's targets):
 
 - throughput / latency / start-up: ``noop(i) -> i``;
 - imbalanced: ``spin(n)``, a pure-Python summing loop, with n drawn from a seeded

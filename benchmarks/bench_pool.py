@@ -7,7 +7,7 @@ Usage, from the repository root::
     PYTHONPATH=. python benchmarks/bench_pool.py --only throughput,latency --repeats 7 \\
         --json /tmp/bench.json
 
-Workloads (shapes as in the project's peer survey; details in ``benchmarks/README.md``):
+Workloads (the shapes of the issue's targets; details in ``benchmarks/README.md``):
 throughput, latency, imbalanced, forkjoin, startup, and recycle, payloads100k and payloads1m
 (no issue target; shown beside them). Each runs mpsched and its peers interleaved per repeat
 (``_common.run_interleaved``), prints a table of medians and paired ratios, and the run ends with

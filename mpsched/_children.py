@@ -382,6 +382,7 @@ class ChildFuture(_Generic[_T]):
         return fut
 
     def done(self) -> bool:
+        """Whether the child has ended (returned or raised); never blocks."""
         if not self._settled:
             self._check_thread("ChildFuture.done()")
             if self._worker.child_state(self._handle) == CHILD_DONE:
@@ -425,6 +426,7 @@ class ChildFuture(_Generic[_T]):
         return self._value  # type: ignore[no-any-return]  # the child returned it
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The child's exception, or None if it returned; waits as ``result`` does."""
         self._wait(timeout)
         return self._error
 

@@ -221,12 +221,16 @@ class Future(concurrent.futures.Future[_T]):
 
     # Racy snapshots, as the stdlib's are at the moment they return; no condition needed.
     def done(self) -> bool:
+        """Whether the future is settled or cancelled (as ``concurrent.futures.Future``)."""
         return self._state in _DONE_STATES
 
     def cancelled(self) -> bool:
+        """Whether the future was cancelled (as ``concurrent.futures.Future``)."""
         return self._state in _CANCELLED_STATES
 
     def running(self) -> bool:
+        """False, unlike the stdlib's: a worker's claim is not reported to the future
+        (``pool.state(task_id)`` says RUNNING for a timed task; docs/design.md, "Futures")."""
         return self._state == RUNNING
 
     def result(self, timeout: float | None = None) -> _T:
@@ -302,6 +306,8 @@ class Future(concurrent.futures.Future[_T]):
     # the done-callbacks without it, as the stdlib does; a setter racing in between makes that
     # call raise InvalidStateError and finds both fields set).
     def set_result(self, result: _T) -> None:
+        """As ``concurrent.futures.Future.set_result``: a caller's outcome set before the
+        task's wins, and the task's result is then dropped (InvalidStateError once settled)."""
         if not self._settle_fast(result, None):
             with self._condition:
                 if self._state not in _DONE_STATES:
@@ -309,6 +315,8 @@ class Future(concurrent.futures.Future[_T]):
             super().set_result(result)
 
     def set_exception(self, exception: BaseException | None) -> None:
+        """As ``concurrent.futures.Future.set_exception``; a caller's outcome wins over the
+        task's, as in ``set_result``."""
         if not self._settle_fast(None, exception):
             with self._condition:
                 if self._state not in _DONE_STATES:

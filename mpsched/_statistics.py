@@ -53,29 +53,43 @@ class WorkerStatistics:
 class PoolStatistics:
     """A snapshot of the pool's counters (racy reads of shared counters: hints).
 
-    ``submitted`` counts the top-level tasks the pool took: each ``submit`` and ``schedule``
-    (a superseded or cancelled one too), each chunk of a ``map`` and each run of a recurring
-    task. ``completed`` counts the runs a worker ended (returned or raised; a retried task
-    once), so ``completed <= submitted``; children are in ``per_worker[k].executed`` only.
+    Attributes:
+        workers: the pool's number of worker slots.
+        submitted: the top-level tasks the pool took: each ``submit`` and ``schedule`` (a
+            superseded or cancelled one too), each chunk of a ``map`` and each run of a
+            recurring task.
+        completed: the top-level runs a worker ended (returned or raised; a retried task
+            once), so ``completed <= submitted``; children are in ``per_worker[k].executed``
+            only.
+        pending: tasks due and not yet handed to a worker.
+        scheduled: versions waiting for their ``run_at`` (or behind a running version).
+        steals: tasks taken from a peer's queues, the sum of ``per_worker[k].stolen``.
+        crashes: workers that died other than by retiring, killed on purpose too (a forced
+            cancel, a timeout's grace, an interrupted ``with`` block).
+        respawns: replacements for those (none for a death once the drain's work is done).
+        retried: runs queued again after their worker died (the ``retries`` option; a retry
+            cancelled before it started counts too).
+        recycled: workers retired after ``max_tasks_per_worker`` tasks (replaced unless the
+            pool was draining with nothing left to run).
+        misfires: recurring runs skipped by the misfire policy.
+        skipped_runs: recurring due times dropped: by the overlap policy "skip" or
+            "coalesce" (times that passed during a run), and after a run skipped as a
+            misfire, whatever the overlap policy (the times that passed while that run
+            waited: the next run is due at the grid time after now).
+        per_worker: one ``WorkerStatistics`` per slot.
     """
 
     workers: int
-    submitted: int  # top-level tasks taken (see above)
-    completed: int  # top-level runs that ended in a worker
-    pending: int  # due, not yet handed to a worker
-    scheduled: int  # versions waiting for their run_at (or behind a running version)
+    submitted: int
+    completed: int
+    pending: int
+    scheduled: int
     steals: int
-    crashes: int  # workers that died other than by retiring (killed on purpose too: a forced
-    # cancel, a timeout's grace, an interrupted ``with`` block)
-    respawns: int  # replacements for those (none for a death once the drain's work is done)
-    retried: int  # runs queued again after their worker died (the retries option; a retry
-    # cancelled before it started counts too)
-    recycled: int  # workers retired after max_tasks_per_worker tasks (replaced unless the
-    # pool was draining with nothing left to run)
-    misfires: int  # recurring runs skipped by the misfire policy
-    # Recurring due times dropped: by the overlap policy "skip"/"coalesce" (times that passed
-    # during a run), and after a run skipped as a misfire, whatever the overlap policy (the
-    # times that passed while that run waited: the next run is due at the grid time after now).
+    crashes: int
+    respawns: int
+    retried: int
+    recycled: int
+    misfires: int
     skipped_runs: int
     per_worker: tuple[WorkerStatistics, ...]
 
