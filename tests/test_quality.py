@@ -1,5 +1,5 @@
-"""The codebase's own checks: the public API surface and its docstrings, the layering rule, what the zygote imports,
-mypy --strict and ruff."""
+"""The codebase's own checks: the public API surface and its docstrings, the layering rule,
+what the zygote imports, mypy --strict and ruff."""
 
 from __future__ import annotations
 
