@@ -379,7 +379,10 @@ class Pool(concurrent.futures.Executor):
         due first (at its ``run_at``, or at the call if that had passed), then the earlier
         call. Scheduling an id again supersedes its previous version: one that has
         not started is cancelled (its future too) and never runs; one that runs is not
-        interrupted, and the new version starts only after it ended.
+        interrupted, and the new version starts only after it ended. A version whose worker
+        died and whose retry (the ``retries`` option) waits to start is cancelled too, as by
+        ``cancel``: its retry never runs (a supersede that comes before the pool saw the death
+        waits for the retry's end, as for a run).
 
         Ids are matched as dict keys: equal ids are one id (``1``, ``1.0`` and ``True``;
         ``0.0`` and ``-0.0``), and an id not equal to itself (``float('nan')``) is found by

@@ -22,8 +22,9 @@ class TaskState(enum.IntEnum):
         RUNNING -> COMPLETED | FAILED | CANCELLED   (CANCELLED only if the task acknowledged a
                                                      cancel request by raising TaskCancelled;
                                                      in a Pool also after a forced cancel, and
-                                                     for a cancel while the retry of a run
-                                                     whose worker died waits to start)
+                                                     for a cancel or a supersede while the
+                                                     retry of a run whose worker died waits
+                                                     to start)
     """
 
     PENDING = 0  # scheduled, waiting in the heap (or behind a running older version)

@@ -605,15 +605,16 @@ def _kill_the_run_and_hold_its_retry(pool: Pool, fifos: Fifos, marker: str) -> N
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("by_id", [False, True], ids=["future_cancel", "pool_cancel"])
+@pytest.mark.parametrize("how", ["future_cancel", "pool_cancel", "supersede"])
 def test_a_retry_not_yet_claimed_is_cancelled_and_never_runs(
-    fifos: Fifos, tmp_path: Path, by_id: bool
+    fifos: Fifos, tmp_path: Path, how: str
 ) -> None:
-    """What the docstrings of ``Future.cancel``, ``TaskOptions.retries`` and ``TaskState``
-    say: the retry of a run whose worker died is not claimed until it starts, so a cancel
-    (the future's, or ``pool.cancel`` by id) then wins, the retry never runs, and the state
-    goes from RUNNING to CANCELLED. The retry is held unclaimed in the inbox of the
-    replacement, whose initializer waits on a gate."""
+    """What the docstrings of ``Future.cancel``, ``TaskOptions.retries``, ``TaskState`` and
+    ``Pool.schedule`` say: the retry of a run whose worker died is not claimed until it starts,
+    so a cancel (the future's, or ``pool.cancel`` by id) or a supersede (the id scheduled
+    again) then wins, the retry never runs, and the state goes from RUNNING to CANCELLED; a
+    superseding version runs. The retry is held unclaimed in the inbox of the replacement,
+    whose initializer waits on a gate."""
     with _pool_gating_replacements(tmp_path) as (pool, marker, init_gate):
         f = pool.with_options(retries=1).schedule(
             "r", 0.0, 0, tt.log_pid_then_gate, fifos.log, "r", fifos.gate
@@ -621,12 +622,19 @@ def test_a_retry_not_yet_claimed_is_cancelled_and_never_runs(
         wait_until(lambda: len(tt.read_tags(fifos.log)) == 1, "the first run runs")
         _kill_the_run_and_hold_its_retry(pool, fifos, marker)
         assert pool.state("r") is TaskState.RUNNING
-        assert (pool.cancel("r") if by_id else f.cancel()) is True
-        assert f.cancelled()
-        assert pool.state("r") is TaskState.CANCELLED
+        if how == "supersede":
+            new = pool.schedule("r", 0.0, 0, tt.log, fifos.log, "new")
+            assert f.cancelled()
+        else:
+            assert (pool.cancel("r") if how == "pool_cancel" else f.cancel()) is True
+            assert f.cancelled()
+            assert pool.state("r") is TaskState.CANCELLED
         tasks.open_gate(init_gate)
         assert pool.submit(tasks.ident, 1).result(timeout=CONDITION_TIMEOUT) == 1
-    assert len(tt.read_tags(fifos.log)) == 1, "the cancelled retry ran"
+        if how == "supersede":
+            assert new.result(timeout=CONDITION_TIMEOUT) > 0
+    tags = [t if t == "new" else t[0] for t in tt.read_tags(fifos.log)]
+    assert tags == (["r", "new"] if how == "supersede" else ["r"]), "the cancelled retry ran"
     assert pool.statistics().retried == 1
 
 
