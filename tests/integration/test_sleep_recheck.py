@@ -4,7 +4,8 @@ pushes a child before the announcement wakes nobody (no sleeper is counted yet),
 the recheck the child waits for its parent's join while the idle worker sleeps. An audit took
 the recheck out and no test but a slow model test (2 runs in 5) failed; this one makes the
 window certain: under fork the workers inherit the test's wrapper of ``add_sleepers``, which
-holds the idle worker just before its announcement until the child is pushed."""
+holds the idle worker just before its announcement until the child is pushed. And the other
+way round: a child's end wakes its parent asleep in the join."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from typing import Any
 
 import pytest
 
+import mpsched._worker
 from mpsched import Pool
 from mpsched._layout import GlobalHeader
 
 from . import tasks
-from .conditions import wait_until
+from .conditions import CONDITION_TIMEOUT, start_every_worker, wait_until
 
 
 def _fifos(folder: Path, *names: str) -> None:
@@ -61,3 +63,30 @@ def test_a_child_pushed_just_before_a_peer_announces_its_sleep_is_stolen(
         tasks.open_gate(str(tmp_path / "join"))
         ran_child, parent_pid = parent.result(timeout=20)
     assert (ran_child, parent_pid) == (idle, int(pusher))
+
+
+@pytest.mark.timeout(60)
+def test_a_parent_asleep_in_its_join_is_woken_by_its_child_ending_on_a_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A join's sleep ends at the latest after ``JOIN_SLEEP_MAX_MS`` (1 s), which hid a lost
+    wake-up: a mutation that took out the child's wake of its sleeping parent
+    (``Children.finish_child``) passed every test, each such join a second late. Here that
+    limit is gone (fork: the workers inherit it), so only the wake-up ends the join."""
+    _fifos(tmp_path, "joining", "gate")
+    monkeypatch.setattr(mpsched._worker, "JOIN_SLEEP_MAX_MS", -1)  # poll(-1): no limit
+    with Pool(2, start_method="fork") as pool:
+        start_every_worker(pool)
+        # Its own time limit: without the wake-up, its worker is killed and the result fails.
+        parent = pool.with_options(timeout=CONDITION_TIMEOUT).submit(
+            tasks.join_a_stolen_child, str(tmp_path / "joining"), str(tmp_path / "gate")
+        )
+        try:
+            with open(tmp_path / "joining", "rb") as fifo:
+                assert fifo.read(1) == b"j"  # a peer runs the child, held at the gate
+            # So the one worker that can sleep is the parent's, in its join.
+            slots = pool._coordinator.slots
+            wait_until(lambda: any(s.is_sleeping() for s in slots), "the parent sleeps")
+        finally:
+            tasks.open_gate(str(tmp_path / "gate"))
+        assert parent.result(timeout=2 * CONDITION_TIMEOUT) > 0

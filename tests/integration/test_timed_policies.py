@@ -223,6 +223,36 @@ def test_a_run_that_waits_past_its_grace_in_a_busy_workers_inbox_misfires(
         assert tt.read_starts(fifos.log)[0] > due + 2 * grace  # it ran, late
 
 
+@pytest.mark.timeout(60)
+def test_a_run_dropped_as_a_misfire_does_not_count_towards_max_tasks_per_worker(
+    fifos: Fifos,
+) -> None:
+    """``max_tasks_per_worker`` counts the tasks that ran: a recurring run that the worker
+    drops unstarted under "skip" is none, so the worker that ran one task before it runs a
+    second one after it (counted, it retired one task early)."""
+    with Pool(1, max_tasks_per_worker=2) as pool:
+        blocker = pool.submit(tasks.report_pid_then_gate, fifos.started, fifos.gate)
+        try:
+            pid = tasks.read_pid(fifos.started)
+            wait_until_known(pool)
+            due = time.monotonic()
+            options = pool.with_options(every=600.0, misfire="skip", misfire_grace=MISFIRE_GRACE)
+            rec = options.schedule("m", due, 0, tt.log_version, fifos.log)
+            wait_until(
+                lambda: pool.statistics().per_worker[0].inbox_depth == 1, "the run is injected"
+            )
+            # Lateness is the subject here: wait for the clock, not for an event.
+            wait_until(lambda: time.monotonic() > due + 2 * MISFIRE_GRACE, "the run is late")
+        finally:
+            tasks.open_gate(fifos.gate)  # a failure above must not leave the exit waiting on it
+        assert blocker.result(timeout=CONDITION_TIMEOUT) == pid
+        wait_until(lambda: pool.statistics().misfires == 1, "the late run is dropped")
+        assert pool.submit(tasks.pid_of).result(timeout=CONDITION_TIMEOUT) == pid
+        assert pool.cancel("m") is True
+        assert rec.cancelled()
+    assert tt.read_tags(fifos.log) == []
+
+
 # ---------------------------------------------------------------- shutdown settings
 @pytest.mark.timeout(60)
 def test_recurrence_kept_after_shutdown_survives_timed_after_shutdown_false(

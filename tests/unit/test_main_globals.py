@@ -45,6 +45,18 @@ def wrapped(x):  # its closure holds the function decorated, whose globals the c
 
 def late_user(x):  # reads a global not defined yet
     return x * later
+
+def stepper():
+    step = 1
+    def stepped(x):  # a closure over state that set_step rebinds (a decorator's counter)
+        return x + 100 * step
+    def set_step(value):
+        nonlocal step
+        step = value
+    stepped.__qualname__ = "stepped"  # as functools.wraps names a decorated function
+    return stepped, set_step
+
+stepped, set_step = stepper()
 """
 
 
@@ -149,6 +161,18 @@ def test_a_global_read_by_what_the_copy_carries_is_watched(
     assert main.run(table, payload) == 1 + offset
     main.ns["factor"] = 3
     assert main.run(table, cache.encode(main[name], (1,), {})) == 3 + offset
+
+
+def test_a_rebound_closure_cell_makes_a_fresh_copy(main: Main) -> None:
+    """A cell of the function's closure rebound (``nonlocal``) since its copy was made: the
+    copy held the old value, and the lock-free hit path must check the cells too."""
+    table = Table()
+    cache = FunctionCache(table.add)
+    assert main.run(table, cache.encode(main["stepped"], (1,), {})) == 101
+    assert main.run(table, cache.encode(main["stepped"], (1,), {})) == 101
+    assert len(table.entries) == 1
+    main["set_step"](5)
+    assert main.run(table, cache.encode(main["stepped"], (1,), {})) == 501
 
 
 def test_a_redefined_callee_makes_a_fresh_copy(main: Main) -> None:
