@@ -803,6 +803,24 @@ def test_a_map_whose_chunks_stop_at_their_budget_yields_every_result_after_shutd
 
 
 @pytest.mark.timeout(60)
+def test_a_maps_chunks_unclaimed_at_shutdown_go_again_whole(tmp_path: pathlib.Path) -> None:
+    """Default chunks may stop at their budget, so shutdown withdraws those that no worker
+    claimed and sends them again whole (``MapRun.send_rest``): withdrawn and not sent again,
+    the map's reader got CancelledError after the pool's end."""
+    fifos = Fifos(tmp_path)
+    with Pool(1) as pool:
+        blocker = pool.submit(tasks.started_then_gated, fifos.started, fifos.gate, "blocker")
+        tasks.wait_started(fifos.started)
+        try:
+            results = pool.map(tasks.ident, range(400))  # its chunks wait behind the blocker
+            pool.shutdown(wait=False)
+        finally:
+            tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=20) == "blocker"
+        assert list(results) == list(range(400))
+
+
+@pytest.mark.timeout(60)
 def test_a_map_that_raised_sends_nothing_more_at_shutdown(tmp_path: pathlib.Path) -> None:
     """The error's traceback (kept here by ``excinfo``) keeps the map's frame and its run
     among the pool's maps: leaving the block ran the rest of its input (2,945 of 3,000)."""

@@ -247,3 +247,29 @@ def kept_flag(started: str | None) -> tuple[bool, bool, bool]:
             pass
     kept, block = _KEPT[-1]
     return int(ctx._entry[0]) == block, kept.cancel_requested, ctx.cancel_requested
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def die_first_then_spin(marker: str, first: float, retry: float) -> str:
+    """The first run (no file ``marker`` yet) makes ``marker``, busy-waits ``first`` seconds
+    and kills its worker (``os._exit``); a retry busy-waits ``retry`` seconds and returns."""
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        _spin(first)
+        os._exit(3)
+    _spin(retry)
+    return "retried"
+
+
+def gate_the_first_run_then_log(path: str, started: str, gate_path: str) -> float:
+    """A recurring task: run 1 announces itself on ``started`` and waits at the gate; every
+    run then logs its version (``log_version``)."""
+    if mpsched.current_task().version == 1:
+        announce(started)
+        gate(gate_path)
+    return log_version(path)
