@@ -207,11 +207,14 @@ def test_the_zygote_reaps_the_workers_it_replaced(start_method: str) -> None:
         zygote = psutil.Process(pool._resources.zygote.pid)
 
         def zombies() -> list[int]:
-            return [
-                child.pid
-                for child in zygote.children()
-                if child.pid in pids and child.status() == psutil.STATUS_ZOMBIE
-            ]
+            found = []
+            for child in zygote.children():
+                try:  # listed, then reaped before its status is read: gone, as it should be
+                    if child.pid in pids and child.status() == psutil.STATUS_ZOMBIE:
+                        found.append(child.pid)
+                except psutil.NoSuchProcess:
+                    pass
+            return found
 
         # The last worker's exit may still be on its way to the zygote's wait.
         wait_until(lambda: not zombies(), "the zygote reaped its retired workers")
