@@ -14,6 +14,7 @@ import pytest
 from mpsched import Pool
 
 CONDITION_TIMEOUT = 20.0  # seconds a polled condition may take before the test fails
+GATE_RELEASE_WAIT = 2.0  # seconds a failing test's clean-up waits for a task at a gate
 
 
 def wait_until(condition: Callable[[], bool], what: str) -> None:

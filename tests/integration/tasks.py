@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
+import select
 import signal
 import struct
 import sys
@@ -158,6 +160,43 @@ def open_gate(path: str) -> None:
     """Test side: release one ``gate(path)`` (blocks until a task is waiting at it)."""
     with open(path, "wb") as fifo:
         fifo.write(b"x")
+
+
+def open_gate_within(path: str, timeout: float) -> bool:
+    """Release a task waiting at the FIFO gate ``path``; False if none waits there within
+    ``timeout`` (a task that never started: the bounded twin of ``tasks.open_gate``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO or time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)  # polling for a reader: no task is at the gate yet
+            continue
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+        return True
+
+
+def wait_started_within(path: str, timeout: float) -> bool:
+    """The bounded twin of ``tasks.wait_started``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if readable:
+                data = os.read(fd, 1)
+                if data == b"s":
+                    return True
+                if not data:  # no writer yet (EOF): wait for the task to open its end
+                    time.sleep(0.001)
+        return False
+    finally:
+        os.close(fd)
 
 
 def echo_size(data: bytes) -> int:

@@ -23,9 +23,7 @@ for it itself) and ends the pool, so that the test process does not hang at its 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import select
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,43 +47,6 @@ FAR = 3600.0  # seconds ahead: a timed task that stays in the timetable
 CONTEXTS = ["coordinator", "collector", "future_cancel", "cancel_by_id", "supersede", "shutdown"]
 ACTIONS = ["submit", "schedule", "result", "map", "cancel_state", "shutdown", "raise"]
 CALLBACK_LOG = "exception calling callback for"  # the stdlib's message (concurrent.futures)
-
-
-def open_gate_within(path: str, timeout: float) -> bool:
-    """Release a task waiting at the FIFO gate ``path``; False if none waits there within
-    ``timeout`` (a task that never started: the bounded twin of ``tasks.open_gate``)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as exc:
-            if exc.errno != errno.ENXIO or time.monotonic() > deadline:
-                return False
-            time.sleep(0.001)  # polling for a reader: no task is at the gate yet
-            continue
-        try:
-            os.write(fd, b"x")
-        finally:
-            os.close(fd)
-        return True
-
-
-def wait_started_within(path: str, timeout: float) -> bool:
-    """The bounded twin of ``tasks.wait_started``."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            readable, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            if readable:
-                data = os.read(fd, 1)
-                if data == b"s":
-                    return True
-                if not data:  # no writer yet (EOF): wait for the task to open its end
-                    time.sleep(0.001)
-        return False
-    finally:
-        os.close(fd)
 
 
 class Scene:
@@ -136,7 +97,7 @@ class Scene:
         """A task that announces itself and waits at the gate ``name``; returns once it runs."""
         started = str(self.tmp / f"started-{name}")
         future = self.pool.submit(tasks.started_then_gated, started, self.gates[name], value)
-        assert wait_started_within(started, WAIT), f"task {name!r} did not start"
+        assert tasks.wait_started_within(started, WAIT), f"task {name!r} did not start"
         return future
 
     def arm(self) -> tuple[mpsched.Future, Callable[[], Any]]:
@@ -183,7 +144,7 @@ class Scene:
     def open(self, name: str, timeout: float = WAIT) -> bool:
         if name in self.opened:
             return True
-        if open_gate_within(self.gates[name], timeout):
+        if tasks.open_gate_within(self.gates[name], timeout):
             self.opened.add(name)
             return True
         return False

@@ -22,7 +22,13 @@ from mpsched import Pool, TaskState
 
 from . import tasks
 from . import timed_tasks as tt
-from .conditions import CONDITION_TIMEOUT, Fifos, start_every_worker, wait_until
+from .conditions import (
+    CONDITION_TIMEOUT,
+    GATE_RELEASE_WAIT,
+    Fifos,
+    start_every_worker,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,7 +143,6 @@ def test_a_catch_up_run_claimed_behind_other_work_is_judged_from_the_previous_ru
         )
         tasks.wait_started(run1.started)
         short = pool.submit(tt.announce_then_gate, short_started, short_gate)
-        gates = [run1.gate, short_gate]  # each opened once, in this order (finally: the rest)
         try:
             wait_until(lambda: _inbox_depth(pool) == 1, "the short task waits behind run 1")
             # Lateness is the subject here: wait for the clock, not for an event.
@@ -145,12 +150,16 @@ def test_a_catch_up_run_claimed_behind_other_work_is_judged_from_the_previous_ru
                 lambda: time.monotonic() > due + every + grace + 0.1,
                 "the first grid time after run 1's start is more than the grace ago",
             )
-            tasks.open_gate(gates.pop(0))
+            tasks.open_gate(run1.gate)
             tasks.wait_started(short_started)  # run 1 ended; the worker runs the short task
             wait_until(lambda: _inbox_depth(pool) >= 1, "the catch-up run waits behind it")
-        finally:
-            for gate in gates:
-                tasks.open_gate(gate)
+            tasks.open_gate(short_gate)
+        except BaseException:
+            # Leave no task at a gate or a FIFO, so that the pool's exit ends: fail, not hang.
+            tasks.open_gate_within(run1.gate, GATE_RELEASE_WAIT)
+            tasks.wait_started_within(short_started, GATE_RELEASE_WAIT)
+            tasks.open_gate_within(short_gate, GATE_RELEASE_WAIT)
+            raise
         assert short.result(timeout=CONDITION_TIMEOUT) > 0
         wait_until(lambda: 2 in tt.read_tags(run1.log), "the catch-up run runs")
         assert pool.statistics().misfires == 0

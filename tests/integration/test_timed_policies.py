@@ -35,7 +35,14 @@ from mpsched._shm_deque import SlotQueues
 from . import bad_tasks as bt
 from . import tasks
 from . import timed_tasks as tt
-from .conditions import CONDITION_TIMEOUT, Fifos, start_every_worker, wait_until, wait_until_known
+from .conditions import (
+    CONDITION_TIMEOUT,
+    GATE_RELEASE_WAIT,
+    Fifos,
+    start_every_worker,
+    wait_until,
+    wait_until_known,
+)
 
 
 # ---------------------------------------------------------------- timeouts and state()
@@ -621,6 +628,18 @@ def _pool_gating_replacements(tmp_path: Path) -> Iterator[tuple[Pool, str, str]]
         yield pool, marker, init_gate
 
 
+@contextlib.contextmanager
+def _gates_released_on_failure(*gates: str) -> Iterator[None]:
+    """A failing body leaves no task waiting at ``gates`` (the replacement's initializer, a
+    retry that ran), so that the pool's exit ends and the test fails rather than hangs."""
+    try:
+        yield
+    except BaseException:
+        for gate in gates:
+            tasks.open_gate_within(gate, GATE_RELEASE_WAIT)
+        raise
+
+
 def _kill_the_run_and_hold_its_retry(pool: Pool, fifos: Fifos, marker: str) -> None:
     """SIGKILL the worker running the one logged run; its retry then waits, unclaimed, in the
     inbox of the replacement, whose initializer (``tt.gate_replacements``) sees ``marker`` and
@@ -645,7 +664,10 @@ def test_a_retry_not_yet_claimed_is_cancelled_and_never_runs(
     again) then wins, the retry never runs, and the state goes from RUNNING to CANCELLED; a
     superseding version runs. The retry is held unclaimed in the inbox of the replacement,
     whose initializer waits on a gate."""
-    with _pool_gating_replacements(tmp_path) as (pool, marker, init_gate):
+    with (
+        _pool_gating_replacements(tmp_path) as (pool, marker, init_gate),
+        _gates_released_on_failure(init_gate, fifos.gate),
+    ):
         f = pool.with_options(retries=1).schedule(
             "r", 0.0, 0, tt.log_pid_then_gate, fifos.log, "r", fifos.gate
         )
@@ -677,7 +699,10 @@ def test_future_cancel_of_a_retry_lets_the_deferred_version_run(
     replacement's inbox, where ``Future.cancel()`` withdraws it. That ends version 1, and
     version 2 may start: it must run (its due time was not handed to the loop, which never
     released it: its future never settled and the shutdown waited for it for ever)."""
-    with _pool_gating_replacements(tmp_path) as (pool, marker, init_gate):
+    with (
+        _pool_gating_replacements(tmp_path) as (pool, marker, init_gate),
+        _gates_released_on_failure(init_gate, fifos.gate),
+    ):
         v1 = pool.with_options(retries=1).schedule(
             "x", 0.0, 0, tt.log_pid_then_gate, fifos.log, "v1", fifos.gate
         )
