@@ -285,6 +285,12 @@ def initialized() -> list[Any]:
     return list(_initialized)
 
 
+def send_on_remembered(position: int, value: Any) -> str:
+    """Send ``value`` on the pipe's end that ``remember`` kept at ``position``."""
+    _initialized[0][position].send(value)
+    return "sent"
+
+
 def remembered_are_one(i: int, j: int) -> bool:
     """Whether ``remember``'s arguments ``i`` and ``j`` are one object."""
     return _initialized[0][i] is _initialized[0][j]

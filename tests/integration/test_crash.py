@@ -59,6 +59,20 @@ def test_a_worker_dying_with_a_lock_held_stalls_nobody(which: str, record_pid: b
         assert pool.statistics().crashes == 1
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_that_exits_with_code_0_mid_task_is_reported_by_its_exit_code() -> None:
+    """``os._exit(0)`` in a task is a crash like any other: its message names "exit code 0",
+    not a signal 0 (only a negative exit code is a signal; a mutation hunt found 0 unpinned),
+    and the pool replaces the worker and goes on."""
+    with Pool(1) as pool:
+        with pytest.raises(WorkerCrashedError, match=r"exit code 0\b") as info:
+            pool.submit(os._exit, 0).result(timeout=30)
+        assert info.value.exitcode == 0
+        assert "signal 0" not in str(info.value)
+        assert pool.submit(tasks.add, 1, 2).result(timeout=30) == 3
+        assert pool.statistics().crashes == 1
+
+
 def _main_thread_blocked(pid: int) -> bool:
     """The process's main thread is blocked in a system call (state S, D or t)."""
     try:

@@ -408,7 +408,9 @@ def test_a_zygote_that_an_import_left_with_threads_warns(
 # The working directory, sys.path and environment that the workers see: under forkserver and
 # spawn those of the first task, as the pool's first workers start with it (a path added to
 # sys.path after Pool(), and a module imported from it, failed in the workers; found in review);
-# under fork those of Pool(), where the zygote and its first worker are forked.
+# under fork those of Pool(), where the zygote and its first worker are forked. A variable removed
+# after Pool() is gone for them too: the forkserver's zygote started with it (a mutation hunt found
+# the removal unpinned).
 STATE_AFTER_POOL = """
 import os
 import sys
@@ -421,10 +423,16 @@ def probe():
         found = False
     else:
         found = helper_after_pool.FOUND
-    return os.path.basename(os.getcwd()), os.environ.get("SET_AFTER_POOL"), found
+    return (
+        os.path.basename(os.getcwd()),
+        os.environ.get("SET_AFTER_POOL"),
+        found,
+        os.environ.get("UNSET_AFTER_POOL"),
+    )
 
 if __name__ == "__main__":
     here = os.getcwd()
+    os.environ["UNSET_AFTER_POOL"] = "yes"
     with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
         os.mkdir("lib")
         with open(os.path.join("lib", "helper_after_pool.py"), "w") as module:
@@ -433,6 +441,7 @@ if __name__ == "__main__":
         os.mkdir("elsewhere")
         os.chdir("elsewhere")
         os.environ["SET_AFTER_POOL"] = "yes"
+        del os.environ["UNSET_AFTER_POOL"]
         print(*pool.submit(probe).result(timeout=20))
 """
 
@@ -443,7 +452,10 @@ def test_the_workers_see_the_directory_path_and_environment_of_the_first_task(
     tmp_path: pathlib.Path, start_method: str
 ) -> None:
     proc = _run_main(tmp_path, STATE_AFTER_POOL, start_method)
-    expected = f"{tmp_path.name} None False" if start_method == "fork" else "elsewhere yes True"
+    if start_method == "fork":
+        expected = f"{tmp_path.name} None False yes"
+    else:
+        expected = "elsewhere yes True None"
     assert proc.stdout.splitlines() == [expected], proc.stderr
 
 

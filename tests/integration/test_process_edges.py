@@ -251,6 +251,57 @@ def test_a_program_that_ignores_or_reaps_sigchld_keeps_its_pool_through_a_worker
     assert "fds left by a second pool: 0" in result.stdout, result.stdout
 
 
+# A SIGCHLD handler that the first task's module sets as it is imported: under forkserver and spawn
+# the zygote imports that module at the first task (START) and takes the default action back for
+# itself (its reaping needs it), so it must hand the module's handler on to the workers, which
+# have the module from their fork and never import it again. Under fork each worker imports it
+# itself. A mutation hunt found the hand-on unpinned (the workers had the default action).
+SIGCHLD_MODULE = """
+import signal
+
+def noted(signum, frame):
+    pass
+
+signal.signal(signal.SIGCHLD, noted)
+
+def sigchld_handler():
+    handler = signal.getsignal(signal.SIGCHLD)
+    return getattr(handler, "__name__", str(handler))
+"""
+
+SIGCHLD_AT_IMPORT_PROGRAM = """
+import os, sys
+import mpsched
+
+if __name__ == "__main__":
+    with mpsched.Pool(1, start_method=sys.argv[1]) as pool:
+        import sets_sigchld  # after Pool(), as the first task's module: the zygote imports it
+        print("workers:", pool.submit(sets_sigchld.sigchld_handler).result(timeout=20), flush=True)
+        try:
+            pool.submit(os._exit, 3).result(timeout=20)
+        except mpsched.WorkerCrashedError:
+            print("crash reported", flush=True)
+        print("replacement:", pool.submit(sets_sigchld.sigchld_handler).result(timeout=20))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_a_sigchld_handler_set_by_the_first_tasks_module_reaches_every_worker(
+    tmp_path: pathlib.Path, start_method: str
+) -> None:
+    """The handler that the first task's module set at its import is the workers' (the first
+    and a replacement), as if each had imported the module itself."""
+    (tmp_path / "sets_sigchld.py").write_text(SIGCHLD_MODULE)
+    result = _run_program(tmp_path, SIGCHLD_AT_IMPORT_PROGRAM, start_method, timeout=50)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "workers: noted",
+        "crash reported",
+        "replacement: noted",
+    ], result.stderr
+
+
 # A worker that cannot start for now: the pool's process out of fds as work wakes a dormant
 # worker, or the zygote's fork failing with EAGAIN (a process limit: RLIMIT_NPROC, which does
 # not bind root, or a container's pids.max; here a stand-in for os.fork in the zygote, a copy

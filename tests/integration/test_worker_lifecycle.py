@@ -150,6 +150,29 @@ def test_initargs_beside_a_queue_go_as_a_tasks_arguments_do(start_method: str) -
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", START_METHODS)
+def test_a_pipes_end_alone_in_initargs_reaches_the_workers_as_a_working_connection(
+    start_method: str,
+) -> None:
+    """A pipe's end with nothing else that only a process's start carries: plain pickle takes
+    it (as a bare fd number, which a worker refuses to load), so ``pickled_initializer`` looks
+    for the Connection's module in that pickle and sends the pipe's end by inheritance. Sent
+    as pickled bytes, the initializer raised and broke the pool (a mutation hunt found this
+    unpinned: the other tests have a Queue or a Value beside the pipe)."""
+    receiver, sender = multiprocessing.Pipe()  # the default context's, as a user makes it
+    try:
+        with Pool(
+            1, start_method=start_method, initializer=tasks.remember, initargs=(sender,)
+        ) as pool:
+            assert pool.submit(tasks.send_on_remembered, 0, "hi").result(timeout=30) == "sent"
+        assert receiver.poll(20)
+        assert receiver.recv() == "hi"
+    finally:
+        receiver.close()
+        sender.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_queue_left_full_delays_a_workers_exit_by_one_second_at_most() -> None:
     """A worker's exit runs multiprocessing's exit finalizers (so that a queue's items are
     written), which wait for a queue's thread: one filled past its pipe, which nobody reads,

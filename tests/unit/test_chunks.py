@@ -12,7 +12,9 @@ import pytest
 
 from mpsched import _map
 from mpsched._chunks import run_chunk
+from mpsched._errors import TaskCancelled
 from mpsched._protocol import load_exception
+from mpsched._serialize import dumps_result
 
 
 def _results(*args: Any) -> list[Any]:
@@ -59,6 +61,22 @@ def test_run_chunk_stops_once_its_pickled_results_reach_max_bytes() -> None:
 
 def _kilobytes(i: int) -> bytes:
     return bytes([i]) * 1000
+
+
+def test_run_chunk_stops_once_its_pickled_results_hold_exactly_max_bytes() -> None:
+    """ "Reached" includes equal: a limit of exactly one run's pickled bytes stops the chunk
+    after that run (a mutation hunt found a strict comparison unnoticed)."""
+    limit = len(dumps_result([1]))
+    pieces, _, error, done = run_chunk(abs, [1, 2, 3, 4, 5, 6, 7, 8], False, math.inf, limit)
+    assert (_load(pieces), error, done) == ([1], None, 1)
+    pieces, _, _, done = run_chunk(abs, [1, 2, 3, 4, 5, 6, 7, 8], False, math.inf, limit + 1)
+    assert (_load(pieces), done) == ([1, 2], 2)  # one byte more: the second run too
+
+
+def _cancelled_at_3(x: int) -> int:
+    if x == 3:
+        raise TaskCancelled
+    return x
 
 
 def test_a_chunk_stops_by_bytes_while_its_results_size_is_unknown_or_large() -> None:
@@ -123,6 +141,17 @@ def test_run_chunk_by_pieces_returns_the_results_before_an_error_with_the_error(
     assert (_load(pieces), done) == ([], 1)
     with pytest.raises(ValueError, match="three"):
         raise load_exception(error)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("max_bytes", [math.inf, 10**6])
+def test_the_chunks_own_cancel_ends_it_cancelled_not_as_an_items_error(max_bytes: float) -> None:
+    """``TaskCancelled`` raised by an item acknowledges the cancel of the chunk's task: it
+    propagates (the task ends cancelled, as any task's), where another exception is the
+    item's error returned beside the results before it."""
+    with pytest.raises(TaskCancelled):
+        run_chunk(_cancelled_at_3, [3, 4], False, math.inf, max_bytes)
+    with pytest.raises(TaskCancelled):
+        run_chunk(_cancelled_at_3, [1, 2, 3, 4], False, math.inf, max_bytes)
 
 
 def _lock_at_3(x: int) -> Any:

@@ -200,11 +200,15 @@ def test_slab_conserves_blocks_across_processes(ctx: Any, pool: Pool) -> None:
 
 
 def test_slab_breaks_a_dead_holders_lock() -> None:
+    """Only the pid recorded as the holder breaks the lock; pid 0 (no holder recorded, as on a
+    free lock) never does: a mutation hunt found a break of a free lock (a double release)
+    unpinned."""
     lock = create_lock()
     lock.unlink()
     with AnonSegment.create(Slab.region_bytes(4)) as seg:
         slab = Slab(seg.buf, lock, 4, init=True)
         seg.track(slab)
+        assert not slab.break_dead_holder(0)  # the lock is free, its holder word 0
         lock.acquire()
         slab._w[1] = 999_999  # the holder word of a process that died holding the lock
         assert not slab.break_dead_holder(4)
@@ -275,10 +279,15 @@ def test_breaking_a_dead_freers_lock_clears_the_children_it_committed() -> None:
         assert len(slab.alloc_many(4)) == 4  # the lock is free again
 
 
-def test_breaking_a_dead_writers_lock_hangs_the_chain_it_took_on_its_block() -> None:
+@pytest.mark.parametrize("committed", [True, False], ids=["after-the-commit", "before-it"])
+def test_breaking_a_dead_writers_lock_hangs_the_chain_it_took_on_its_block(
+    committed: bool,
+) -> None:
     """A writer that dies inside ``_attach`` after the commit, before the store that hangs the
     chain on its block, leaves a record of that store: the repair completes it, so the chain
-    is freed with the block (and a death before the commit took nothing)."""
+    is freed with the block. A death before the commit (the record written, free_top not
+    moved) took nothing: the repair must not hang free blocks on the block, which its free
+    would free twice (a mutation hunt found this case unpinned)."""
     lock = create_lock()
     lock.unlink()
     with AnonSegment.create(Slab.region_bytes(8)) as seg:
@@ -295,10 +304,12 @@ def test_breaking_a_dead_writers_lock_hangs_the_chain_it_took_on_its_block() -> 
         slab._w[7] = top - 3  # pending_top
         slab._w[6] = chain[0]  # pending_value
         slab._w[5] = slab._blocks_word + first * slab._block_words + BlockField.NEXT_RESULT
-        slab._w[0] = top - 3  # the commit; the link store never happens
+        if committed:
+            slab._w[0] = top - 3  # the commit; the link store never happens
         assert slab.break_dead_holder(999_999)
-        assert slab._chain(first, BlockField.NEXT_RESULT) == chain
+        assert slab._chain(first, BlockField.NEXT_RESULT) == (chain if committed else [])
         assert slab._w[5] == 0  # no record left
+        assert slab.free_count() == (4 if committed else 7)
         slab.free_tasks([first])
         assert slab.free_count() == 8
         assert len(slab.alloc_many(3)) == 3  # the lock is free again
@@ -408,6 +419,11 @@ def test_attach_checks_the_global_header(pool: Pool) -> None:
     fewer = SegmentLocks(pool.locks.slots[:1], pool.locks.slab, pool.locks.global_)
     with pytest.raises(InternalError, match="slot locks"):
         attach(pool.seg, pool.layout, fewer)
+    extra = create_lock()
+    extra.unlink()
+    more = SegmentLocks((*pool.locks.slots, extra), pool.locks.slab, pool.locks.global_)
+    with pytest.raises(InternalError, match="slot locks"):  # too many is as wrong as too few
+        attach(pool.seg, pool.layout, more)
 
 
 def test_block_state_handshake_through_a_slot(pool: Pool) -> None:
@@ -434,6 +450,9 @@ def test_global_header_words(pool: Pool) -> None:
     header._w[GlobalField.HOLDER_PID] = 999_999  # a worker that died holding the global lock
     assert not header.break_dead_holder(1)
     assert header.break_dead_holder(999_999)
+    pool.locks.global_.acquire()  # a live process takes it next (its pid not yet recorded)
+    assert not header.break_dead_holder(999_999)  # the dead pid is no longer the holder
+    pool.locks.global_.release()
     assert header.add_live_children(-3) == 0
     header.set(GlobalField.RUN_STATE, 3)
     assert header.get(GlobalField.RUN_STATE) == 3
@@ -441,6 +460,8 @@ def test_global_header_words(pool: Pool) -> None:
         header.set(GlobalField.SLEEPERS, 1)
     with pytest.raises(InternalError, match="constant"):
         header.set(GlobalField.N_SLOTS, 1)
+    with pytest.raises(InternalError, match="constant"):
+        header.set(GlobalField.MAGIC, 0)
 
 
 def test_segments_released() -> None:

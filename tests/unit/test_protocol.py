@@ -226,3 +226,138 @@ def test_an_fd_sent_to_a_peer_gone_raises_rather_than_kill_the_process() -> None
         [sys.executable, "-c", PEER_GONE_PROGRAM], capture_output=True, text=True, timeout=30
     )
     assert (result.returncode, result.stdout) == (0, "BrokenPipeError\n"), result
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        assert chunk, "end of the channel inside the frame"
+        data += chunk
+    return data
+
+
+@pytest.mark.timeout(10)
+def test_a_raw_frame_past_the_signed_length_takes_the_long_length_form(
+    pair: tuple[Connection, Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``_LENGTH_MAX`` (2 GiB; made small here) the prefix is -1 and an 8-byte length, as
+    ``Connection.send_bytes`` writes it: a signed 4-byte length would be negative there, and
+    ``recv_message`` (or ``recv_bytes``) would misread it. Just past the limit pins the
+    comparison (a mutation hunt found a doubled limit unnoticed)."""
+    monkeypatch.setattr(_protocol, "_LENGTH_MAX", 100)
+    send, recv = pair
+    data = b"x" * 150
+    send_data(send, Tag.STASH, 7, data)
+    size = _protocol._RAW_HEADER.size + len(data)
+    prefix = _read_exactly(recv.fileno(), 4)
+    assert struct.unpack("!i", prefix) == (-1,)
+    frame = prefix + _read_exactly(recv.fileno(), 8 + size)
+    assert struct.unpack_from("!Q", frame, 4) == (size,)
+    os.write(send.fileno(), frame)  # the same bytes again, for the reader
+    assert recv_message(recv) == (Tag.STASH, (7, data))
+    send_data(send, Tag.STASH, 8, b"y" * 90)  # within the limit: the short form
+    assert struct.unpack("!i", _read_exactly(recv.fileno(), 4)) == (10 + 90,)
+
+
+@pytest.mark.timeout(10)
+def test_a_raw_frame_with_an_unknown_tag_is_refused(pair: tuple[Connection, Connection]) -> None:
+    """A raw frame's tag is checked as a pickled frame's is (``Tag.check``), small or big: a
+    misread frame fails where it is read, not as a tag no handler expects."""
+    send, recv = pair
+    send_data(send, 99, 1, b"abc")
+    with pytest.raises(ValueError, match="99 is not a valid Tag"):
+        recv_message(recv)
+    big = [(99, 2, b"z" * (2 * _protocol._SMALL_FRAME))]
+    with _written_by_a_thread(send, big), pytest.raises(ValueError, match="99 is not a valid"):
+        recv_message(recv)
+
+
+@pytest.mark.timeout(30)
+def test_a_pickled_frame_too_big_for_memory_raises_memoryerror_and_is_read_past(
+    pair: tuple[Connection, Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a raw frame's data can stand for the error (``TooBig``): a pickled frame that does
+    not fit is read past and raises MemoryError. Its first bytes (the pickle's PROTO, then 5)
+    must not be read as a raw header: that was a STOP message."""
+    send, recv = pair
+    big = encode(Tag.RESULTS, b"z" * (2 * _protocol.SKIP_CHUNK))
+    after = encode(Tag.DRAINED, 0, {"executed": 1})
+
+    def small_memory(size: int = 0) -> bytearray:
+        if size > _protocol.SKIP_CHUNK:
+            raise MemoryError
+        return bytearray(size)
+
+    monkeypatch.setattr(_protocol, "bytearray", small_memory, raising=False)
+    writer = threading.Thread(target=lambda: [send.send_bytes(big), send.send_bytes(after)])
+    writer.start()
+    try:
+        with pytest.raises(MemoryError):
+            recv_message(recv)
+        assert recv_message(recv) == (Tag.DRAINED, (0, {"executed": 1}))  # still in step
+    finally:
+        writer.join(10)
+
+
+@pytest.mark.timeout(10)
+def test_a_byte_without_its_fd_is_a_dropped_fd_not_the_end_of_the_channel(
+    pair: tuple[Connection, Connection],
+) -> None:
+    """The kernel drops an fd that the receiver had no number free for, leaving the message's
+    byte alone (not always with MSG_CTRUNC): that is RuntimeError, as ``recv_handle`` said;
+    EOFError is kept for the end of the channel (the coordinator takes it for the zygote's
+    death)."""
+    send, recv = pair
+    os.write(send.fileno(), b"F")
+    with pytest.raises(RuntimeError, match="dropped"):
+        _protocol.recv_fd(recv)
+    send.close()
+    with pytest.raises(EOFError):
+        _protocol.recv_fd(recv)
+
+
+@pytest.mark.timeout(10)
+def test_socket_of_leaves_the_connection_blocking_under_a_default_timeout(
+    pair: tuple[Connection, Connection],
+) -> None:
+    """A socket object made with ``socket.setdefaulttimeout()`` set made the fd (the file
+    description shared with the Connection) non-blocking: the Connection's reads then failed
+    with BlockingIOError. ``socket_of`` sets it blocking again."""
+    conn = pair[0]
+    before = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(5)
+    try:
+        sock = _protocol.socket_of(conn)
+        try:
+            assert sock.gettimeout() is None
+        finally:
+            sock.detach()
+    finally:
+        socket.setdefaulttimeout(before)
+    assert os.get_blocking(conn.fileno())
+
+
+class _ClaimsToBeAnError:
+    """Unpickles as itself, while its ``__class__`` says ValueError: ``isinstance`` believes
+    that, ``type()`` does not."""
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # type: ignore[override]
+        return ValueError
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return _ClaimsToBeAnError, ()
+
+
+@pytest.mark.timeout(10)
+def test_an_exception_that_unpickles_as_a_non_exception_is_replaced() -> None:
+    """Whatever its ``__class__`` claims: the coordinator raises what ``load_exception``
+    returns, and raising a non-exception is a TypeError in the coordinator thread (a broken
+    pool), so the check reads ``type()``."""
+    data = pickle.dumps((pickle.dumps(_ClaimsToBeAnError()), "remote text"))
+    exc = _protocol.load_exception(data)
+    assert type(exc) is _protocol.TaskOutcomeError
+    assert "unpickled as _ClaimsToBeAnError, not an exception" in str(exc)
+    assert isinstance(exc.__cause__, _protocol.RemoteTraceback)
+    assert exc.__cause__.tb == "remote text"

@@ -23,6 +23,7 @@ from mpsched._errors import PACKAGE_DIR, InternalError
 from mpsched._shm import (
     SEM_PREFIX,
     AnonSegment,
+    GuardedLock,
     SemLockHandle,
     SharedFd,
     create_eventfd,
@@ -30,6 +31,7 @@ from mpsched._shm import (
     create_semaphore,
     open_lock,
     preload_in_forkserver,
+    release_if_orphaned,
     sweep_stale_names,
     unlink_lock_name,
 )
@@ -123,8 +125,24 @@ def test_close_with_untracked_view_raises_then_unmaps_when_it_goes() -> None:
 
 
 def test_view_bounds_are_checked() -> None:
-    with AnonSegment.create(4096) as seg, pytest.raises(ValueError, match="outside"):
-        seg.view(4000, 200)
+    """A view past the end is refused; one that ends exactly at the end is not (a mutation hunt
+    found that bound unpinned)."""
+    with AnonSegment.create(4096) as seg:
+        with pytest.raises(ValueError, match="outside"):
+            seg.view(4000, 200)
+        assert seg.view(4088, 8, "q").tolist() == [0]  # the last word
+
+
+def test_a_memfd_shorter_than_the_segment_is_refused() -> None:
+    """Mapping past a memfd's end would fault (SIGBUS) on the first touch: the constructor
+    says so with an InternalError, the error of a broken pool's internals."""
+    fd = os.memfd_create("short", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 100)
+        with pytest.raises(InternalError, match="holds 100 bytes"):
+            AnonSegment(fd, 4096)
+    finally:
+        os.close(fd)
 
 
 def test_pickling_is_refused_outside_spawning() -> None:
@@ -223,6 +241,44 @@ def test_lock_of_a_dead_holder_can_be_released_by_another_process() -> None:
     lock.release()
     with pytest.raises(ValueError, match="released too many times"):
         lock.release()
+
+
+def test_a_lock_with_a_recorded_holder_is_not_orphaned() -> None:
+    """``release_if_orphaned`` frees a lock held with no holder recorded only: a recorded pid
+    is a holder inside its critical section (or one that ``break_dead_holder`` repairs), and
+    releasing its lock under it would let another process into that section."""
+    lock = create_lock()
+    lock.unlink()
+    assert not release_if_orphaned(lock, lambda: 0, 0.01)  # a free lock: nothing to do
+    lock.acquire()
+    assert not release_if_orphaned(lock, lambda: os.getpid(), 0.01)
+    assert not lock.acquire(False)  # still held
+    assert release_if_orphaned(lock, lambda: 0, 0.01)  # no holder recorded: orphaned
+    assert lock.acquire(False)
+    lock.release()
+
+
+@pytest.mark.timeout(60)
+def test_a_guarded_lock_honours_a_timeout() -> None:
+    """A timed acquire of a ``GuardedLock`` gives up after its timeout, as the lock's own does,
+    without stall checks: only an untimed wait is bounded by ``on_stall`` (a mutation hunt
+    found the timed one unpinned; such a mutant waits forever)."""
+    lock = create_lock()
+    lock.unlink()
+    lock.acquire()
+    stalls: list[float] = []
+
+    def on_stall(_lock: Any, waited: float) -> None:
+        stalls.append(waited)
+        raise AssertionError(f"a timed acquire still waiting after {waited:.1f} s")
+
+    guarded = GuardedLock(lock, on_stall)
+    assert not guarded.acquire(True, 0.3)
+    assert not guarded.acquire(False)
+    assert stalls == []
+    lock.release()
+    assert guarded.acquire(True, 0.3)
+    guarded.release()
 
 
 def test_counting_semaphore() -> None:

@@ -7,13 +7,14 @@ advanced by them: nothing here waits for real.
 
 from __future__ import annotations
 
+import math
 import threading
 import types
 
 import pytest
 
 from mpsched import _clock
-from mpsched._clock import INTERRUPT_CHECK_S, thread_joined, wait_interruptibly
+from mpsched._clock import INTERRUPT_CHECK_S, thread_joined, wait_interruptibly, wait_seconds
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,3 +87,12 @@ def test_thread_joined_reports_whether_the_thread_ended() -> None:
     assert joined(0) is False
     release.set()
     assert joined(None) is True
+
+
+def test_an_int_past_the_float_range_keeps_its_sign_as_a_timeout() -> None:
+    """``float()`` overflows for such an int: a huge positive one is no limit (None), a huge
+    negative one stays negative (-inf: the wait times out at once, as for any negative
+    timeout), not "no limit", which waited for ever (a mutation hunt found the sign
+    unpinned)."""
+    assert wait_seconds(10**400) is None
+    assert wait_seconds(-(10**400)) == -math.inf

@@ -59,3 +59,24 @@ def test_dead_entries_are_pruned_once_the_set_doubles(monkeypatch: pytest.Monkey
         assert len(s._refs) <= 2 * (100 + len(kept))
     assert all(ref() is not None for ref in s._refs.values())  # the 100 dead ones went
     assert s.live() == kept
+
+
+def test_an_object_that_took_a_dead_members_id_is_not_a_member() -> None:
+    """Entries are keyed by ``id()``, which a dead member's successor may take: membership
+    also checks that the entry's referent is that object (a map or a function never added
+    was taken for one). CPython's allocator hands a freed block to the next object of its
+    size at once, mostly; tried until it does."""
+    s: QuietWeakSet[_Item] = QuietWeakSet()
+    reused = 0
+    for _ in range(1000):
+        member = _Item()
+        s.add(member)
+        dead_id = id(member)
+        del member
+        stranger = _Item()
+        if id(stranger) == dead_id:
+            reused += 1
+            assert stranger not in s
+            if reused == 10:
+                break
+    assert reused, "no id was reused: nothing was checked"
