@@ -672,7 +672,9 @@ def test_a_maps_big_fn_goes_in_few_chunks() -> None:
         results = list(pool.map(functools.partial(et.spin_plus_len, table), range(2000)))
         chunks = pool.statistics().submitted - before
     assert results == [k + len(table) for k in range(2000)]
-    assert chunks <= 20, chunks
+    # 5-8 on an idle machine; a loaded one stops more chunks at their time budget (21 seen with
+    # a second suite running beside this one). Sized by the items alone: ~500.
+    assert chunks <= 60, chunks
 
 
 class _Stream:
