@@ -9,6 +9,11 @@ Hangs: pytest-timeout (``timeout`` in pyproject.toml) dumps every thread's trace
 the test; ``faulthandler_timeout`` dumps tracebacks earlier, and the teardown of ``no_leaks``
 then kills whatever children remain.
 
+Bytecode: the session compiles mpsched and the tests' task modules once, before the first test
+(``_compile_once``). Without it, where ``PYTHONDONTWRITEBYTECODE`` is set and the checkout is
+fresh (CI), every zygote and script the tests start compiled mpsched from source again (a fresh
+clone's suite took 268 s with it unset; see README).
+
 Scripts that the tests kill on purpose (a SIGKILL of a pool's process, a Ctrl-C) cannot run
 multiprocessing's exit hooks, which remove the temporary directory of its forkserver
 (``pymp-*``): the scripts get a ``TMPDIR`` of the session's, removed when the session ends.
@@ -16,11 +21,13 @@ multiprocessing's exit hooks, which remove the temporary directory of its forkse
 
 from __future__ import annotations
 
+import compileall
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import pathlib
 import shutil
 import signal
 import tempfile
@@ -121,12 +128,24 @@ def _kill_one_process(pid: int, sig: int) -> None:
     _os_kill(pid, sig)
 
 
+def _compile_once(config: pytest.Config) -> None:
+    """Write the ``.pyc`` files of mpsched and of the tests' modules (the controller only, before
+    its workers start): the import system reads them even where ``PYTHONDONTWRITEBYTECODE``
+    keeps it from writing them, so no process of the suite compiles them again."""
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its controller did it
+        return
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for folder in ("mpsched", "tests"):
+        compileall.compile_dir(root / folder, quiet=1)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """A suite started with SIGINT ignored (``cmd &`` in a shell without job control ignores it)
     would pass that on to every script it starts, whose Ctrl-C tests then see no
     KeyboardInterrupt: give the suite Python's own handler, which an exec resets to the
     default, so the scripts get theirs. And the scripts' TMPDIR (see the module doc). And
     ``os.kill`` signals one process only (``_kill_one_process``)."""
+    _compile_once(config)
     os.kill = _kill_one_process
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
