@@ -33,11 +33,6 @@ from .conditions import (
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def fifos(tmp_path: Path) -> Fifos:
-    return Fifos(tmp_path)
-
-
 def _inbox_depth(pool: Pool) -> int:
     return pool.statistics().per_worker[0].inbox_depth
 
@@ -121,13 +116,12 @@ def test_a_run_claimed_behind_other_work_within_its_grace_runs(fifos: Fifos) -> 
 
 
 def test_a_catch_up_run_claimed_behind_other_work_is_judged_from_the_previous_runs_end(
-    tmp_path: Path,
+    fifos: Fifos, tmp_path: Path
 ) -> None:
     """Overlap "queue": a grid time that passed during a long run becomes a catch-up run,
     which could start only when that run ended: its grace counts from there. Here it is
     claimed behind a short task (so by the worker's check, not after an idle wait), its grid
     time more than its grace ago: judged from that, it was dropped."""
-    run1 = Fifos(tmp_path)
     short_started, short_gate = str(tmp_path / "short_started"), str(tmp_path / "short_gate")
     os.mkfifo(short_started)
     os.mkfifo(short_gate)
@@ -139,9 +133,9 @@ def test_a_catch_up_run_claimed_behind_other_work_is_judged_from_the_previous_ru
             every=every, overlap="queue", misfire="skip", misfire_grace=grace
         )
         rec = options.schedule(
-            "r", due, 0, tt.gate_the_first_run_then_log, run1.log, run1.started, run1.gate
+            "r", due, 0, tt.gate_the_first_run_then_log, fifos.log, fifos.started, fifos.gate
         )
-        tasks.wait_started(run1.started)
+        tasks.wait_started(fifos.started)
         short = pool.submit(tt.announce_then_gate, short_started, short_gate)
         try:
             wait_until(lambda: _inbox_depth(pool) == 1, "the short task waits behind run 1")
@@ -150,18 +144,18 @@ def test_a_catch_up_run_claimed_behind_other_work_is_judged_from_the_previous_ru
                 lambda: time.monotonic() > due + every + grace + 0.1,
                 "the first grid time after run 1's start is more than the grace ago",
             )
-            tasks.open_gate(run1.gate)
+            tasks.open_gate(fifos.gate)
             tasks.wait_started(short_started)  # run 1 ended; the worker runs the short task
             wait_until(lambda: _inbox_depth(pool) >= 1, "the catch-up run waits behind it")
             tasks.open_gate(short_gate)
         except BaseException:
             # Leave no task at a gate or a FIFO, so that the pool's exit ends: fail, not hang.
-            tasks.open_gate_within(run1.gate, GATE_RELEASE_WAIT)
+            tasks.open_gate_within(fifos.gate, GATE_RELEASE_WAIT)
             tasks.wait_started_within(short_started, GATE_RELEASE_WAIT)
             tasks.open_gate_within(short_gate, GATE_RELEASE_WAIT)
             raise
         assert short.result(timeout=CONDITION_TIMEOUT) > 0
-        wait_until(lambda: 2 in tt.read_tags(run1.log), "the catch-up run runs")
+        wait_until(lambda: 2 in tt.read_tags(fifos.log), "the catch-up run runs")
         assert pool.statistics().misfires == 0
         assert pool.cancel("r") is True
         assert rec.cancelled()

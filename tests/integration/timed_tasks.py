@@ -28,6 +28,13 @@ def log(path: str, tag: Any) -> float:
     return start
 
 
+def _spin(seconds: float) -> None:
+    """Busy-wait ``seconds`` (a CPU-bound task body)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def _lines(path: str) -> list[str]:
     try:
         with open(path) as f:
@@ -102,9 +109,7 @@ def announce_then_gate(started: str, path: str) -> int:
 
 
 def spin_then_log(path: str, tag: Any, seconds: float) -> float:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+    _spin(seconds)
     return log(path, tag)
 
 
@@ -114,9 +119,7 @@ def recurring_run(path: str, long_first: float, last: int) -> float:
     ctx = mpsched.current_task()
     start = log(path, (ctx.version, time.monotonic()))
     if ctx.version == 1:
-        end = time.perf_counter() + long_first
-        while time.perf_counter() < end:
-            pass
+        _spin(long_first)
     if ctx.version >= last:
         raise LookupError(f"run {ctx.version} ends the recurrence")
     return start
@@ -133,9 +136,7 @@ def logged_span(path: str, seconds: float) -> int:
     returns the version."""
     ctx = mpsched.current_task()
     log(path, ("start", ctx.task_id, ctx.version))
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+    _spin(seconds)
     log(path, ("end", ctx.task_id, ctx.version))
     return ctx.version
 
@@ -186,9 +187,7 @@ def span_or_raise(path: str, seconds: float, fail_one_in: int) -> int:
     never). The pid tells a run killed on purpose (its worker is gone) from one that overlaps."""
     ctx = mpsched.current_task()
     log(path, ("start", ctx.task_id, ctx.version, os.getpid()))
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+    _spin(seconds)
     log(path, ("end", ctx.task_id, ctx.version, os.getpid()))
     if fail_one_in and ctx.version % fail_one_in == 0:
         raise LookupError(f"run {ctx.version} fails")
@@ -247,12 +246,6 @@ def kept_flag(started: str | None) -> tuple[bool, bool, bool]:
             pass
     kept, block = _KEPT[-1]
     return int(ctx._entry[0]) == block, kept.cancel_requested, ctx.cancel_requested
-
-
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 def die_first_then_spin(marker: str, first: float, retry: float) -> str:
