@@ -19,6 +19,7 @@ import time
 from concurrent.futures import CancelledError, wait
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,13 +45,23 @@ def hold_worker(pool: Pool, fifos: Fifos) -> mpsched.Future:
 CALL_MARGINS = (0.5, 2.0, 8.0)
 
 
-def abandon_round(futures: list[mpsched.Future], blocker: mpsched.Future, fifos: Fifos) -> None:
-    """Undo a round whose calls outlasted their margin: its tasks wait behind ``blocker`` on
-    the only worker, so each cancel is a guarantee and none of them ran."""
-    assert all(f.cancel() for f in futures)
+def finish_round(
+    pool: Pool, futures: list[mpsched.Future], blocker: mpsched.Future, fifos: Fifos, end: float
+) -> list[Any] | None:
+    """A round's calls made behind ``blocker`` on the only worker: if they took until ``end``
+    (the margin), cancel its tasks (each cancel a guarantee: none ran) and return None; else
+    let every task fall due, release the worker and return the results."""
+    if time.monotonic() >= end:
+        assert all(f.cancel() for f in futures)
+        tasks.open_gate(fifos.gate)
+        assert blocker.result(timeout=20) == "blocker"
+        assert tt.read_tags(fifos.log) == []
+        return None
+    # Every task is due and out of the timetable (the worker is still held).
+    wait_until(lambda: pool.statistics().scheduled == 0, "all tasks are due")
     tasks.open_gate(fifos.gate)
     assert blocker.result(timeout=20) == "blocker"
-    assert tt.read_tags(fifos.log) == []
+    return [f.result(timeout=20) for f in futures]
 
 
 # ---------------------------------------------------------------- order
@@ -73,15 +84,10 @@ def test_due_tasks_start_by_priority_then_run_at_then_submission(fifos: Fifos, w
                 pool.schedule(i, run_at, prio, tt.log, fifos.log, i) for i, run_at, prio in specs
             ]
             # A run_at passed at the call is due at the call, which the order above does not
-            # model.
-            if time.monotonic() >= base:
-                abandon_round(futures, blocker, fifos)
-                continue
-            # Every task is due and out of the timetable (the worker is still held).
-            wait_until(lambda: pool.statistics().scheduled == 0, "all tasks are due")
-            tasks.open_gate(fifos.gate)
-            assert blocker.result(timeout=20) == "blocker"
-            starts = [f.result(timeout=20) for f in futures]
+            # model: the calls must end before ``base``.
+            starts = finish_round(pool, futures, blocker, fifos, base)
+        if starts is None:
+            continue
         assert tt.read_tags(fifos.log) == [e[3] for e in expected]
         for (_, run_at, _), start in zip(specs, starts, strict=True):
             assert start >= run_at
@@ -140,14 +146,9 @@ def test_a_task_due_at_the_call_keeps_its_call_order_among_submits_and_past_run_
                     futures.append(pool.submit(tt.log, fifos.log, tag))
                 else:
                     futures.append(pool.schedule(tag, run_at, prio, tt.log, fifos.log, tag))
-            if time.monotonic() >= ahead:
-                abandon_round(futures, blocker, fifos)
-                continue
-            wait_until(lambda: pool.statistics().scheduled == 0, "all tasks are due")
-            tasks.open_gate(fifos.gate)
-            assert blocker.result(timeout=20) == "blocker"
-            for f in futures:
-                f.result(timeout=20)
+            results = finish_round(pool, futures, blocker, fifos, ahead)
+        if results is None:
+            continue
         expected = sorted(
             range(len(calls)), key=lambda tag: (-calls[tag][1], calls[tag][0] == "ahead", tag)
         )
