@@ -172,7 +172,8 @@ def test_a_newly_due_high_priority_task_overtakes_the_inboxes(fifos: Fifos) -> N
         urgent.result(timeout=20)
         wait(background, timeout=30)
     order = tt.read_tags(fifos.log)
-    # Behind the inbox it would run after ~128 more; the task running at its hand-out first.
+    # Behind the inbox it would run after ~128 more; from its hand-out, only the task running
+    # then goes first (16: a margin).
     assert order.index("urgent") < handed + 16, (handed, order[:60])
 
 
@@ -210,7 +211,7 @@ def test_a_newly_due_high_priority_task_waits_for_no_worker_busy_with_another(
                 urgent.result(timeout=20)
                 wait(background, timeout=30)
                 order = tt.read_tags(fifos.log)
-                # Behind a window it would run after ~128 more (see the test above for the few).
+                # Behind a window it would run after ~128 more (see the test above).
                 ran_at = order.index("urgent", ran_before)
                 assert ran_at < handed + 16, (round_, ran_before, handed, ran_at)
         finally:
