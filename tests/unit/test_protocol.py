@@ -12,7 +12,7 @@ import pickle
 import socket
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 
 import pytest
@@ -33,14 +33,21 @@ def pair() -> Iterator[tuple[Connection, Connection]]:
 
 
 @contextlib.contextmanager
-def _written_by_a_thread(send: Connection, frames: list[tuple[int, int, Buffer]]) -> Iterator[None]:
-    """Frames bigger than the socket's buffer need a reader while they are written."""
-    writer = threading.Thread(target=lambda: [send_data(send, *frame) for frame in frames])
+def _writing_in_a_thread(write: Callable[[], object]) -> Iterator[None]:
+    """Frames bigger than the socket's buffer need a reader while ``write`` writes them."""
+    writer = threading.Thread(target=write)
     writer.start()
     try:
         yield
     finally:
         writer.join(10)
+
+
+def _written_by_a_thread(
+    send: Connection, frames: list[tuple[int, int, Buffer]]
+) -> contextlib.AbstractContextManager[None]:
+    """``frames`` sent raw (``send_data``) by a thread."""
+    return _writing_in_a_thread(lambda: [send_data(send, *frame) for frame in frames])
 
 
 @pytest.mark.timeout(30)
@@ -73,15 +80,11 @@ def test_pickled_frames_of_connection_send_bytes_read_between_raw_ones(
         send.send_bytes(encode(Tag.FATAL, 3, big_text))
         send.send_bytes(encode(Tag.DRAINED, 0, {"executed": 5}))
 
-    writer = threading.Thread(target=write)
-    writer.start()
-    try:
+    with _writing_in_a_thread(write):
         assert recv_message(recv) == (Tag.RESULTS, ())
         assert recv_message(recv) == (Tag.STASH, (1, b"abc"))
         assert recv_message(recv) == (Tag.FATAL, (3, big_text))
         assert recv_message(recv) == (Tag.DRAINED, (0, {"executed": 5}))
-    finally:
-        writer.join(10)
 
 
 @pytest.mark.timeout(10)
@@ -290,14 +293,10 @@ def test_a_pickled_frame_too_big_for_memory_raises_memoryerror_and_is_read_past(
         return bytearray(size)
 
     monkeypatch.setattr(_protocol, "bytearray", small_memory, raising=False)
-    writer = threading.Thread(target=lambda: [send.send_bytes(big), send.send_bytes(after)])
-    writer.start()
-    try:
+    with _writing_in_a_thread(lambda: [send.send_bytes(big), send.send_bytes(after)]):
         with pytest.raises(MemoryError):
             recv_message(recv)
         assert recv_message(recv) == (Tag.DRAINED, (0, {"executed": 1}))  # still in step
-    finally:
-        writer.join(10)
 
 
 @pytest.mark.timeout(10)
