@@ -82,8 +82,8 @@ class Collecting(CoordinatorState):
             or len(self.by_handle) > self.n_workers
             # Not in a collection: a handler or finalizer that interrupted this thread's, which
             # holds collect_lock (see _future.SETTLING).
-            or threading.get_ident() == self.thread_id
-            or threading.get_ident() in SETTLING
+            or (me := threading.get_ident()) == self.thread_id
+            or me in SETTLING
             or self.disowned  # a fork child's copy: the done rings are the parent's
             or (self.help_misses >= HELP_MISSES_MAX and self.help_calls % HELP_RETRY_EVERY)
         ):
