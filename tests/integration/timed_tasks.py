@@ -8,7 +8,7 @@ from typing import Any
 
 import mpsched
 
-from .tasks import gate
+from .tasks import gate, spin
 
 
 def stamp(tag: Any) -> tuple[Any, float]:
@@ -26,13 +26,6 @@ def log(path: str, tag: Any) -> float:
     finally:
         os.close(fd)
     return start
-
-
-def _spin(seconds: float) -> None:
-    """Busy-wait ``seconds`` (a CPU-bound task body)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 def _lines(path: str) -> list[str]:
@@ -109,7 +102,7 @@ def announce_then_gate(started: str, path: str) -> int:
 
 
 def spin_then_log(path: str, tag: Any, seconds: float) -> float:
-    _spin(seconds)
+    spin(seconds)
     return log(path, tag)
 
 
@@ -119,7 +112,7 @@ def recurring_run(path: str, long_first: float, last: int) -> float:
     ctx = mpsched.current_task()
     start = log(path, (ctx.version, time.monotonic()))
     if ctx.version == 1:
-        _spin(long_first)
+        spin(long_first)
     if ctx.version >= last:
         raise LookupError(f"run {ctx.version} ends the recurrence")
     return start
@@ -136,7 +129,7 @@ def logged_span(path: str, seconds: float) -> int:
     returns the version."""
     ctx = mpsched.current_task()
     log(path, ("start", ctx.task_id, ctx.version))
-    _spin(seconds)
+    spin(seconds)
     log(path, ("end", ctx.task_id, ctx.version))
     return ctx.version
 
@@ -187,7 +180,7 @@ def span_or_raise(path: str, seconds: float, fail_one_in: int) -> int:
     never). The pid tells a run killed on purpose (its worker is gone) from one that overlaps."""
     ctx = mpsched.current_task()
     log(path, ("start", ctx.task_id, ctx.version, os.getpid()))
-    _spin(seconds)
+    spin(seconds)
     log(path, ("end", ctx.task_id, ctx.version, os.getpid()))
     if fail_one_in and ctx.version % fail_one_in == 0:
         raise LookupError(f"run {ctx.version} fails")
@@ -253,9 +246,9 @@ def die_first_then_spin(marker: str, first: float, retry: float) -> str:
     and kills its worker (``os._exit``); a retry busy-waits ``retry`` seconds and returns."""
     if not os.path.exists(marker):
         open(marker, "w").close()
-        _spin(first)
+        spin(first)
         os._exit(3)
-    _spin(retry)
+    spin(retry)
     return "retried"
 
 
